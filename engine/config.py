@@ -1,0 +1,116 @@
+"""Engine settings: every field can be passed to ``LLM(...)`` / ``AsyncLLM(...)`` as a keyword."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine loads the model and shares out compute and memory.
+
+    >>> EngineConfig(model="default", max_num_seqs=32, kv_cache_memory="512MiB")
+
+    - ``model``: ``"default"`` (SmolLM2-135M-Instruct), a HF directory, a ``.gguf`` file, or a hub id.
+    - ``dtype``: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+    - ``device``: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``.
+    - ``max_model_len``: longest prompt + output; default the model's context, capped by the KV cache.
+    - ``block_size``: tokens per KV cache block.
+    - ``enable_prefix_caching``: reuse the KV of shared prompt prefixes across requests.
+    - ``max_num_seqs``: most sequences in one step.
+    - ``max_num_batched_tokens``: the per-step token budget shared by prefill chunks and decodes.
+    - ``kv_cache_memory``: bytes (int or ``"2GiB"``) for the KV cache; default 1 GiB on CPU,
+      90 % of free GPU memory after the weights on CUDA.
+    - ``allow_pickle``: allow pickled ``.bin`` weights (read with ``weights_only=True``).
+    - ``trust_remote_code``: always refused; present so the refusal is explicit.
+    - ``seed``: seeds sampling of requests without their own seed.
+    - ``max_waiting_requests``: bound of the waiting queue (AsyncLLM backpressure).
+    - ``num_threads``: torch CPU threads; default the cores this process may use.
+    """
+
+    model: str = "default"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | str | None = None
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    seed: int = 0
+    max_waiting_requests: int = 4096
+    num_threads: int | None = None
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ValueError(f"model must be a non-empty str or path, got {self.model!r}")
+        self.model = str(self.model)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            _positive_int(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.block_size > 256:
+            raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_kwargs(cls, model: str = "default", **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(model=model, **kwargs)
+
+
+def parse_bytes(name: str, value: int | str) -> int:
+    """``1073741824``, ``"1GiB"``, ``"512 MiB"`` → bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be bytes as an int or a str like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        amount = value
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):]
+        if unit not in _UNITS or not digits:
+            raise ValueError(f"{name} must be bytes as an int or a str like '2GiB', got {value!r}")
+        amount = int(float(digits) * _UNITS[unit])
+    else:
+        raise ValueError(f"{name} must be bytes as an int or a str like '2GiB', got {value!r}")
+    if amount <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return amount
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

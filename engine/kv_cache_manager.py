@@ -1,0 +1,95 @@
+"""Gives requests KV blocks: prefix-cache lookups on admission, new blocks as they grow, frees on exit."""
+from __future__ import annotations
+
+from .block_pool import BlockPool, hash_block_tokens
+from .request import Request
+
+
+class KVCacheManager:
+    """Owns the mapping request → blocks on top of a :class:`BlockPool`.
+
+    A block enters the prefix cache once every token in it has been computed; its hash chains
+    to its parent's, so a lookup walks a prompt block by block until the first miss.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of the request's tokens (the last token is
+        always left to compute, since its logits are needed)."""
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return []
+        self._extend_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if there
+        are not enough free blocks."""
+        num_cached_tokens = len(cached_block_ids) * self.block_size
+        num_tokens_after = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_blocks_needed = -(-num_tokens_after // self.block_size)
+        num_new_blocks = num_blocks_needed - len(request.block_ids) - len(cached_block_ids)
+        num_cached_in_free_queue = sum(1 for b in cached_block_ids if self.pool.blocks[b].ref_count == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_cached_in_free_queue:
+            return False
+        if cached_block_ids:
+            self.pool.touch(list(cached_block_ids))
+            request.block_ids.extend(cached_block_ids)
+            request.num_computed_tokens += num_cached_tokens
+            self.num_cached_blocks[request.request_id] = len(request.block_ids)
+        if num_new_blocks > 0:
+            request.block_ids.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._extend_block_hashes(request)
+        for index in range(start, num_full):
+            self.pool.cache_block(request.block_ids[index], request.block_hashes[index])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids.clear()
+        self.num_cached_blocks.pop(request.request_id, None)
+
+    def reset_prefix_cache_stats(self) -> None:
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
+    def _extend_block_hashes(self, request: Request) -> None:
+        num_full_blocks = request.num_tokens // self.block_size
+        hashes = request.block_hashes
+        while len(hashes) < num_full_blocks:
+            start = len(hashes) * self.block_size
+            parent = hashes[-1] if hashes else None
+            tokens = request.token_ids[start:start + self.block_size]
+            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))

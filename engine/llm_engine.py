@@ -1,0 +1,280 @@
+"""The engine loop: admit requests, schedule a step, run the model, sample, detokenize, finish."""
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .loader import load_checkpoint
+from .model_runner import ModelRunner
+from .outputs import Logprob
+from .request import Request, RequestStatus
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger("hearth_llm")
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one step changed for one sequence."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_text: str
+    is_finished: bool
+
+
+class LLMEngine:
+    """Synchronous core shared by :class:`LLM` and :class:`AsyncLLM`; not thread-safe by itself.
+
+    >>> engine = LLMEngine(EngineConfig(model="default"))
+    >>> engine.add_request("Hello", SamplingParams(max_tokens=8))
+    >>> while engine.has_unfinished_requests():
+    ...     for delta in engine.step(): print(delta.new_text, end="")
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        device, dtype = config.torch_device, config.torch_dtype
+        checkpoint = load_checkpoint(config.model, dtype, allow_pickle=config.allow_pickle,
+                                     trust_remote_code=config.trust_remote_code, progress=config.show_progress)
+        self.tokenizer = checkpoint.tokenizer
+        self.hf_config = checkpoint.config
+        self.runner = ModelRunner(checkpoint, device, dtype, config.block_size, config.kv_cache_memory)
+        del checkpoint
+        self.arch = self.runner.arch
+        self.vocab_size = self.arch.vocab_size
+        self.max_model_len = self._resolve_max_model_len()
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrival_counter = itertools.count()
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_steps = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and queue a prompt; returns its request id. Nothing changes if validation fails."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        request_id = str(uuid.uuid4().hex) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize_prompt(prompt)
+        self._check_token_ids(token_ids)
+        self._check_max_tokens(params)
+        children = self._make_requests(request_id, text, token_ids, params, priority, cache_salt)
+        self.groups[request_id] = children
+        self.num_prompt_tokens_total += len(token_ids)
+        for child in children:
+            self.requests[child.request_id] = child
+            self.detokenizers[child.request_id] = IncrementalDetokenizer(
+                self.tokenizer, params.stop_strings, params.skip_special_tokens, params.include_stop_str_in_output)
+            self.scheduler.add(child)
+        return request_id
+
+    def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len={self.max_model_len}")
+
+    def _check_max_tokens(self, params: SamplingParams) -> None:
+        if params.structured_output is not None:
+            raise ValueError("structured_output is not supported by this engine yet")
+
+    def _make_requests(self, request_id, text, token_ids, params, priority, cache_salt) -> list[Request]:
+        n = params.n
+        children = []
+        for index in range(n):
+            child = Request(
+                request_id=request_id if n == 1 else f"{request_id}#{index}",
+                prompt_token_ids=token_ids, sampling_params=params, eos_token_ids=self.eos_token_ids,
+                priority=priority, prompt=text, group_id=request_id, sample_index=index,
+                cache_salt=cache_salt, arrival_order=next(self._arrival_counter),
+            )
+            # Siblings reuse the first sample's prompt blocks through the prefix cache.
+            if index > 0 and self.config.enable_prefix_caching:
+                child.waits_for = children[0]
+            children.append(child)
+        return children
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduling step and one forward pass; returns what changed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        output = self.runner.run(batch)
+        self.scheduler.update_after_step(batch)
+        self.num_steps += 1
+        self._record_prompt_logprobs(batch, output.prompt_logits)
+        to_sample = [batch.requests[i] for i in output.sampling_rows]
+        sampled = self.sampler(output.logits, to_sample) if to_sample else None
+        deltas = []
+        for row, request in enumerate(to_sample):
+            deltas.append(self._accept_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+        return deltas
+
+    def _accept_token(self, request: Request, token_id: int, logprobs) -> RequestDelta:
+        request.append_token(token_id)
+        self.num_generation_tokens_total += 1
+        params = request.sampling_params
+        detokenizer = self.detokenizers[request.request_id]
+        past_min_tokens = request.num_output_tokens >= params.min_tokens
+        stop_string = detokenizer.add_token(token_id, check_stop=past_min_tokens)
+        if logprobs is not None:
+            request.logprobs.append(self._to_logprobs(logprobs))
+        reason, stop_reason = self._finish_reason(request, token_id, stop_string, past_min_tokens)
+        if reason is not None:
+            self.scheduler.finish(request, reason, stop_reason)
+        request.output_text = detokenizer.text
+        return RequestDelta(request, [token_id], detokenizer.take_stream_delta(reason is not None), reason is not None)
+
+    def _finish_reason(self, request: Request, token_id: int, stop_string, past_min_tokens: bool):
+        params = request.sampling_params
+        if stop_string is not None:
+            return "stop", stop_string
+        if past_min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return "stop", None
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _to_logprobs(self, entries: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        return {token: Logprob(value, rank, self.tokenizer.decode([token])) for token, (value, rank) in entries.items()}
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, prompt_logits: dict[int, torch.Tensor]) -> None:
+        for index, logits in prompt_logits.items():
+            request = batch.requests[index]
+            num_top = request.sampling_params.prompt_logprobs
+            if not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)  # the first prompt token has no context
+            end = request.num_computed_tokens  # already advanced past this chunk
+            start = end - logits.shape[0]
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for offset in range(logits.shape[0]):
+                target = start + offset + 1
+                if target >= request.num_prompt_tokens:
+                    break
+                token = request.prompt_token_ids[target]
+                top = {}
+                if num_top > 0:
+                    values, indices = logprobs[offset].topk(num_top)
+                    top = {i: (v, r) for r, (v, i) in enumerate(zip(values.tolist(), indices.tolist()), start=1)}
+                if token not in top:
+                    value = logprobs[offset, token]
+                    top[token] = (float(value), int((logprobs[offset] > value).sum()) + 1)
+                request.prompt_logprobs.append(self._to_logprobs(top))
+
+    # ---- abort and bookkeeping ------------------------------------------------------------
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request (all its samples) now and free its blocks; False if unknown or done."""
+        children = self.groups.get(request_id)
+        if children is None and request_id in self.requests:
+            children = [self.requests[request_id]]
+        if not children:
+            return False
+        aborted = False
+        for child in children:
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+                aborted = True
+        return aborted
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping once its output has been collected."""
+        for child in self.groups.pop(request_id, []):
+            self.requests.pop(child.request_id, None)
+            self.detokenizers.pop(child.request_id, None)
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": self.kv_cache.num_free_blocks,
+            "num_total_blocks": self.kv_cache.num_total_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
+            "num_prompt_tokens": self.num_prompt_tokens_total,
+            "num_generation_tokens": self.num_generation_tokens_total,
+            "num_steps": self.num_steps,
+        }
+
+    # ---- setup helpers --------------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        capacity = self.runner.num_blocks * self.config.block_size
+        model_limit = self.arch.max_position_embeddings
+        requested = self.config.max_model_len
+        if requested is not None:
+            if requested > model_limit:
+                raise ValueError(f"max_model_len={requested} exceeds the model's context of {model_limit} tokens")
+            if requested > capacity:
+                raise ValueError(
+                    f"max_model_len={requested} does not fit the KV cache ({capacity} tokens); "
+                    "raise kv_cache_memory or lower max_model_len")
+            return requested
+        if capacity < model_limit:
+            logger.info("max_model_len capped at the KV cache capacity of %d tokens", capacity)
+        return min(model_limit, capacity)
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set()
+        config_eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(config_eos, int):
+            ids.add(config_eos)
+        elif isinstance(config_eos, (list, tuple)):
+            ids.update(config_eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)

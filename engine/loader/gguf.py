@@ -1,0 +1,450 @@
+"""Load a llama.cpp GGUF file as a Hugging Face-style checkpoint, cached as safetensors.
+
+The first load reads the file's metadata, builds a transformers config and tokenizer from it,
+dequantizes every tensor to the compute dtype under its Hugging Face name, and writes all of that
+to a cache directory. Later loads of the same file read only the cache, which takes well under a
+second for a small model instead of seconds of parsing and dequantizing.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf.quants import dequantize
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from .checkpoint import LoadedCheckpoint
+
+# Bump when the conversion changes, so caches written by an older loader are not reused.
+_CACHE_FORMAT_VERSION = 1
+_DEFAULT_CACHE_ROOT = Path("~/.cache/hearth_llm/gguf")
+_WEIGHTS_FILE = "model.safetensors"
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+# llama.cpp's converter reorders the q/k rows of these architectures for its interleaved rotary.
+_ARCHITECTURES_WITH_PERMUTED_QK = frozenset({"llama", "mistral"})
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSOR = re.compile(r"(?P<name>\w+)\.(?P<kind>weight|bias)")
+_LAYER_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)")
+
+# Llama 3.1+ GGUFs store their rope scaling as per-frequency factors in this tensor.
+_ROPE_FACTORS_TENSOR = "rope_freqs.weight"
+# The Llama 3 scaling parameters that llama.cpp folds into `rope_freqs`; only `factor` varies.
+_LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+_MISSING = object()
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> LoadedCheckpoint:
+    """Load a llama.cpp GGUF file as Hugging Face config, weights and tokenizer.
+
+    Quantized tensors are dequantized to `dtype` and renamed to Hugging Face Llama names; llama.cpp's
+    q/k row permutation is undone so the weights work with rotate-half rotary. The result is cached
+    under `cache_dir` (default ``~/.cache/hearth_llm/gguf``), one sub-directory per file version and
+    dtype, so the next load skips the conversion.
+
+    Supported architectures: llama, mistral, qwen2, qwen3.
+
+    Example:
+        >>> checkpoint = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", torch.bfloat16)
+        >>> checkpoint.config.num_hidden_layers
+        30
+        >>> checkpoint.state_dict["model.layers.0.self_attn.q_proj.weight"].shape
+        torch.Size([576, 576])
+
+    Raises:
+        ValueError: `dtype` is not float32, float16 or bfloat16, or the file is not a GGUF file,
+            is truncated, or uses an unsupported architecture, tensor or quantization type.
+        FileNotFoundError: `path` does not exist.
+    """
+    _check_dtype(dtype)
+    gguf_path = Path(path)
+    cache_path = _cache_root(cache_dir) / _cache_key(gguf_path, dtype)
+    if cache_path.is_dir():
+        return _load_from_cache(cache_path, source=str(gguf_path))
+    checkpoint = _convert_gguf(gguf_path, dtype, progress)
+    _write_cache(checkpoint, cache_path)
+    return checkpoint
+
+
+def unpermute_llama_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of a q or k projection (weight or bias) for Hugging Face rotary.
+
+    llama.cpp rotates adjacent pairs of each head's dimensions, Hugging Face rotates the first half
+    against the second half. llama.cpp's converter therefore interleaves each head's two halves;
+    this puts them back. Pass the number of query heads for q and of key/value heads for k.
+
+    Example:
+        >>> unpermute_llama_qk(torch.arange(8.0), num_heads=1).tolist()
+        [0.0, 2.0, 4.0, 6.0, 1.0, 3.0, 5.0, 7.0]
+    """
+    num_rows = weight.shape[0]
+    if num_heads <= 0 or num_rows % (2 * num_heads) != 0:
+        raise ValueError(
+            f"num_heads must be positive and divide the {num_rows} rows into heads of even size, got {num_heads}"
+        )
+    rows_per_half_head = num_rows // num_heads // 2
+    interleaved = weight.reshape(num_heads, rows_per_half_head, 2, *weight.shape[1:])
+    return interleaved.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name for a llama.cpp tensor name, or None if it has none.
+
+    Example:
+        >>> hf_tensor_name("blk.3.attn_output.weight")
+        'model.layers.3.self_attn.o_proj.weight'
+    """
+    if layer_match := _LAYER_TENSOR.fullmatch(gguf_name):
+        hf_name = _LAYER_TENSOR_NAMES.get(layer_match["name"])
+        if hf_name is not None:
+            return f"model.layers.{layer_match['layer']}.{hf_name}.{layer_match['kind']}"
+        return None
+    if global_match := _GLOBAL_TENSOR.fullmatch(gguf_name):
+        hf_name = _GLOBAL_TENSOR_NAMES.get(global_match["name"])
+        if hf_name is not None:
+            return f"{hf_name}.{global_match['kind']}"
+    return None
+
+
+# --- cache -------------------------------------------------------------------------------------
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(str, _SUPPORTED_DTYPES))}, got {dtype!r}")
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir if cache_dir is not None else _DEFAULT_CACHE_ROOT).expanduser()
+
+
+def _cache_key(gguf_path: Path, dtype: torch.dtype) -> str:
+    # Size and mtime stand in for a content hash: hashing gigabytes would cost more than converting.
+    stat = gguf_path.stat()
+    identity = f"v{_CACHE_FORMAT_VERSION}|{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def _load_from_cache(cache_path: Path, source: str) -> LoadedCheckpoint:
+    config_dict, _ = PretrainedConfig.get_config_dict(cache_path)
+    config = _CONFIG_CLASSES[config_dict["model_type"]].from_dict(config_dict)
+    state_dict = load_file(cache_path / _WEIGHTS_FILE)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(cache_path, local_files_only=True)
+    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, source=source)
+
+
+def _write_cache(checkpoint: LoadedCheckpoint, cache_path: Path) -> None:
+    """Write into a staging directory and rename it, so a crash never leaves a half-written cache."""
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cache_path.name}.", suffix=".partial", dir=cache_path.parent))
+    except OSError as error:
+        warnings.warn(f"Not caching the converted GGUF at {cache_path}: {error}", RuntimeWarning, stacklevel=3)
+        return
+    try:
+        save_file(checkpoint.state_dict, staging / _WEIGHTS_FILE, metadata={"format": "pt"})
+        checkpoint.config.save_pretrained(staging)
+        checkpoint.tokenizer.save_pretrained(staging)
+        os.rename(staging, cache_path)
+    except OSError as error:
+        # A concurrent load of the same file may have renamed its identical cache into place first.
+        if not cache_path.is_dir():
+            warnings.warn(f"Not caching the converted GGUF at {cache_path}: {error}", RuntimeWarning, stacklevel=3)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# --- conversion --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Metadata:
+    """The key/value metadata of one GGUF file, with errors that name the file."""
+
+    values: dict[str, Any]
+    path: Path
+
+    @property
+    def architecture(self) -> str:
+        architecture = self.values.get("general.architecture")
+        if architecture not in _CONFIG_CLASSES:
+            raise ValueError(
+                f"{self.path}: architecture {architecture!r} is not supported; supported: {sorted(_CONFIG_CLASSES)}"
+            )
+        return architecture
+
+    def model_value(self, key: str, default: Any = _MISSING) -> Any:
+        """The value of ``<architecture>.<key>``, e.g. ``llama.block_count``."""
+        full_key = f"{self.architecture}.{key}"
+        value = self.values.get(full_key, default)
+        if value is _MISSING:
+            raise ValueError(f"{self.path}: metadata key {full_key!r} is missing")
+        return value
+
+    def token(self, id_key: str) -> str | None:
+        """The token text whose id is stored under ``tokenizer.ggml.<id_key>``, if any."""
+        token_id = self.values.get(f"tokenizer.ggml.{id_key}")
+        return None if token_id is None else self.values["tokenizer.ggml.tokens"][token_id]
+
+
+def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> LoadedCheckpoint:
+    reader = _open_gguf(gguf_path)
+    metadata = _Metadata(values=_read_metadata(reader), path=gguf_path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = _build_config(metadata, tensors)
+    tokenizer = _build_tokenizer(metadata)
+    state_dict = _convert_tensors(metadata, config, tensors, dtype, progress)
+    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(gguf_path))
+
+
+def _open_gguf(gguf_path: Path) -> GGUFReader:
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, IndexError, KeyError, OverflowError) as error:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file: {error}") from error
+    _check_not_truncated(reader, gguf_path)
+    return reader
+
+
+def _check_not_truncated(reader: GGUFReader, gguf_path: Path) -> None:
+    # The reader maps the file lazily, so a short file would only fail when a tensor is read.
+    file_size = gguf_path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > file_size:
+            raise ValueError(
+                f"{gguf_path} is truncated: tensor {tensor.name!r} ends at byte "
+                f"{tensor.data_offset + tensor.n_bytes}, the file has {file_size} bytes"
+            )
+
+
+def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    return {key: _field_value(field) for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def _field_value(field: ReaderField) -> Any:
+    # Parsed by hand rather than with `ReaderField.contents()`, which older gguf releases lack.
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [_scalar_value(field.parts[index], field.types[-1]) for index in field.data]
+    return _scalar_value(field.parts[field.data[0]], field.types[0])
+
+
+def _scalar_value(part: np.ndarray, value_type: GGUFValueType) -> Any:
+    if value_type == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    if value_type == GGUFValueType.FLOAT32:
+        # The shortest float32 spelling, so an rms eps of 1e-5 reads back as 1e-5, not 9.99999974e-6.
+        return float(str(part[0]))
+    return part[0].item()
+
+
+# --- config ------------------------------------------------------------------------------------
+
+
+def _build_config(metadata: _Metadata, tensors: dict[str, ReaderTensor]) -> PretrainedConfig:
+    num_heads = metadata.model_value("attention.head_count")
+    hidden_size = metadata.model_value("embedding_length")
+    head_dim = metadata.model_value("attention.key_length", hidden_size // num_heads)
+    rope_theta = metadata.model_value("rope.freq_base", 10000.0)
+    config_kwargs = dict(
+        vocab_size=metadata.model_value("vocab_size", len(metadata.values.get("tokenizer.ggml.tokens", ()))),
+        hidden_size=hidden_size,
+        intermediate_size=metadata.model_value("feed_forward_length"),
+        num_hidden_layers=metadata.model_value("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=metadata.model_value("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=metadata.model_value("context_length"),
+        rms_norm_eps=metadata.model_value("attention.layer_norm_rms_epsilon"),
+        # transformers 5 folds `rope_theta` into `config.rope_parameters`; 4.x keeps `config.rope_theta`.
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(metadata, tensors, rope_dim=metadata.model_value("rope.dimension_count", head_dim)),
+        bos_token_id=metadata.values.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.values.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata.values.get("tokenizer.ggml.padding_token_id"),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+    )
+    return _CONFIG_CLASSES[metadata.architecture](**config_kwargs)
+
+
+def _rope_scaling(metadata: _Metadata, tensors: dict[str, ReaderTensor], rope_dim: int) -> dict | None:
+    if _ROPE_FACTORS_TENSOR in tensors:
+        rope_factors = dequantize(tensors[_ROPE_FACTORS_TENSOR].data, tensors[_ROPE_FACTORS_TENSOR].tensor_type)
+        return _llama3_rope_scaling(metadata, rope_factors, rope_dim)
+    scaling_type = metadata.model_value("rope.scaling.type", "none")
+    factor = metadata.model_value("rope.scaling.factor", 1.0)
+    if scaling_type == "none" or (scaling_type == "linear" and factor == 1.0):
+        return None
+    if scaling_type not in ("linear", "yarn"):
+        raise ValueError(f"{metadata.path}: rope scaling type {scaling_type!r} is not supported; supported: linear, yarn")
+    scaling = {"rope_type": scaling_type, "factor": factor}
+    original_context_length = metadata.model_value("rope.scaling.original_context_length", None)
+    if original_context_length:
+        scaling["original_max_position_embeddings"] = original_context_length
+    return scaling
+
+
+def _llama3_rope_scaling(metadata: _Metadata, rope_factors: np.ndarray, rope_dim: int) -> dict:
+    """Recover Llama 3 rope scaling parameters from the per-frequency factors llama.cpp stored.
+
+    Only `factor` can be read off directly (it is the largest one); the other parameters are
+    assumed to be Llama 3's and the result is checked against the stored factors.
+    """
+    scaling = {"rope_type": "llama3", "factor": float(rope_factors.max()), **_LLAMA3_ROPE_DEFAULTS}
+    rope_theta = metadata.model_value("rope.freq_base", 10000.0)
+    expected = _llama3_rope_factors(scaling, rope_dim, rope_theta)
+    if expected.shape != rope_factors.shape or not np.allclose(expected, rope_factors, rtol=1e-3):
+        raise ValueError(
+            f"{metadata.path}: tensor {_ROPE_FACTORS_TENSOR!r} does not match Llama 3 rope scaling "
+            f"with factor {scaling['factor']}; other per-frequency rope factors are not supported"
+        )
+    return scaling
+
+
+def _llama3_rope_factors(scaling: dict, rope_dim: int, rope_theta: float) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for Llama 3 rope scaling."""
+    inverse_frequencies = 1.0 / rope_theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    wavelengths = 2 * math.pi / inverse_frequencies
+    original_length = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (original_length / wavelengths - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    is_high_frequency = wavelengths < original_length / high
+    is_low_frequency = wavelengths > original_length / low
+    return np.where(is_high_frequency, 1.0, np.where(is_low_frequency, factor, blended)).astype(np.float32)
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+def _build_tokenizer(metadata: _Metadata) -> PreTrainedTokenizerFast:
+    if "tokenizer.ggml.tokens" not in metadata.values:
+        raise ValueError(f"{metadata.path}: metadata key 'tokenizer.ggml.tokens' is missing, so there is no tokenizer")
+    key_names, convert_gguf_tokenizer = _transformers_tokenizer_converter()
+    tokenizer_dict = {
+        name: metadata.values[f"tokenizer.{key}"] for key, name in key_names.items() if f"tokenizer.{key}" in metadata.values
+    }
+    tokenizer_model = metadata.values.get("tokenizer.ggml.model")
+    try:
+        backend, converter_kwargs = convert_gguf_tokenizer(metadata.architecture, tokenizer_dict)
+    except (KeyError, ValueError, NotImplementedError) as error:
+        raise ValueError(f"{metadata.path}: cannot build a tokenizer for tokenizer.ggml.model={tokenizer_model!r}: {error}") from error
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        **{
+            **converter_kwargs,
+            "bos_token": metadata.token("bos_token_id"),
+            "eos_token": metadata.token("eos_token_id"),
+            "pad_token": metadata.token("padding_token_id"),
+            "unk_token": metadata.token("unknown_token_id"),
+            # llama.cpp prepends BOS to sentencepiece ("llama") vocabularies unless told otherwise.
+            "add_bos_token": metadata.values.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama"),
+            "add_eos_token": metadata.values.get("tokenizer.ggml.add_eos_token", False),
+            "chat_template": metadata.values.get("tokenizer.chat_template"),
+        },
+    )
+
+
+def _transformers_tokenizer_converter():
+    """transformers' GGUF tokenizer converter and its metadata key names, wherever this version keeps them."""
+    try:  # transformers 5.x
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:  # transformers 4.x
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    return GGUF_TOKENIZER_MAPPING["tokenizer"], convert_gguf_tokenizer
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+
+def _convert_tensors(
+    metadata: _Metadata,
+    config: PretrainedConfig,
+    tensors: dict[str, ReaderTensor],
+    dtype: torch.dtype,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    permuted_heads = _permuted_heads(metadata.architecture, config)
+    state_dict = {}
+    for tensor in tqdm(tensors.values(), desc=f"Converting {metadata.path.name}", unit="tensor", disable=not progress):
+        if tensor.name == _ROPE_FACTORS_TENSOR:
+            continue  # already folded into config.rope_scaling
+        hf_name = hf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise ValueError(f"{metadata.path}: tensor {tensor.name!r} has no Hugging Face {metadata.architecture} name")
+        weight = _dequantize(tensor, metadata.path)
+        num_heads = permuted_heads.get(hf_name.rsplit(".", 2)[-2])
+        if num_heads is not None:
+            weight = unpermute_llama_qk(weight, num_heads)
+        state_dict[hf_name] = weight.to(dtype)
+    return state_dict
+
+
+def _permuted_heads(architecture: str, config: PretrainedConfig) -> dict[str, int]:
+    """Projection name -> head count for the tensors llama.cpp permuted in this architecture."""
+    if architecture not in _ARCHITECTURES_WITH_PERMUTED_QK:
+        return {}
+    return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+
+def _dequantize(tensor: ReaderTensor, gguf_path: Path) -> torch.Tensor:
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as error:
+        raise ValueError(
+            f"{gguf_path}: tensor {tensor.name!r} uses quantization type {tensor.tensor_type.name}, "
+            "which the installed gguf package cannot dequantize"
+        ) from error
+    # F32 tensors come back as read-only views of the memory-mapped file; copy those out of it.
+    return torch.from_numpy(np.require(values, dtype=np.float32, requirements=["C_CONTIGUOUS", "WRITEABLE"]))

@@ -1,0 +1,45 @@
+"""What the engine hands back to callers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request (``n`` of them when ``SamplingParams.n > 1``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one prompt.
+
+    >>> out = llm.generate("Hello")[0]
+    >>> out.outputs[0].text, out.num_cached_tokens
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = False
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,142 @@
+"""Continuous batching: each step, every request moves its computed tokens toward its total
+within one shared token budget. Prefill chunks, decodes and prefix hits all follow from that rule."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """This step's work: each request with how many of its tokens to compute now."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+def _queue_key(request: Request) -> tuple[int, int]:
+    return (request.priority, request.arrival_order)
+
+
+class Scheduler:
+    """Priority-ordered (lower value first, then arrival) with preemption by recompute."""
+
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=_queue_key)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=_queue_key)
+        scheduled_ids: set[str] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            if not self._allocate_or_preempt(request, num_new, batch, scheduled_ids):
+                continue
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+        if not batch.preempted:
+            budget = self._admit_waiting(batch, budget, scheduled_ids)
+        return batch
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch, scheduled_ids: set[str]) -> bool:
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self._preemption_victim(scheduled_ids)
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preemption_victim(self, scheduled_ids: set[str]) -> Request:
+        """The lowest-priority, latest-arrived running request not already scheduled this step."""
+        candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+        return max(candidates, key=_queue_key)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled_ids: set[str]) -> int:
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if request.waits_for is not None and not _prompt_is_cached(request.waits_for):
+                continue
+            request.waits_for = None
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_new = min(request.num_tokens - len(cached) * self.kv_cache.block_size, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached):
+                break
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = len(cached) * self.kv_cache.block_size
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+        return budget
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's blocks and requeue it; it recomputes (often from the prefix cache)."""
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, request, key=_queue_key)
+
+    def update_after_step(self, batch: ScheduledBatch) -> None:
+        """Count the tokens just computed and publish newly full blocks to the prefix cache."""
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_computed_blocks(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """Take a request out of the queues and free its blocks (any state: waiting, running)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        if request.status is not RequestStatus.FINISHED:
+            self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+
+
+def _prompt_is_cached(request: Request) -> bool:
+    return request.is_finished or request.num_computed_tokens >= request.num_prompt_tokens - 1

@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random-weight models of real architectures, written to disk as HF dirs,
+the reference HF transformers model for each, and a check that every engine ends with its pool whole."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
+
+from hearth_llm.engine import LLM
+
+TINY_VOCAB = 320
+TINY_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY_COMMON, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]),
+    "llama3-rope": lambda: LlamaConfig(**{**TINY_COMMON, "num_key_value_heads": 1}, rope_theta=500000.0,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+                                       tie_word_embeddings=True, architectures=["LlamaForCausalLM"]),
+    "mistral": lambda: MistralConfig(**TINY_COMMON, sliding_window=4096, architectures=["MistralForCausalLM"]),
+    "qwen2": lambda: Qwen2Config(**TINY_COMMON, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
+    "qwen3": lambda: Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=True,
+                                 architectures=["Qwen3ForCausalLM"]),
+}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary; the engine tests feed token ids anyway."""
+    vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="w1", eos_token="w2", pad_token="w0",
+                                   unk_token="w3")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    dirs = {}
+    for name, make_config in TINY_CONFIGS.items():
+        torch.manual_seed(hash(name) % 1000)
+        model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
+        # Random init gives near-uniform logits; a wider spread makes greedy choices well separated.
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() > 1:
+                    param.normal_(0.0, 0.2)
+        path = root / name
+        model.save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
+        dirs[name] = path
+    return dirs
+
+
+@functools.cache
+def hf_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers greedy continuation, EOS ignored: the independent reference."""
+    model = hf_model(str(path))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+_engines: list[LLM] = []
+
+
+@pytest.fixture
+def make_llm():
+    """Build an LLM; after the test, its KV pool must be whole again and nothing left queued."""
+    created = []
+
+    def build(model, **kwargs) -> LLM:
+        kwargs.setdefault("show_progress", False)
+        llm = LLM(str(model), **kwargs)
+        created.append(llm)
+        return llm
+
+    yield build
+    for llm in created:
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+
+
+def random_prompts(count: int, lengths, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, TINY_VOCAB, (lengths[i % len(lengths)],), generator=generator).tolist()
+            for i in range(count)]
