@@ -30,6 +30,7 @@ class RequestDelta:
     new_token_ids: list[int]
     new_text: str
     is_finished: bool
+    error: BaseException | None = None
 
 
 class LLMEngine:
@@ -149,7 +150,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        output = self.runner.run(batch)
+        try:
+            output = self.runner.run(batch)
+        except Exception as error:  # a failed forward pass fails this step's requests, not the engine
+            logger.exception("forward pass failed; aborting the %d requests of this step", len(batch.requests))
+            return self._fail_requests(batch.requests, error)
         self.scheduler.update_after_step(batch)
         self.num_steps += 1
         self._record_prompt_logprobs(batch, output.prompt_logits)
@@ -157,7 +162,18 @@ class LLMEngine:
         sampled = self.sampler(output.logits, to_sample) if to_sample else None
         deltas = []
         for row, request in enumerate(to_sample):
-            deltas.append(self._accept_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+            try:
+                deltas.append(self._accept_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+            except Exception as error:  # e.g. detokenization: fails this request only
+                logger.exception("request %s failed after sampling", request.request_id)
+                deltas.extend(self._fail_requests([request], error))
+        return deltas
+
+    def _fail_requests(self, requests: list[Request], error: BaseException) -> list[RequestDelta]:
+        deltas = []
+        for request in requests:
+            self.scheduler.finish(request, "abort", f"error: {error}")
+            deltas.append(RequestDelta(request, [], "", True, error))
         return deltas
 
     def _accept_token(self, request: Request, token_id: int, logprobs) -> RequestDelta:
