@@ -98,3 +98,17 @@ def random_prompts(count: int, lengths, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(4, TINY_VOCAB, (lengths[i % len(lengths)],), generator=generator).tolist()
             for i in range(count)]
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The bundled SmolLM2-135M-Instruct, loaded once for the session."""
+    return LLM("default", show_progress=False)
+
+
+@pytest.fixture
+def smollm2(default_llm):
+    yield default_llm
+    stats = default_llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats

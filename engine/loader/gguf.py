@@ -40,6 +40,7 @@ from .checkpoint import LoadedCheckpoint
 _CACHE_FORMAT_VERSION = 1
 _DEFAULT_CACHE_ROOT = Path("~/.cache/hearth_llm/gguf")
 _WEIGHTS_FILE = "model.safetensors"
+_GGUF_MAGIC = b"GGUF"
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -145,16 +146,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         >>> hf_tensor_name("blk.3.attn_output.weight")
         'model.layers.3.self_attn.o_proj.weight'
     """
-    if layer_match := _LAYER_TENSOR.fullmatch(gguf_name):
-        hf_name = _LAYER_TENSOR_NAMES.get(layer_match["name"])
-        if hf_name is not None:
-            return f"model.layers.{layer_match['layer']}.{hf_name}.{layer_match['kind']}"
+    if match := _LAYER_TENSOR.fullmatch(gguf_name):
+        module, prefix = _LAYER_TENSOR_NAMES.get(match["name"]), f"model.layers.{match['layer']}."
+    elif match := _GLOBAL_TENSOR.fullmatch(gguf_name):
+        module, prefix = _GLOBAL_TENSOR_NAMES.get(match["name"]), ""
+    else:
         return None
-    if global_match := _GLOBAL_TENSOR.fullmatch(gguf_name):
-        hf_name = _GLOBAL_TENSOR_NAMES.get(global_match["name"])
-        if hf_name is not None:
-            return f"{hf_name}.{global_match['kind']}"
-    return None
+    return None if module is None else f"{prefix}{module}.{match['kind']}"
 
 
 # --- cache -------------------------------------------------------------------------------------
@@ -185,22 +183,24 @@ def _load_from_cache(cache_path: Path, source: str) -> LoadedCheckpoint:
 
 
 def _write_cache(checkpoint: LoadedCheckpoint, cache_path: Path) -> None:
-    """Write into a staging directory and rename it, so a crash never leaves a half-written cache."""
     try:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{cache_path.name}.", suffix=".partial", dir=cache_path.parent))
+        _write_cache_atomically(checkpoint, cache_path)
     except OSError as error:
-        warnings.warn(f"Not caching the converted GGUF at {cache_path}: {error}", RuntimeWarning, stacklevel=3)
-        return
+        # A concurrent load of the same file may have renamed its identical cache into place first.
+        if not cache_path.is_dir():
+            # The cache only saves time, so a full or read-only disk should not fail the load.
+            warnings.warn(f"Not caching the converted GGUF at {cache_path}: {error}", RuntimeWarning, stacklevel=3)
+
+
+def _write_cache_atomically(checkpoint: LoadedCheckpoint, cache_path: Path) -> None:
+    """Write into a staging directory and rename it, so a crash never leaves a half-written cache."""
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{cache_path.name}.", suffix=".partial", dir=cache_path.parent))
     try:
         save_file(checkpoint.state_dict, staging / _WEIGHTS_FILE, metadata={"format": "pt"})
         checkpoint.config.save_pretrained(staging)
         checkpoint.tokenizer.save_pretrained(staging)
         os.rename(staging, cache_path)
-    except OSError as error:
-        # A concurrent load of the same file may have renamed its identical cache into place first.
-        if not cache_path.is_dir():
-            warnings.warn(f"Not caching the converted GGUF at {cache_path}: {error}", RuntimeWarning, stacklevel=3)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -249,23 +249,14 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> Loaded
 
 
 def _open_gguf(gguf_path: Path) -> GGUFReader:
+    with open(gguf_path, "rb") as file:
+        if file.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
+            raise ValueError(f"{gguf_path} is not a GGUF file: it does not start with the bytes {_GGUF_MAGIC!r}")
     try:
-        reader = GGUFReader(gguf_path)
+        return GGUFReader(gguf_path)
     except (ValueError, IndexError, KeyError, OverflowError) as error:
-        raise ValueError(f"{gguf_path} is not a readable GGUF file: {error}") from error
-    _check_not_truncated(reader, gguf_path)
-    return reader
-
-
-def _check_not_truncated(reader: GGUFReader, gguf_path: Path) -> None:
-    # The reader maps the file lazily, so a short file would only fail when a tensor is read.
-    file_size = gguf_path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > file_size:
-            raise ValueError(
-                f"{gguf_path} is truncated: tensor {tensor.name!r} ends at byte "
-                f"{tensor.data_offset + tensor.n_bytes}, the file has {file_size} bytes"
-            )
+        # The reader fails with whatever numpy says when a header or tensor runs past the end.
+        raise ValueError(f"{gguf_path} is truncated or corrupt: {error}") from error
 
 
 def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -327,7 +318,9 @@ def _rope_scaling(metadata: _Metadata, tensors: dict[str, ReaderTensor], rope_di
     if scaling_type == "none" or (scaling_type == "linear" and factor == 1.0):
         return None
     if scaling_type not in ("linear", "yarn"):
-        raise ValueError(f"{metadata.path}: rope scaling type {scaling_type!r} is not supported; supported: linear, yarn")
+        raise ValueError(
+            f"{metadata.path}: rope scaling type {scaling_type!r} is not supported; supported: linear, yarn"
+        )
     scaling = {"rope_type": scaling_type, "factor": factor}
     original_context_length = metadata.model_value("rope.scaling.original_context_length", None)
     if original_context_length:
@@ -369,31 +362,42 @@ def _llama3_rope_factors(scaling: dict, rope_dim: int, rope_theta: float) -> np.
 
 
 def _build_tokenizer(metadata: _Metadata) -> PreTrainedTokenizerFast:
+    tokenizer_model = metadata.values.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in metadata.values:
         raise ValueError(f"{metadata.path}: metadata key 'tokenizer.ggml.tokens' is missing, so there is no tokenizer")
     key_names, convert_gguf_tokenizer = _transformers_tokenizer_converter()
-    tokenizer_dict = {
-        name: metadata.values[f"tokenizer.{key}"] for key, name in key_names.items() if f"tokenizer.{key}" in metadata.values
-    }
-    tokenizer_model = metadata.values.get("tokenizer.ggml.model")
     try:
-        backend, converter_kwargs = convert_gguf_tokenizer(metadata.architecture, tokenizer_dict)
+        backend, converter_kwargs = convert_gguf_tokenizer(metadata.architecture, _renamed(metadata, key_names))
     except (KeyError, ValueError, NotImplementedError) as error:
-        raise ValueError(f"{metadata.path}: cannot build a tokenizer for tokenizer.ggml.model={tokenizer_model!r}: {error}") from error
+        raise ValueError(
+            f"{metadata.path}: cannot build a tokenizer for tokenizer.ggml.model={tokenizer_model!r}: {error}"
+        ) from error
+    special_tokens = {
+        "bos_token": metadata.token("bos_token_id"),
+        "eos_token": metadata.token("eos_token_id"),
+        "pad_token": metadata.token("padding_token_id"),
+        "unk_token": metadata.token("unknown_token_id"),
+    }
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         **{
             **converter_kwargs,
-            "bos_token": metadata.token("bos_token_id"),
-            "eos_token": metadata.token("eos_token_id"),
-            "pad_token": metadata.token("padding_token_id"),
-            "unk_token": metadata.token("unknown_token_id"),
+            **special_tokens,
             # llama.cpp prepends BOS to sentencepiece ("llama") vocabularies unless told otherwise.
             "add_bos_token": metadata.values.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama"),
             "add_eos_token": metadata.values.get("tokenizer.ggml.add_eos_token", False),
             "chat_template": metadata.values.get("tokenizer.chat_template"),
         },
     )
+
+
+def _renamed(metadata: _Metadata, key_names: dict[str, str]) -> dict[str, Any]:
+    """The tokenizer metadata under the names transformers' converter expects (``tokens``, ``merges``...)."""
+    return {
+        name: metadata.values[f"tokenizer.{key}"]
+        for key, name in key_names.items()
+        if f"tokenizer.{key}" in metadata.values
+    }
 
 
 def _transformers_tokenizer_converter():
@@ -417,12 +421,16 @@ def _convert_tensors(
 ) -> dict[str, torch.Tensor]:
     permuted_heads = _permuted_heads(metadata.architecture, config)
     state_dict = {}
-    for tensor in tqdm(tensors.values(), desc=f"Converting {metadata.path.name}", unit="tensor", disable=not progress):
+    description = f"Converting {metadata.path.name}"
+    progress_bar = tqdm(tensors.values(), desc=description, unit="tensor", disable=not progress)
+    for tensor in progress_bar:
         if tensor.name == _ROPE_FACTORS_TENSOR:
             continue  # already folded into config.rope_scaling
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
-            raise ValueError(f"{metadata.path}: tensor {tensor.name!r} has no Hugging Face {metadata.architecture} name")
+            raise ValueError(
+                f"{metadata.path}: tensor {tensor.name!r} has no Hugging Face {metadata.architecture} name"
+            )
         weight = _dequantize(tensor, metadata.path)
         num_heads = permuted_heads.get(hf_name.rsplit(".", 2)[-2])
         if num_heads is not None:
