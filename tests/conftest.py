@@ -68,7 +68,8 @@ def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers greedy continuation, EOS ignored: the independent reference."""
     model = hf_model(str(path))
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 

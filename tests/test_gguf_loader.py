@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import pytest
 import torch
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.loader import gguf as gguf_loader
-from engine.loader.gguf import load_gguf, unpermute_llama_qk
+from hearth_llm.engine.loader import gguf as gguf_loader
+from hearth_llm.engine.loader.gguf import load_gguf, unpermute_llama_qk
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -321,6 +322,23 @@ def test_each_dtype_gets_its_own_cache_entry(tiny_gguf, tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
 
 
+def test_second_load_does_not_convert_again(tiny_gguf, tmp_path, monkeypatch):
+    first = load_gguf(tiny_gguf, torch.float32, cache_dir=tmp_path, progress=False)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", lambda *args: pytest.fail("converted again despite the cache"))
+    cached = load_gguf(tiny_gguf, torch.float32, cache_dir=tmp_path, progress=False)
+    assert all(torch.equal(cached.state_dict[name], weight) for name, weight in first.state_dict.items())
+
+
+def test_a_modified_file_is_converted_again(tiny_gguf, tmp_path):
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny_gguf.read_bytes())
+    load_gguf(copy, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    load_gguf(copy, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
 def test_qwen2_gguf_is_not_unpermuted(tmp_path, tiny_hf_state_dict):
     # llama.cpp writes Qwen2 q/k as Hugging Face has them, so they must come back unchanged.
     tensors = {gguf_name(name): weight.numpy() for name, weight in tiny_hf_state_dict.items()}
@@ -378,6 +396,14 @@ def test_unsupported_tensor_type_raises_value_error(tmp_path, tiny_hf_state_dict
     tensors["output_norm.weight"] = np.ones(TINY["hidden"], dtype=np.int32)  # stored as I32
     path = write_tiny_gguf(tmp_path / "int-norm.gguf", tensors)
     with pytest.raises(ValueError, match=r"int-norm\.gguf.*output_norm\.weight.*I32"):
+        load_gguf(path, torch.float32, cache_dir=tmp_path / "cache", progress=False)
+
+
+def test_unknown_tensor_raises_value_error(tmp_path, tiny_hf_state_dict):
+    tensors = llama_cpp_tensors(tiny_hf_state_dict)
+    tensors["blk.0.ffn_gate_exps.weight"] = np.ones((2, 4), dtype=np.float32)  # a mixture-of-experts tensor
+    path = write_tiny_gguf(tmp_path / "moe.gguf", tensors)
+    with pytest.raises(ValueError, match=r"moe\.gguf.*blk\.0\.ffn_gate_exps\.weight"):
         load_gguf(path, torch.float32, cache_dir=tmp_path / "cache", progress=False)
 
 

@@ -276,6 +276,18 @@ def test_sampler_greedy_rows_take_the_first_argmax(sampler):
     assert tokens[2].item() == 7
 
 
+def test_triton_sampler_finds_the_argmax_across_vocabulary_splits():
+    logits = randn(2, 9000)
+    logits[0, 8000] = 100.0
+    logits[1, 100] = logits[1, 8000] = 100.0  # a tie across two splits
+    temperatures = torch.zeros(2, device=DEVICE)
+    top_ks, top_ps = torch.zeros(2, dtype=torch.int64, device=DEVICE), torch.ones(2, device=DEVICE)
+
+    tokens = triton_ops.sample_from_logits(logits, temperatures, top_ks, top_ps)
+
+    assert tokens.tolist() == [8000, 100]
+
+
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_sampler_draws_follow_softmax_of_tempered_logits(sampler):
     tokens = sample_rows(sampler, LOGITS, 4000, temperature=1.5)
