@@ -32,6 +32,8 @@ class EngineConfig:
     - ``seed``: seeds sampling of requests without their own seed.
     - ``max_waiting_requests``: bound of the waiting queue (AsyncLLM backpressure).
     - ``num_threads``: torch CPU threads; default the cores this process may use.
+    - ``show_progress``: progress bars while loading.
+    - ``grammar_compile_timeout``: seconds a structured-output grammar may take to compile.
     """
 
     model: str = "default"
@@ -49,6 +51,7 @@ class EngineConfig:
     max_waiting_requests: int = 4096
     num_threads: int | None = None
     show_progress: bool = True
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         self.validate()

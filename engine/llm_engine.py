@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ from .request import Request, RequestStatus
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
+from .structured_output import GrammarError, GuidedDecoder
 
 logger = logging.getLogger("hearth_llm")
 
@@ -59,6 +62,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler(config.seed)
+        self.guided_decoder = GuidedDecoder(self.tokenizer, self.vocab_size, config.grammar_compile_timeout)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
@@ -90,10 +94,13 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_token_ids(token_ids)
-        self._check_max_tokens(params)
         children = self._make_requests(request_id, text, token_ids, params, priority, cache_salt)
         self.groups[request_id] = children
         self.num_prompt_tokens_total += len(token_ids)
+        if params.structured_output is not None:
+            future = self.guided_decoder.submit(params.structured_output)
+            for child in children:
+                child.grammar_future, child.grammar_submitted_at = future, time.monotonic()
         for child in children:
             self.requests[child.request_id] = child
             self.detokenizers[child.request_id] = IncrementalDetokenizer(
@@ -120,10 +127,6 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len={self.max_model_len}")
 
-    def _check_max_tokens(self, params: SamplingParams) -> None:
-        if params.structured_output is not None:
-            raise ValueError("structured_output is not supported by this engine yet")
-
     def _make_requests(self, request_id, text, token_ids, params, priority, cache_salt) -> list[Request]:
         n = params.n
         children = []
@@ -147,20 +150,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduling step and one forward pass; returns what changed."""
+        grammar_failures = self._attach_compiled_grammars()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            self._wait_for_grammars()
+            return grammar_failures
         try:
             output = self.runner.run(batch)
         except Exception as error:  # a failed forward pass fails this step's requests, not the engine
             logger.exception("forward pass failed; aborting the %d requests of this step", len(batch.requests))
-            return self._fail_requests(batch.requests, error)
+            return grammar_failures + self._fail_requests(batch.requests, error)
         self.scheduler.update_after_step(batch)
         self.num_steps += 1
         self._record_prompt_logprobs(batch, output.prompt_logits)
         to_sample = [batch.requests[i] for i in output.sampling_rows]
-        sampled = self.sampler(output.logits, to_sample) if to_sample else None
-        deltas = []
+        sampled = self.sampler(output.logits, to_sample, self.guided_decoder.apply_masks) if to_sample else None
+        deltas = grammar_failures
         for row, request in enumerate(to_sample):
             try:
                 deltas.append(self._accept_token(request, sampled.token_ids[row], sampled.logprobs[row]))
@@ -168,6 +173,21 @@ class LLMEngine:
                 logger.exception("request %s failed after sampling", request.request_id)
                 deltas.extend(self._fail_requests([request], error))
         return deltas
+
+    def _attach_compiled_grammars(self) -> list[RequestDelta]:
+        failures = []
+        for request in [r for r in self.scheduler.waiting if r.is_waiting_for_grammar]:
+            try:
+                request.matcher = self.guided_decoder.matcher_for(request.grammar_future, request.grammar_submitted_at)
+            except GrammarError as error:
+                failures.extend(self._fail_requests([request], error))
+        return failures
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but grammars compiling: wait briefly instead of spinning."""
+        pending = [r.grammar_future for r in self.scheduler.waiting if r.is_waiting_for_grammar]
+        if pending:
+            futures.wait(pending, timeout=0.05, return_when=futures.FIRST_COMPLETED)
 
     def _fail_requests(self, requests: list[Request], error: BaseException) -> list[RequestDelta]:
         deltas = []
@@ -179,6 +199,8 @@ class LLMEngine:
     def _accept_token(self, request: Request, token_id: int, logprobs) -> RequestDelta:
         request.append_token(token_id)
         self.num_generation_tokens_total += 1
+        if request.matcher is not None and not request.matcher.accept_token(token_id):
+            raise GrammarError(f"token {token_id} was sampled outside the request's grammar")
         params = request.sampling_params
         detokenizer = self.detokenizers[request.request_id]
         past_min_tokens = request.num_output_tokens >= params.min_tokens
@@ -195,6 +217,8 @@ class LLMEngine:
         params = request.sampling_params
         if stop_string is not None:
             return "stop", stop_string
+        if request.matcher is not None and request.matcher.is_terminated():
+            return "stop", None
         if past_min_tokens:
             if token_id in params.stop_token_ids:
                 return "stop", token_id

@@ -52,6 +52,9 @@ class Request:
     prompt_logprobs: list[dict | None] = field(default_factory=list)
     output_text: str = ""
     first_token_time: float | None = None
+    grammar_future: object | None = None   # compiling grammar (concurrent.futures.Future)
+    grammar_submitted_at: float = 0.0
+    matcher: object | None = None          # the grammar's state for this sequence, once compiled
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -82,6 +85,10 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_waiting_for_grammar(self) -> bool:
+        return self.grammar_future is not None and self.matcher is None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

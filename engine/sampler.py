@@ -22,10 +22,12 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], apply_grammar_masks=None) -> SampledTokens:
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if apply_grammar_masks is not None and any(r.matcher is not None for r in requests):
+            apply_grammar_masks(logits, [r.matcher for r in requests])
         logits = self._apply_penalties(logits, requests)
         logits = _block_early_stop(logits, requests)
         token_ids = self._choose(logits, requests)

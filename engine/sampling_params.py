@@ -47,6 +47,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_strings = _normalize_stop(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.structured_output is not None:
+            from .structured_output import StructuredOutput
+
+            self.structured_output = StructuredOutput.coerce(self.structured_output)
         self.validate()
 
     @property

@@ -91,6 +91,8 @@ class Scheduler:
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if request.is_waiting_for_grammar:
+                continue
             if request.waits_for is not None and not _prompt_is_cached(request.waits_for):
                 continue
             request.waits_for = None

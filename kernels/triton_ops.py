@@ -30,9 +30,21 @@ __all__ = [
 
 _LOG2_E = 1.4426950408889634
 
-# Decode splits each sequence's keys into partitions of this many positions (flash-decoding), so a
-# handful of long sequences still fill the GPU; a second kernel merges the partial softmaxes.
-DECODE_PARTITION_SIZE = 512
+# Launch shapes, measured on an H200 with head_dim 128 (bf16): a prefill program takes
+# PREFILL_BLOCK_M rows of (query token, head of the GQA group) and walks keys PREFILL_BLOCK_N at a time.
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 32
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 2
+# Decode splits each sequence's keys into partitions (flash-decoding), so a handful of long
+# sequences still fill the GPU; a second kernel merges the partial softmaxes. It splits only as
+# far as it takes to reach about DECODE_TARGET_PROGRAMS programs (some 16 per SM), since every
+# partition adds partial results to write and merge.
+DECODE_TARGET_PROGRAMS = 2048
+DECODE_MIN_PARTITION_SIZE = 256
+DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 
 
 def _next_power_of_2(n: int) -> int:
@@ -57,13 +69,14 @@ def _write_kv_cache_kernel(
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # A slot of -1 marks a padding token of a CUDA-graph batch: it owns no cache slot.
-    is_real_slot = slot >= 0
+    if slot < 0:
+        return
     block = slot // block_size
     slot_in_block = slot % block_size
 
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_kv_heads) & (dims < head_dim) & is_real_slot
+    mask = (heads < num_kv_heads) & (dims < head_dim)
 
     key = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head + dims * key_stride_dim, mask=mask)
     value = tl.load(
@@ -124,7 +137,7 @@ def _attend_to_key_range(
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
     MASK_BY_QUERY_POSITION: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_IEEE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """Online-softmax accumulation of ``query`` rows over cache positions [key_start, key_end).
 
@@ -146,9 +159,8 @@ def _attend_to_key_range(
             + kv_head * key_cache_stride_head + dims[None, :] * key_cache_stride_dim,
             mask=load_mask, other=0.0,
         ).to(query.dtype)
-        if USE_IEEE_DOT:
-            # fp32 inputs: a tf32 dot would lose the 1e-5 agreement with the reference.
-            scores = tl.dot(query, tl.trans(key), input_precision="ieee")
+        if DOT_IN_FP32:
+            scores = tl.dot(query.to(tl.float32), tl.trans(key.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(query, tl.trans(key))
         scores = scores * softmax_scale_log2
@@ -174,8 +186,9 @@ def _attend_to_key_range(
             + kv_head * value_cache_stride_head + dims[None, :] * value_cache_stride_dim,
             mask=load_mask, other=0.0,
         ).to(query.dtype)
-        if USE_IEEE_DOT:
-            acc = acc * rescale[:, None] + tl.dot(probs.to(query.dtype), value, input_precision="ieee")
+        if DOT_IN_FP32:
+            probs_of_dot_dtype = probs.to(query.dtype).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(probs_of_dot_dtype, value.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * rescale[:, None] + tl.dot(probs.to(query.dtype), value)
         row_max = new_max
@@ -205,14 +218,15 @@ def _find_sequence_of_query_tile(query_start_loc_ptr, tile_index, num_seqs, BLOC
 @triton.jit
 def _prefill_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_queries_per_kv, block_size, head_dim, softmax_scale_log2, sliding_window,
+    num_seqs,
     out_stride_token, out_stride_head, out_stride_dim,
     query_stride_token, query_stride_head, query_stride_dim,
     block_tables_stride_seq,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
+    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, sliding_window,
     HAS_SLIDING_WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_IEEE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """One program: BLOCK_Q consecutive query tokens of one sequence, for all query heads that
     share one KV head (GQA), so every key tile loaded serves GROUP_SIZE heads at once."""
@@ -246,22 +260,48 @@ def _prefill_attention_kernel(
     )
 
     first_query_pos = context_len - query_len + tile_in_seq * BLOCK_Q
-    key_end = context_len - query_len + tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len)
+    last_query_pos = context_len - query_len + tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len) - 1
+    # Keys [key_start, key_end) are seen by some row of the tile; keys [all_start, all_end) by every
+    # row, so only the two edges (the causal diagonal and the window's trailing edge) need masks.
     key_start = 0
+    all_start = 0
     if HAS_SLIDING_WINDOW:
         key_start = tl.maximum(first_query_pos - sliding_window + 1, 0)
+        all_start = tl.minimum(tl.maximum(last_query_pos - sliding_window + 1, 0), first_query_pos + 1)
+    all_end = first_query_pos + 1
+    key_end = last_query_pos + 1
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * block_tables_stride_seq
+    if HAS_SLIDING_WINDOW:
+        acc, row_max, row_sum = _attend_to_key_range(
+            acc, row_max, row_sum, query, query_pos, key_start, all_start,
+            key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
+            block_size, head_dim, softmax_scale_log2, sliding_window,
+            key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
+            value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
+            MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=True,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+        )
     acc, row_max, row_sum = _attend_to_key_range(
-        acc, row_max, row_sum, query, query_pos, key_start, key_end,
-        key_cache_ptr, value_cache_ptr, block_tables_ptr + seq.to(tl.int64) * block_tables_stride_seq, kv_head,
+        acc, row_max, row_sum, query, query_pos, all_start, all_end,
+        key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
+        block_size, head_dim, softmax_scale_log2, sliding_window,
+        key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
+        value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
+        MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+    )
+    acc, row_max, row_sum = _attend_to_key_range(
+        acc, row_max, row_sum, query, query_pos, all_end, key_end,
+        key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
         block_size, head_dim, softmax_scale_log2, sliding_window,
         key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=HAS_SLIDING_WINDOW,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, USE_IEEE_DOT=USE_IEEE_DOT,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
     )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(
@@ -274,14 +314,16 @@ def _prefill_attention_kernel(
 def _decode_attention_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_heads, num_partitions, num_queries_per_kv, block_size, head_dim, softmax_scale_log2, sliding_window,
+    num_heads, num_partitions,
     out_stride_token, out_stride_head, out_stride_dim,
     query_stride_token, query_stride_head, query_stride_dim,
     block_tables_stride_seq,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    HAS_SLIDING_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr, PARTITION_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_IEEE_DOT: tl.constexpr,
+    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, sliding_window,
+    partition_size,
+    HAS_SLIDING_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """One program: one partition of one sequence's keys, for the query heads of one KV head.
 
@@ -300,8 +342,8 @@ def _decode_attention_kernel(
     if HAS_SLIDING_WINDOW:
         first_key = tl.maximum(context_len - sliding_window, 0)
     # Partitions count from the window's first key, so a window needs no more of them than it spans.
-    key_start = first_key + partition * PARTITION_SIZE
-    key_end = tl.minimum(key_start + PARTITION_SIZE, context_len)
+    key_start = first_key + partition * partition_size
+    key_end = tl.minimum(key_start + partition_size, context_len)
     if IS_SPLIT:
         if key_start >= context_len:
             return
@@ -327,7 +369,7 @@ def _decode_attention_kernel(
         key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, USE_IEEE_DOT=USE_IEEE_DOT,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
     )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     if IS_SPLIT:
@@ -345,9 +387,9 @@ def _decode_attention_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_heads, num_partitions, head_dim, sliding_window,
+    num_heads, num_partitions, partition_size, head_dim, sliding_window,
     out_stride_token, out_stride_head, out_stride_dim,
-    HAS_SLIDING_WINDOW: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    HAS_SLIDING_WINDOW: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merges one (sequence, head)'s partition outputs: each weighs sum * 2^(max - global max)."""
@@ -362,7 +404,7 @@ def _decode_reduce_kernel(
     if HAS_SLIDING_WINDOW:
         first_key = tl.maximum(context_len - sliding_window, 0)
     # Only these partitions were written; later ones hold stale memory.
-    num_used_partitions = tl.cdiv(context_len - first_key, PARTITION_SIZE)
+    num_used_partitions = tl.cdiv(context_len - first_key, partition_size)
     stat_base = (seq.to(tl.int64) * num_heads + head) * num_partitions
 
     running_max = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
@@ -435,22 +477,25 @@ def paged_attention(
         sliding_window=sliding_window or 0,
         HAS_SLIDING_WINDOW=sliding_window is not None,
         BLOCK_D=_next_power_of_2(max(head_dim, 16)),
-        USE_IEEE_DOT=query.dtype == torch.float32,
+        # fp32 inputs need an exact fp32 dot, not tf32, to agree with the reference to 1e-5. On CPU
+        # tensors (the Triton interpreter) bf16 goes through fp32 as well: the interpreter
+        # multiplies bf16 dot operands as their raw 16-bit patterns.
+        DOT_IN_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and query.device.type == "cpu"),
     )
     # D > 128 halves the key tile so the fp32 accumulator and the tiles stay in registers.
-    block_n = 64 if common["BLOCK_D"] <= 128 else 32
+    halve_for_wide_heads = 2 if common["BLOCK_D"] > 128 else 1
     if max_query_len == 1:
         _decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                          max_context_len, sliding_window, block_n, common)
+                          max_context_len, sliding_window, DECODE_BLOCK_N // halve_for_wide_heads, common)
     else:
         group_size = _next_power_of_2(num_queries_per_kv)
-        block_m = max(64, group_size)
-        block_q = block_m // group_size
+        block_q = max(1, PREFILL_BLOCK_M // group_size)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads)
         _prefill_attention_kernel[grid](
             out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, num_seqs,
             *out.stride(), *query.stride(), block_tables.stride(0), *key_cache.stride(), *value_cache.stride(),
-            BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=block_n, num_warps=4, num_stages=2, **common,
+            BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=PREFILL_BLOCK_N // halve_for_wide_heads,
+            num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
         )
     return out
 
@@ -460,7 +505,8 @@ def _decode_attention(out, query, key_cache, value_cache, block_tables, context_
     num_heads = query.shape[1]
     num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
     longest_span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
-    num_partitions = max(1, triton.cdiv(longest_span, DECODE_PARTITION_SIZE))
+    partition_size = _decode_partition_size(num_seqs, num_kv_heads, longest_span)
+    num_partitions = max(1, triton.cdiv(longest_span, partition_size))
     is_split = num_partitions > 1
     block_d = common["BLOCK_D"]
     if is_split:
@@ -475,18 +521,25 @@ def _decode_attention(out, query, key_cache, value_cache, block_tables, context_
         query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
         num_heads, num_partitions,
         *out.stride(), *query.stride(), block_tables.stride(0), *key_cache.stride(), *value_cache.stride(),
-        IS_SPLIT=is_split, PARTITION_SIZE=DECODE_PARTITION_SIZE,
+        partition_size=partition_size, IS_SPLIT=is_split,
         # tl.dot needs at least 16 rows; the heads of one group are padded up to that.
         BLOCK_M=max(16, _next_power_of_2(common["num_queries_per_kv"])), BLOCK_N=block_n,
-        num_warps=4, num_stages=2, **common,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **common,
     )
     if is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_max, partial_sum, context_lens, query_start_loc,
-            num_heads, num_partitions, common["head_dim"], common["sliding_window"], *out.stride(),
-            HAS_SLIDING_WINDOW=common["HAS_SLIDING_WINDOW"], PARTITION_SIZE=DECODE_PARTITION_SIZE,
+            num_heads, num_partitions, partition_size, common["head_dim"], common["sliding_window"],
+            *out.stride(), HAS_SLIDING_WINDOW=common["HAS_SLIDING_WINDOW"],
             BLOCK_P=16, BLOCK_D=block_d, num_warps=4,
         )
+
+
+def _decode_partition_size(num_seqs: int, num_kv_heads: int, longest_span: int) -> int:
+    """Keys per decode partition: a power of two (few distinct values), at least
+    DECODE_MIN_PARTITION_SIZE, and small enough for about DECODE_TARGET_PROGRAMS programs."""
+    num_partitions_wanted = triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * num_kv_heads)
+    return max(DECODE_MIN_PARTITION_SIZE, _next_power_of_2(triton.cdiv(longest_span, num_partitions_wanted)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,37 +714,53 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _gumbel_max_sample_kernel(
-    tokens_ptr, logits_ptr, temperatures_ptr, seed_ptr,
-    vocab_size, logits_stride_row, greedy_temperature,
-    BLOCK_V: tl.constexpr,
+    best_score_ptr, best_index_ptr, logits_ptr, temperatures_ptr, seed_ptr,
+    num_rows, vocab_size, logits_stride_row, split_size, num_splits, greedy_temperature,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """argmax over the vocabulary of ``logits / T + Gumbel noise``: a draw from softmax(logits / T)
-    in one streaming pass, with no softmax, sort or cumsum. Greedy rows add no noise."""
-    row = tl.program_id(0).to(tl.int64)
-    temperature = tl.load(temperatures_ptr + row).to(tl.float32)
-    is_greedy = temperature < greedy_temperature
-    inverse_temperature = 1.0 / tl.where(is_greedy, 1.0, temperature)
+    """Best of ``logits / T + Gumbel noise`` over one vocabulary split of BLOCK_R rows.
+
+    argmax over the whole vocabulary of that score is a draw from softmax(logits / T) (the
+    Gumbel-max trick), found in one streaming pass with no softmax, sort or cumsum. Greedy rows
+    add no noise. Splitting the vocabulary gives a small batch enough programs to fill the GPU.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(1)
+    is_real_row = rows < num_rows
+    rows = rows.to(tl.int64)
+    temperatures = tl.load(temperatures_ptr + rows, mask=is_real_row, other=1.0).to(tl.float32)
+    is_greedy = temperatures < greedy_temperature
+    inverse_temperatures = 1.0 / tl.where(is_greedy, 1.0, temperatures)
     seed = tl.load(seed_ptr)
 
     # Each lane keeps its own best; strict '>' keeps the lowest index among equal scores.
-    best_score = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-    best_index = tl.zeros([BLOCK_V], dtype=tl.int32)
-    for first in range(0, vocab_size, BLOCK_V):
+    best_score = tl.full([BLOCK_R, BLOCK_V], float("-inf"), dtype=tl.float32)
+    best_index = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.int32)
+    split_start = split * split_size
+    split_end = tl.minimum(split_start + split_size, vocab_size)
+    for first in range(split_start, split_end, BLOCK_V):
         cols = first + tl.arange(0, BLOCK_V)
-        mask = cols < vocab_size
-        logits = tl.load(logits_ptr + row * logits_stride_row + cols, mask=mask, other=float("-inf"))
-        uniform = tl.rand(seed, row * vocab_size + cols)
+        mask = is_real_row[:, None] & (cols < split_end)[None, :]
+        logits = tl.load(logits_ptr + rows[:, None] * logits_stride_row + cols[None, :], mask=mask,
+                         other=float("-inf"))
+        uniform = tl.rand(seed, rows[:, None] * vocab_size + cols[None, :])
         gumbel = -tl.log(-tl.log(uniform))
-        score = logits.to(tl.float32) * inverse_temperature + tl.where(is_greedy, 0.0, gumbel)
+        score = logits.to(tl.float32) * inverse_temperatures[:, None] + tl.where(is_greedy[:, None], 0.0, gumbel)
         score = tl.where(mask, score, float("-inf"))
         is_better = score > best_score
         best_score = tl.where(is_better, score, best_score)
-        best_index = tl.where(is_better, cols, best_index)
-    top = tl.max(best_score, 0)
-    token = tl.min(tl.where(best_score == top, best_index, vocab_size), 0)
-    # A row of all -inf logits has no best lane; like torch.argmax it answers 0.
-    token = tl.where(token == vocab_size, 0, token)
-    tl.store(tokens_ptr + row, token.to(tl.int64))
+        best_index = tl.where(is_better, cols[None, :], best_index)
+    top = tl.max(best_score, 1)
+    index = tl.min(tl.where(best_score == top[:, None], best_index, vocab_size), 1)
+    # A split of all -inf logits has no best lane; answer its first index, as torch.argmax would.
+    index = tl.where(index == vocab_size, split_start, index)
+    out = rows * num_splits + split
+    tl.store(best_score_ptr + out, top, mask=is_real_row)
+    tl.store(best_index_ptr + out, index.to(tl.int64), mask=is_real_row)
+
+
+# Enough vocabulary splits that a decode batch's sampling has about this many programs.
+SAMPLER_TARGET_PROGRAMS = 1024
 
 
 def sample_from_logits(
@@ -708,25 +777,46 @@ def sample_from_logits(
     Only rows with top-k, top-p or min-p go through the torch path (``torch.topk``, then top-p
     within the top k). The kernel's noise is Triton's Philox stream, seeded from ``generator``, so
     draws are reproducible for a given generator state but differ from the reference's draws.
+    Deciding which rows need the torch path reads one flag on the host.
     """
     num_rows, vocab_size = logits.shape
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
-        return tokens
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    # The seed stays on the device: no host sync, and the call can be captured in a CUDA graph.
-    seed_device = generator.device if generator is not None else logits.device
-    seed = torch.randint(2**31 - 1, (1,), generator=generator, device=seed_device).to(logits.device)
-    _gumbel_max_sample_kernel[(num_rows,)](
-        tokens, logits, temperatures, seed, vocab_size, logits.stride(0), sampling.GREEDY_TEMPERATURE,
-        BLOCK_V=min(4096, _next_power_of_2(vocab_size)), num_warps=8,
-    )
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
     needs_filtering = sampling.rows_needing_filtering(temperatures, top_ks, top_ps, vocab_size, min_ps)
-    if bool(needs_filtering.any()):
+    num_filtered = int(needs_filtering.sum())
+    if num_filtered == num_rows:
+        return sampling.sample_from_logits(logits, temperatures, top_ks, top_ps, generator, min_ps)
+    tokens = _gumbel_max_sample(logits, temperatures, generator)
+    if num_filtered:
         rows = needs_filtering.nonzero().squeeze(1)
         tokens[rows] = sampling.sample_from_logits(
             logits[rows], temperatures[rows], top_ks[rows], top_ps[rows], generator,
             None if min_ps is None else min_ps[rows],
         )
     return tokens
+
+
+def _gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, generator) -> torch.Tensor:
+    num_rows, vocab_size = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    # The seed stays on the device: no host sync, and the launch can be captured in a CUDA graph.
+    seed_device = generator.device if generator is not None else logits.device
+    seed = torch.randint(2**31 - 1, (1,), generator=generator, device=seed_device).to(logits.device)
+    # Tiles of about 4096 logits: a slice of one row, or many whole rows of a tiny vocabulary.
+    block_v = min(4096, _next_power_of_2(vocab_size))
+    block_r = min(4096 // block_v, _next_power_of_2(num_rows))
+    num_row_blocks = triton.cdiv(num_rows, block_r)
+    num_splits = max(1, min(triton.cdiv(vocab_size, block_v), SAMPLER_TARGET_PROGRAMS // num_row_blocks))
+    split_size = triton.cdiv(triton.cdiv(vocab_size, num_splits), block_v) * block_v
+    num_splits = triton.cdiv(vocab_size, split_size)
+    best_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    best_index = torch.empty(num_rows, num_splits, dtype=torch.int64, device=logits.device)
+    _gumbel_max_sample_kernel[(num_row_blocks, num_splits)](
+        best_score, best_index, logits, temperatures, seed,
+        num_rows, vocab_size, logits.stride(0), split_size, num_splits, sampling.GREEDY_TEMPERATURE,
+        BLOCK_R=block_r, BLOCK_V=block_v, num_warps=8,
+    )
+    # torch.argmax takes the first of equal maxima: the lowest split, whose index is the lowest.
+    best_split = best_score.argmax(dim=1, keepdim=True)
+    return best_index.gather(1, best_split).squeeze(1)

@@ -2,6 +2,18 @@
 the reference HF transformers model for each, and a check that every engine ends with its pool whole."""
 from __future__ import annotations
 
+import os
+
+# Before torch loads: OpenMP threads that spin while idle starve each other when several torch
+# processes (or engine threads) share two cores; a 1 ms matmul then takes 40 ms.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402  (imports no triton; transformers' model classes do, through dynamo)
+
+# The Triton kernels run on CPU only in the interpreter, which must be chosen before triton loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import functools
 from pathlib import Path
 

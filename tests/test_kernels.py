@@ -8,12 +8,18 @@ CUDA, and the tests marked ``needs_cuda`` add full-size shapes.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Read when the kernels are decorated, so it must be set before triton_ops is imported.
+    # Triton reads this when it decorates kernels, its own library functions included, so it must be
+    # set before triton is first imported. torch._dynamo imports triton too (transformers' model
+    # imports reach it), so in a whole-suite run conftest.py has to set it before those imports.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py "
+                    "before any import of transformers or torch._dynamo", allow_module_level=True)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
@@ -157,7 +163,7 @@ def test_paged_attention_block_size_not_the_key_tile():
 
 @pytest.mark.parametrize("num_queries_per_kv", [1, 3])
 def test_paged_attention_decode_splits_long_contexts_into_partitions(num_queries_per_kv):
-    context_lens = [1300, 17, 2 * triton_ops.DECODE_PARTITION_SIZE]
+    context_lens = [1300, 17, 2 * triton_ops.DECODE_MIN_PARTITION_SIZE]
     batch = make_paged_batch([1, 1, 1], context_lens, 2 * num_queries_per_kv, 2, 64)
     check_paged_attention(batch, torch.float32)
 
