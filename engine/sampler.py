@@ -21,6 +21,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self._cuda_generator: torch.Generator | None = None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], apply_grammar_masks=None) -> SampledTokens:
         raw_logprobs = None
@@ -38,6 +39,30 @@ class Sampler:
         ]
         return SampledTokens(token_ids=token_ids, logprobs=logprobs)
 
+    def _exponential_noise(self, probs: torch.Tensor, generators: list) -> torch.Tensor:
+        """One Exp(1) draw per token; seeded rows draw on the CPU from their own generator so the
+        numbers don't depend on the device or the batch."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            if len(unseeded) == len(generators):
+                noise.exponential_(generator=self._device_generator(probs.device))
+            else:
+                rows = torch.tensor(unseeded, device=probs.device)
+                noise[rows] = torch.empty(len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype
+                                          ).exponential_(generator=self._device_generator(probs.device))
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator).to(probs.device)
+        return noise
+
+    def _device_generator(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        if self._cuda_generator is None:
+            self._cuda_generator = torch.Generator(device=device).manual_seed(self.generator.initial_seed())
+        return self._cuda_generator
+
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
         if not rows:
@@ -47,12 +72,13 @@ class Sampler:
         for row in rows:
             params = requests[row].sampling_params
             request = requests[row]
-            output_ids = torch.tensor(request.output_token_ids, dtype=torch.long)
+            output_ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
             output_ids = output_ids[output_ids < vocab]
             counts = torch.bincount(output_ids, minlength=vocab).to(logits.dtype)
             if params.repetition_penalty != 1.0:
-                seen = torch.zeros(vocab, dtype=torch.bool)
-                seen[torch.tensor([t for t in request.token_ids if t < vocab], dtype=torch.long)] = True
+                seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                seen[torch.tensor([t for t in request.token_ids if t < vocab], dtype=torch.long,
+                                  device=logits.device)] = True
                 row_logits = logits[row]
                 penalized = torch.where(row_logits > 0, row_logits / params.repetition_penalty,
                                         row_logits * params.repetition_penalty)
@@ -64,12 +90,9 @@ class Sampler:
         chosen = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, dtype=torch.long)
+            rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
             probs = _filtered_probs(logits.index_select(0, rows), [requests[i] for i in sampled_rows])
-            noise = torch.empty_like(probs)
-            for position, row in enumerate(sampled_rows):
-                generator = requests[row].generator or self.generator
-                noise[position].exponential_(generator=generator)
+            noise = self._exponential_noise(probs, [requests[i].generator for i in sampled_rows])
             # Exponential race: argmax(p / E) draws from p with one random number per token, no cumsum.
             chosen[rows] = (probs / noise).argmax(dim=-1)
         return chosen.tolist()
@@ -77,7 +100,7 @@ class Sampler:
 
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     params = [r.sampling_params for r in requests]
-    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temperatures[:, None]
     top_ks = [p.top_k for p in params]
     top_ps = [p.top_p for p in params]
@@ -86,7 +109,7 @@ def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         logits = _top_k_top_p(logits, top_ks, top_ps)
     probs = torch.softmax(logits, dim=-1)
     if any(m > 0 for m in min_ps):
-        min_p = torch.tensor(min_ps, dtype=probs.dtype)[:, None]
+        min_p = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
@@ -94,13 +117,13 @@ def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_ks])
-    ranks = torch.arange(vocab)[None, :]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = ranks >= ks[:, None]
     sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
-    remove |= mass_before >= torch.tensor(top_ps, dtype=logits.dtype)[:, None]
+    remove |= mass_before >= torch.tensor(top_ps, dtype=logits.dtype, device=logits.device)[:, None]
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, filtered)
