@@ -34,6 +34,7 @@ class EngineConfig:
     - ``num_threads``: torch CPU threads; default the cores this process may use.
     - ``show_progress``: progress bars while loading.
     - ``grammar_compile_timeout``: seconds a structured-output grammar may take to compile.
+    - ``cuda_graphs``: on CUDA, capture decode steps as CUDA graphs (startup takes a few seconds).
     """
 
     model: str = "default"
@@ -52,6 +53,7 @@ class EngineConfig:
     num_threads: int | None = None
     show_progress: bool = True
     grammar_compile_timeout: float = 10.0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

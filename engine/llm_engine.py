@@ -45,13 +45,16 @@ class LLMEngine:
     ...     for delta in engine.step(): print(delta.new_text, end="")
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, checkpoint=None) -> None:
+        """``checkpoint`` (a LoadedCheckpoint) skips loading ``config.model``: benchmarks use it
+        for random-weight models built in memory."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device, dtype = config.torch_device, config.torch_dtype
-        checkpoint = load_checkpoint(config.model, dtype, allow_pickle=config.allow_pickle,
-                                     trust_remote_code=config.trust_remote_code, progress=config.show_progress)
+        if checkpoint is None:
+            checkpoint = load_checkpoint(config.model, dtype, allow_pickle=config.allow_pickle,
+                                         trust_remote_code=config.trust_remote_code, progress=config.show_progress)
         self.tokenizer = checkpoint.tokenizer
         self.hf_config = checkpoint.config
         self.runner = ModelRunner(checkpoint, device, dtype, config.block_size, config.kv_cache_memory)
@@ -59,6 +62,8 @@ class LLMEngine:
         self.arch = self.runner.arch
         self.vocab_size = self.arch.vocab_size
         self.max_model_len = self._resolve_max_model_len()
+        if config.cuda_graphs:
+            self.runner.enable_cuda_graphs(min(config.max_num_seqs, 512), self.max_model_len)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler(config.seed)
@@ -204,7 +209,7 @@ class LLMEngine:
         params = request.sampling_params
         detokenizer = self.detokenizers[request.request_id]
         past_min_tokens = request.num_output_tokens >= params.min_tokens
-        stop_string = detokenizer.add_token(token_id, check_stop=past_min_tokens)
+        stop_string = detokenizer.add_token(token_id, check_stop=past_min_tokens) if params.detokenize else None
         if logprobs is not None:
             request.logprobs.append(self._to_logprobs(logprobs))
         reason, stop_reason = self._finish_reason(request, token_id, stop_string, past_min_tokens)

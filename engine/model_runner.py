@@ -25,6 +25,7 @@ class ForwardOutput:
 class ModelRunner:
     def __init__(self, checkpoint, device: torch.device, dtype: torch.dtype, block_size: int,
                  kv_cache_memory: int | None):
+        self.decode_graphs = None
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -62,10 +63,25 @@ class ModelRunner:
             )
         return num_blocks
 
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture decode graphs (CUDA only); decode steps up to ``max_batch`` sequences replay them."""
+        if self.device.type != "cuda":
+            return
+        from .cuda_graphs import DecodeGraphs
+
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_model_len, self.block_size,
+                                          self.device)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> ForwardOutput:
         inputs = self._prepare_inputs(batch)
-        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"])
+        meta = inputs["meta"]
+        graphs = self.decode_graphs
+        if graphs is not None and meta.max_query_len == 1 and graphs.supports(len(batch.requests)):
+            hidden = graphs.run(inputs["input_ids"], inputs["positions"], meta.slot_mapping, meta.block_tables,
+                                meta.context_lens)
+        else:
+            hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)
         sampling_rows, last_indices, prompt_logits = [], [], {}
         start = 0
         for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):

@@ -20,6 +20,7 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k`` of 0 or -1 means off. ``seed`` makes a request's
     samples the same alone or in any batch. ``logprobs=N`` returns the top-N log-probabilities
     of each generated token (plus the sampled one); ``prompt_logprobs=N`` does so for the prompt.
+    ``detokenize=False`` returns token ids only (no text, no stop strings), for throughput runs.
     Invalid values raise ``ValueError`` naming the field and its allowed range.
     """
 
@@ -41,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     structured_output: object | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 

@@ -1,0 +1,218 @@
+"""GPU throughput and latency against HF transformers, on random-weight models of real shapes.
+
+    python -m hearth_llm.engine.bench.throughput --shape qwen3-0.6b
+    python -m hearth_llm.engine.bench.throughput --shape llama3-8b --hf-num-seqs 64
+
+Workload (as nano-vllm's): 256 sequences, input and output lengths uniform in [100, 1024], random
+token ids, EOS ignored, seed 0, greedy. The same weights run through HF transformers' continuous
+batching (``continuous_batching_context_manager``) in the same process. Also batch-size-1 decode
+ms/token for both, against the weight-read floor (weight bytes / copy bandwidth measured here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+SHAPES = {
+    "qwen3-0.6b": dict(architecture="Qwen3ForCausalLM", num_hidden_layers=28, hidden_size=1024,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "llama3-8b": dict(architecture="LlamaForCausalLM", num_hidden_layers=32, hidden_size=4096,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                      vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192,
+                      rope_theta=500000.0, rms_norm_eps=1e-5),
+}
+
+
+def hf_config(shape: str, num_layers: int | None = None):
+    from transformers import LlamaConfig, Qwen3Config
+
+    fields = dict(SHAPES[shape])
+    architecture = fields.pop("architecture")
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    config_class = Qwen3Config if architecture.startswith("Qwen3") else LlamaConfig
+    return config_class(**fields, architectures=[architecture], bos_token_id=0, eos_token_id=1, pad_token_id=0)
+
+
+def placeholder_tokenizer(vocab_size: int):
+    """Token ids in, token ids out: the benchmark never needs text."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t1", pad_token="t0", unk_token="t2")
+
+
+def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None):
+    """An HF model with random weights of the given shape, and the same weights as our checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from ..loader.checkpoint import LoadedCheckpoint
+
+    config = hf_config(shape, num_layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    checkpoint = LoadedCheckpoint(config=config, state_dict=dict(model.state_dict()),
+                                  tokenizer=placeholder_tokenizer(config.vocab_size), source=shape)
+    return model, checkpoint
+
+
+def our_engine(checkpoint, dtype: str, max_num_seqs: int = 256, kv_cache_memory: str = "40GiB",
+               max_model_len: int = 4096, max_num_batched_tokens: int = 16384):
+    from ..config import EngineConfig
+    from ..llm_engine import LLMEngine
+
+    config = EngineConfig(model=checkpoint.source, dtype=dtype, device="cuda", max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                          max_model_len=max_model_len, show_progress=False)
+    return LLMEngine(config, checkpoint=checkpoint)
+
+
+def workload(num_seqs: int = 256, seed: int = 0, low: int = 100, high: int = 1024):
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_seqs):
+        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(low, high))]
+        requests.append((prompt, rng.randint(low, high)))
+    return requests
+
+
+def run_ours(engine, requests) -> dict:
+    from ..sampling_params import SamplingParams
+
+    def params(max_tokens):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    engine.add_request([1, 2, 3], params(4))  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for prompt, max_tokens in requests:
+        engine.add_request(prompt, params(max_tokens))
+    num_output = 0
+    while engine.has_unfinished_requests():
+        num_output += sum(len(d.new_token_ids) for d in engine.step())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    for request_id in list(engine.groups):
+        engine.release(request_id)
+    return {"seconds": elapsed, "output_tokens": num_output, "tok_per_s": num_output / elapsed,
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def run_hf_continuous_batching(model, requests) -> dict:
+    from transformers import GenerationConfig
+
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in requests),
+                                         eos_token_id=-1, pad_token_id=0)
+    num_output = 0
+    started = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=generation_config, block=True,
+                                                   timeout=30) as manager:
+        for index, (prompt, max_tokens) in enumerate(requests):
+            manager.add_request(input_ids=prompt, request_id=f"r{index}", max_new_tokens=max_tokens,
+                                eos_token_id=-1)
+        num_finished = 0
+        while num_finished < len(requests):
+            result = manager.get_result(timeout=60)
+            if result is not None and result.is_finished():
+                num_finished += 1
+                num_output += len(result.generated_tokens)
+    elapsed = time.perf_counter() - started
+    return {"seconds": elapsed, "output_tokens": num_output, "tok_per_s": num_output / elapsed}
+
+
+def copy_bandwidth_bytes_per_s() -> float:
+    source = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / 10
+    del source, target
+    return 2 * 2 * 2**30 / seconds  # read + write
+
+
+def ours_bs1_ms_per_token(engine, num_tokens: int = 128) -> float:
+    from ..sampling_params import SamplingParams
+
+    engine.add_request(list(range(16)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False))
+    while engine.has_unfinished_requests():
+        engine.step()  # prefill + first token: not timed
+    request_id = engine.add_request(list(range(100, 132)), SamplingParams(
+        temperature=0, max_tokens=num_tokens + 1, ignore_eos=True, detokenize=False))
+    engine.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    for rid in list(engine.groups):
+        engine.release(rid)
+    return (time.perf_counter() - started) * 1000 / num_tokens
+
+
+def hf_bs1_ms_per_token(model, num_tokens: int = 64) -> float:
+    input_ids = torch.arange(100, 132, device="cuda")[None]
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
+                  attention_mask=torch.ones_like(input_ids))
+    model.generate(input_ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    model.generate(input_ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    model.generate(input_ids, max_new_tokens=num_tokens + 1, min_new_tokens=num_tokens + 1, **kwargs)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started - first) * 1000 / num_tokens
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--hf-num-seqs", type=int, default=256, help="0 skips HF's throughput run")
+    parser.add_argument("--kv-cache-memory", default="40GiB")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = our_engine(checkpoint, "bfloat16", kv_cache_memory=args.kv_cache_memory)
+    del checkpoint
+    requests = workload(args.num_seqs)
+    results = {"shape": args.shape, "weight_bytes": weight_bytes}
+    results["ours"] = run_ours(engine, requests)
+    results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine)
+    bandwidth = copy_bandwidth_bytes_per_s()
+    results["copy_bandwidth_TBps"] = bandwidth / 1e12
+    results["weight_read_floor_ms"] = weight_bytes / bandwidth * 1000
+    del engine
+    torch.cuda.empty_cache()
+    results["hf_bs1_ms_per_token"] = hf_bs1_ms_per_token(model)
+    if args.hf_num_seqs:
+        hf_requests = requests[: args.hf_num_seqs]
+        results["hf_continuous_batching"] = run_hf_continuous_batching(model, hf_requests)
+        results["hf_num_seqs"] = len(hf_requests)
+        results["ratio"] = results["ours"]["tok_per_s"] / results["hf_continuous_batching"]["tok_per_s"]
+    print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as sink:
+            json.dump(results, sink, indent=2)
+
+
+if __name__ == "__main__":
+    main()
