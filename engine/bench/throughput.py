@@ -187,6 +187,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-num-seqs", type=int, default=256, help="0 skips HF's throughput run")
     parser.add_argument("--kv-cache-memory", default="40GiB")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--profile", help="write a cProfile summary of our run here")
     args = parser.parse_args(argv)
 
     model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
@@ -195,7 +196,19 @@ def main(argv=None) -> None:
     del checkpoint
     requests = workload(args.num_seqs)
     results = {"shape": args.shape, "weight_bytes": weight_bytes}
-    results["ours"] = run_ours(engine, requests)
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        results["ours"] = profiler.runcall(run_ours, engine, requests)
+        summary = io.StringIO()
+        pstats.Stats(profiler, stream=summary).sort_stats("tottime").print_stats(30)
+        with open(args.profile, "w") as sink:
+            sink.write(summary.getvalue())
+    else:
+        results["ours"] = run_ours(engine, requests)
     results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine)
     bandwidth = copy_bandwidth_bytes_per_s()
     results["copy_bandwidth_TBps"] = bandwidth / 1e12
