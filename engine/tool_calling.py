@@ -1,0 +1,129 @@
+"""Tools in the prompt and ``tool_choice`` as a decoding constraint.
+
+Tools reach the prompt through the chat template's ``tools`` argument. A template that never
+mentions tools (SmolLM2's ChatML) gets the hermes convention instead, as a system prompt:
+
+    You are a function calling AI model. You are provided with function signatures within
+    <tools></tools> XML tags. ... For each function call return a json object with function name
+    and arguments within <tool_call></tool_call> XML tags: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+
+``tool_choice="required"`` (or ``"any"``) and a named function become a grammar, so even a small
+model emits a well-formed call with schema-valid arguments.
+"""
+from __future__ import annotations
+
+import json
+
+from .structured_output import StructuredOutput
+
+HERMES_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about "
+    "what values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n"
+    "For each function call return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags as follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-dict>}}\n</tool_call>"
+)
+
+
+def normalize_tools(tools: list) -> list[dict]:
+    """OpenAI-style ``{"type": "function", "function": {name, description, parameters}}`` entries;
+    ``ValueError`` naming ``tools`` when an entry has no name."""
+    normalized = []
+    for tool in tools or []:
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools: each tool needs a function name, got {tool!r}")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        normalized.append({"type": "function", "function": {
+            "name": function["name"], "description": function.get("description", ""), "parameters": parameters}})
+    return normalized
+
+
+def template_supports_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in template
+
+
+def render_chat_with_tools(tokenizer, conversation: list[dict], tools: list | None,
+                           add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text for a conversation that may offer tools and contain tool calls/results."""
+    tools = normalize_tools(tools) if tools else None
+    kwargs = dict(chat_template_kwargs or {})
+    if template_supports_tools(tokenizer):
+        return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+    messages = [_as_hermes_message(message) for message in conversation]
+    if tools:
+        listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        instructions = HERMES_SYSTEM_PROMPT.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{instructions}"}
+        else:
+            messages.insert(0, {"role": "system", "content": instructions})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
+
+
+def _as_hermes_message(message: dict) -> dict:
+    """Assistant tool calls and tool results as plain-text turns a tool-unaware template can show."""
+    role, content = message.get("role"), message.get("content") or ""
+    if role == "assistant" and message.get("tool_calls"):
+        calls = "".join(
+            "<tool_call>\n" + json.dumps({"name": call["function"]["name"] if "function" in call else call["name"],
+                                          "arguments": _arguments_of(call)}, ensure_ascii=False) + "\n</tool_call>"
+            for call in message["tool_calls"])
+        return {"role": "assistant", "content": f"{content}{calls}" if content else calls}
+    if role == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    return {"role": role, "content": content}
+
+
+def _arguments_of(call: dict) -> dict:
+    arguments = call["function"].get("arguments") if "function" in call else call.get("args", call.get("arguments"))
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return {"_raw": arguments}
+    return arguments or {}
+
+
+def tool_choice_constraint(tools: list | None, tool_choice, tool_parser: str = "hermes") -> StructuredOutput | None:
+    """The grammar that enforces ``tool_choice``; None for "auto"/"none" (the model decides or no tools).
+
+    >>> tool_choice_constraint([{"name": "add", "parameters": {...}}], "required")
+    StructuredOutput(grammar='root ::= ...')
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    tools = normalize_tools(tools)
+    if not tools:
+        raise ValueError(f"tool_choice={tool_choice!r} needs at least one tool")
+    if tool_choice in ("required", "any"):
+        chosen = tools
+    else:
+        name = tool_choice.get("function", tool_choice).get("name") if isinstance(tool_choice, dict) else tool_choice
+        chosen = [tool for tool in tools if tool["function"]["name"] == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools "
+                             f"{[t['function']['name'] for t in tools]}")
+    return StructuredOutput(grammar=_call_grammar(chosen, tool_parser))
+
+
+def _call_grammar(tools: list[dict], tool_parser: str) -> str:
+    import xgrammar as xgr
+
+    arguments_key = {"hermes": "arguments", "llama3_json": "parameters"}.get(tool_parser)
+    if arguments_key is None:
+        raise ValueError(f"tool_choice other than 'auto'/'none' is supported for tool_parser 'hermes' and "
+                         f"'llama3_json', not {tool_parser!r}")
+    schema = {"anyOf": [{
+        "type": "object",
+        "properties": {"name": {"const": tool["function"]["name"]}, arguments_key: tool["function"]["parameters"]},
+        "required": ["name", arguments_key],
+    } for tool in tools]}
+    call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    if tool_parser == "hermes":
+        call = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), call,
+                                  xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+    return str(call)
