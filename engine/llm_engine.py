@@ -13,6 +13,7 @@ import torch
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
+from .metrics import EngineMetrics
 from .loader import load_checkpoint
 from .model_runner import ModelRunner
 from .outputs import Logprob
@@ -76,6 +77,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_steps = 0
+        self.metrics = EngineMetrics(config.model)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -102,6 +104,7 @@ class LLMEngine:
         children = self._make_requests(request_id, text, token_ids, params, priority, cache_salt)
         self.groups[request_id] = children
         self.num_prompt_tokens_total += len(token_ids)
+        self.metrics.on_request_added(len(token_ids))
         if params.structured_output is not None:
             future = self.guided_decoder.submit(params.structured_output)
             for child in children:
@@ -177,6 +180,7 @@ class LLMEngine:
             except Exception as error:  # e.g. detokenization: fails this request only
                 logger.exception("request %s failed after sampling", request.request_id)
                 deltas.extend(self._fail_requests([request], error))
+        self.metrics.on_step(self, deltas)
         return deltas
 
     def _attach_compiled_grammars(self) -> list[RequestDelta]:

@@ -1,0 +1,126 @@
+"""Engine metrics under vLLM's names, exported through prometheus_client when it is installed
+(``pip install hearth-llm[metrics]``), and a periodic log line.
+
+>>> from hearth_llm.engine.metrics import start_metrics_server
+>>> start_metrics_server(8000)          # http://127.0.0.1:8000/metrics
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("hearth_llm")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    """Counters and histograms one engine updates after every step.
+
+    Without prometheus_client the plain counters still work (``snapshot()``); with it, the
+    metrics register once per process under ``vllm:``-style names with a ``model_name`` label.
+    """
+
+    def __init__(self, model_name: str, log_interval: float = 10.0) -> None:
+        self.model_name = model_name
+        self.log_interval = log_interval
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished = 0
+        self._last_log_time = time.monotonic()
+        self._last_log_tokens = 0
+        self._prometheus = _prometheus_metrics()
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens += num_prompt_tokens
+        if self._prometheus:
+            self._prometheus["prompt_tokens"].labels(self.model_name).inc(num_prompt_tokens)
+
+    def on_step(self, engine, deltas) -> None:
+        now = time.monotonic()
+        num_new = sum(len(d.new_token_ids) for d in deltas)
+        self.num_generation_tokens += num_new
+        prom = self._prometheus
+        for delta in deltas:
+            request = delta.request
+            if prom and delta.new_token_ids and request.num_output_tokens == 1:
+                prom["ttft"].labels(self.model_name).observe(now - request.arrival_time)
+            if delta.is_finished:
+                self.num_finished += 1
+                if prom:
+                    prom["e2e"].labels(self.model_name).observe(now - request.arrival_time)
+                    if request.first_token_time is not None and request.num_output_tokens > 1:
+                        per_token = (now - request.first_token_time) / (request.num_output_tokens - 1)
+                        prom["tpot"].labels(self.model_name).observe(per_token)
+        stats = engine.stats()
+        if prom:
+            label = self.model_name
+            prom["generation_tokens"].labels(label).inc(num_new)
+            prom["running"].labels(label).set(stats["num_running"])
+            prom["waiting"].labels(label).set(stats["num_waiting"])
+            used = 1.0 - stats["num_free_blocks"] / max(stats["num_total_blocks"], 1)
+            prom["kv_usage"].labels(label).set(used)
+            _set_counter(prom["prefix_queries"].labels(label), stats["prefix_cache_queries"])
+            _set_counter(prom["prefix_hits"].labels(label), stats["prefix_cache_hits"])
+            _set_counter(prom["preemptions"].labels(label), stats["num_preemptions"])
+        if now - self._last_log_time >= self.log_interval:
+            self._log_line(stats, now)
+
+    def _log_line(self, stats: dict, now: float) -> None:
+        elapsed = now - self._last_log_time
+        throughput = (self.num_generation_tokens - self._last_log_tokens) / elapsed
+        used = 1.0 - stats["num_free_blocks"] / max(stats["num_total_blocks"], 1)
+        hit_rate = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+        logger.info("generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%% used, prefix-cache hit rate %.1f%%",
+                    throughput, stats["num_running"], stats["num_waiting"], 100 * used, 100 * hit_rate)
+        self._last_log_time, self._last_log_tokens = now, self.num_generation_tokens
+
+
+def _set_counter(child, value: float) -> None:
+    """Prometheus counters only go up: add the difference from the engine's running total."""
+    current = child._value.get()
+    if value > current:
+        child.inc(value - current)
+
+
+_PROMETHEUS = None
+
+
+def _prometheus_metrics() -> dict | None:
+    global _PROMETHEUS
+    if _PROMETHEUS is not None:
+        return _PROMETHEUS or None
+    try:
+        from prometheus_client import Counter, Gauge, Histogram
+    except ImportError:
+        _PROMETHEUS = {}
+        return None
+    labels = ["model_name"]
+    _PROMETHEUS = {
+        "running": Gauge("vllm:num_requests_running", "Requests in the running batch.", labels),
+        "waiting": Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels),
+        "kv_usage": Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels),
+        "prefix_queries": Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels),
+        "prefix_hits": Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels),
+        "preemptions": Counter("vllm:num_preemptions", "Preemptions by recompute.", labels),
+        "prompt_tokens": Counter("vllm:prompt_tokens", "Prompt tokens admitted.", labels),
+        "generation_tokens": Counter("vllm:generation_tokens", "Tokens generated.", labels),
+        "ttft": Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                          buckets=_LATENCY_BUCKETS),
+        "tpot": Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.", labels,
+                          buckets=_LATENCY_BUCKETS),
+        "e2e": Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels,
+                         buckets=_LATENCY_BUCKETS),
+    }
+    return _PROMETHEUS
+
+
+def start_metrics_server(port: int = 8000, address: str = "127.0.0.1") -> None:
+    """Serve ``/metrics`` for Prometheus, on loopback unless told otherwise."""
+    try:
+        from prometheus_client import start_http_server
+    except ImportError as error:
+        raise ImportError("start_metrics_server needs prometheus_client: pip install 'hearth-llm[metrics]'") from error
+    _prometheus_metrics()
+    start_http_server(port, addr=address)
