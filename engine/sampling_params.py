@@ -48,7 +48,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalize_stop(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         if self.structured_output is not None:
             from .structured_output import StructuredOutput
 
@@ -87,6 +87,8 @@ class SamplingParams:
 def _normalize_stop(stop: list[str] | str | None) -> tuple[str, ...]:
     if stop is None:
         return ()
+    if not isinstance(stop, (str, list, tuple)):
+        raise ValueError(f"stop must be a str or a list of str, got {type(stop).__name__}")
     strings = [stop] if isinstance(stop, str) else list(stop)
     if len(strings) > MAX_STOP_STRINGS:
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
@@ -96,6 +98,14 @@ def _normalize_stop(stop: list[str] | str | None) -> tuple[str, ...]:
         if len(text) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
     return tuple(strings)
+
+
+def _normalize_stop_token_ids(token_ids) -> list[int]:
+    if token_ids is None:
+        return []
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {type(token_ids).__name__}")
+    return list(token_ids)
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:

@@ -1,0 +1,98 @@
+"""Fuzzing: random sampling settings and a state machine over the scheduler and block pool."""
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hearth_llm.engine import LLM, SamplingParams
+
+from conftest import TINY_VOCAB
+
+ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                      st.text(max_size=5), st.lists(st.text(max_size=3), max_size=3))
+FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+          "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs",
+          "prompt_logprobs"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), ANY_VALUE, max_size=4))
+def test_sampling_params_accept_or_raise_value_error_naming_a_field(kwargs):
+    try:
+        SamplingParams(**kwargs)
+    except ValueError as error:
+        assert any(name in str(error) for name in FIELDS), error
+
+
+@pytest.fixture(scope="module")
+def small_pool_llm(tiny_model_dirs):
+    # 20 blocks of 4 tokens: small enough that a handful of requests forces preemption.
+    return LLM(str(tiny_model_dirs["llama"]), block_size=4, kv_cache_memory=20 * 2048, max_model_len=64,
+               max_num_batched_tokens=24, show_progress=False)
+
+
+def check_pool_invariants(engine):
+    pool = engine.kv_cache.pool
+    holders = Counter(block for request in engine.scheduler.running for block in request.block_ids)
+    for block in pool.blocks:
+        assert block.ref_count >= 0
+        assert block.ref_count == holders.get(block.block_id, 0), (block, holders.get(block.block_id))
+        assert (block.ref_count == 0) == (block.block_id in pool.free_queue)
+    for request in engine.scheduler.running:
+        assert len(set(request.block_ids)) == len(request.block_ids), "a request holds a block twice"
+    for block_hash, block_id in pool.cached_blocks.items():
+        assert pool.blocks[block_id].block_hash == block_hash
+    for request in engine.scheduler.waiting:
+        assert request.block_ids == []
+    stats = engine.stats()
+    used = sum(1 for block in pool.blocks if block.ref_count > 0)
+    assert stats["num_free_blocks"] + used == stats["num_total_blocks"]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    llm = None
+
+    def __init__(self):
+        super().__init__()
+        self.engine = self.llm.engine
+        self.live: list[str] = []
+
+    @rule(length=st.integers(1, 40), shared=st.booleans(), max_tokens=st.integers(1, 12),
+          priority=st.integers(0, 2))
+    def add(self, length, shared, max_tokens, priority):
+        prompt = ([9] * 8 if shared else []) + [(5 + 7 * i + length) % TINY_VOCAB for i in range(length)]
+        params = SamplingParams(temperature=0.7, seed=length, max_tokens=max_tokens, ignore_eos=True)
+        self.live.append(self.engine.add_request(prompt[:60], params, priority=priority))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(self.live))
+        self.engine.abort_request(request_id)
+
+    @rule()
+    def step(self):
+        self.engine.step()
+
+    @invariant()
+    def pool_is_consistent(self):
+        check_pool_invariants(self.engine)
+
+    def teardown(self):
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        for request_id in self.live:
+            self.engine.release(request_id)
+        stats = self.engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_scheduler_and_block_pool_invariants(small_pool_llm):
+    SchedulerMachine.llm = small_pool_llm
+    runner = SchedulerMachine.TestCase()
+    runner.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+                               suppress_health_check=list(HealthCheck))
+    runner.runTest()
+    assert small_pool_llm.stats()["num_preemptions"] > 0
