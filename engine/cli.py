@@ -40,6 +40,45 @@ def demo(args) -> None:
           f"prefix-cache hit rate {hit_rate:.0%}")
 
 
+def chat(args) -> None:
+    """An interactive terminal chat: streamed answers, multi-turn history, /reset and /exit."""
+    from .llm import LLM, render_chat
+    from .sampling_params import SamplingParams
+
+    llm = LLM(args.model, show_progress=False)
+    engine = llm.engine
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    history: list[dict] = []
+    print("hearth-llm chat: type a message; /reset clears the history, /exit quits.", flush=True)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return
+        if line == "/exit":
+            return
+        if line == "/reset":
+            history.clear()
+            print("(history cleared)", flush=True)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        request_id = engine.add_request(render_chat(llm.tokenizer, history), params)
+        print("assistant> ", end="", flush=True)
+        try:
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    print(delta.new_text, end="", flush=True)
+        except KeyboardInterrupt:
+            engine.abort_request(request_id)
+        answer = engine.groups[request_id][0].output_text
+        engine.release(request_id)
+        history.append({"role": "assistant", "content": answer})
+        print(flush=True)
+
+
 def info(args) -> None:
     from .llm import LLM
 
@@ -48,7 +87,7 @@ def info(args) -> None:
     stats = engine.stats()
     print(json.dumps({
         "model": args.model,
-        "architecture": engine.arch.architecture,
+        "architecture": type(engine.runner.model).__name__,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "device": str(engine.runner.device),
         "max_model_len": engine.max_model_len,
@@ -84,6 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     demo_parser.add_argument("--model", default="default")
     demo_parser.add_argument("--max-tokens", type=int, default=64)
     demo_parser.set_defaults(run=demo)
+    chat_parser = commands.add_parser("chat", help="interactive chat with streamed answers")
+    chat_parser.add_argument("--model", default="default")
+    chat_parser.add_argument("--max-tokens", type=int, default=256)
+    chat_parser.add_argument("--temperature", type=float, default=0.0)
+    chat_parser.set_defaults(run=chat)
     info_parser = commands.add_parser("info", help="model, dtype, device and KV cache capacity")
     info_parser.add_argument("--model", default="default")
     info_parser.set_defaults(run=info)
