@@ -10,3 +10,11 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+from .async_llm import AsyncLLM, RateLimit, TenantRateLimiter
+from .errors import (EngineClosedError, EngineDeadError, EngineError, EngineOverloadedError, RequestFailedError,
+                     RequestTimeoutError)
+from .registry import ChatPrompt, EngineCore, RequestStream, StreamOutput, Usage, get_engine, shutdown_engines
+
+__all__ += ["AsyncLLM", "RateLimit", "TenantRateLimiter", "get_engine", "shutdown_engines", "EngineCore",
+            "RequestStream", "StreamOutput", "Usage", "ChatPrompt", "EngineError", "EngineOverloadedError",
+            "EngineDeadError", "EngineClosedError", "RequestFailedError", "RequestTimeoutError"]

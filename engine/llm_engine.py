@@ -170,9 +170,13 @@ class LLMEngine:
             return grammar_failures + self._fail_requests(batch.requests, error)
         self.scheduler.update_after_step(batch)
         self.num_steps += 1
-        self._record_prompt_logprobs(batch, output.prompt_logits)
         to_sample = [batch.requests[i] for i in output.sampling_rows]
-        sampled = self.sampler(output.logits, to_sample, self.guided_decoder.apply_masks) if to_sample else None
+        try:
+            self._record_prompt_logprobs(batch, output.prompt_logits)
+            sampled = self.sampler(output.logits, to_sample, self.guided_decoder.apply_masks) if to_sample else None
+        except Exception as error:  # e.g. a grammar mask that raises: fail this step's requests, keep serving
+            logger.exception("sampling failed; aborting the %d requests of this step", len(batch.requests))
+            return grammar_failures + self._fail_requests(batch.requests, error)
         deltas = grammar_failures
         for row, request in enumerate(to_sample):
             try:
