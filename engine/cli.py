@@ -42,11 +42,12 @@ def demo(args) -> None:
 
 def chat(args) -> None:
     """An interactive terminal chat: streamed answers, multi-turn history, /reset and /exit."""
-    from .llm import LLM, render_chat
+    from .llm import LLM
+    from .registry import ChatPrompt
     from .sampling_params import SamplingParams
 
     llm = LLM(args.model, show_progress=False)
-    engine = llm.engine
+    core = llm._core
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     history: list[dict] = []
     print("hearth-llm chat: type a message; /reset clears the history, /exit quits.", flush=True)
@@ -65,16 +66,16 @@ def chat(args) -> None:
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        request_id = engine.add_request(render_chat(llm.tokenizer, history), params)
         print("assistant> ", end="", flush=True)
-        try:
-            while engine.has_unfinished_requests():
-                for delta in engine.step():
-                    print(delta.new_text, end="", flush=True)
-        except KeyboardInterrupt:
-            engine.abort_request(request_id)
-        answer = engine.groups[request_id][0].output_text
-        engine.release(request_id)
+        pieces = []
+        with core.add_request(ChatPrompt(list(history)), params) as stream:
+            try:
+                for out in stream:
+                    pieces.append(out.delta_text)
+                    print(out.delta_text, end="", flush=True)
+            except KeyboardInterrupt:
+                pass  # leaving the stream aborts the answer; the chat goes on
+        answer = "".join(pieces)
         history.append({"role": "assistant", "content": answer})
         print(flush=True)
 

@@ -116,6 +116,12 @@ class LLMEngine:
             self.scheduler.add(child)
         return request_id
 
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, or ValueError naming what is wrong; changes nothing."""
+        _, token_ids = self._tokenize_prompt(prompt)
+        self._check_token_ids(token_ids)
+        return token_ids
+
     def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:

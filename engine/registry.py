@@ -467,12 +467,21 @@ class EngineCore:
         return True
 
     def _apply_adds(self, engine: LLMEngine, adds: list[_AddRequest]) -> None:
-        added: list[str] = []
+        prompts: list[str | list[int]] = []
         for index, add in enumerate(adds):
-            try:
+            try:  # check every prompt before queueing any, so a bad one leaves no trace
                 prompt = add.prompt
                 if isinstance(prompt, ChatPrompt):
                     prompt = render_chat_prompt(engine.tokenizer, prompt)
+                engine.check_prompt(prompt)
+                prompts.append(prompt)
+            except Exception as error:
+                for other in adds:
+                    other.stream.put(error if other is add or len(adds) == 1 else _in_batch_error(error, index))
+                return
+        added: list[str] = []
+        for index, (add, prompt) in enumerate(zip(adds, prompts)):
+            try:
                 engine.add_request(prompt, add.params, add.stream.request_id, add.priority, add.cache_salt)
             except Exception as error:  # invalid input fails these requests only
                 for request_id in added:

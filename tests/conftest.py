@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen3Config)
 
-from hearth_llm.engine import LLM
+from hearth_llm.engine import LLM, EngineConfig, LLMEngine
 
 TINY_VOCAB = 320
 TINY_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -86,12 +86,15 @@ def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-_engines: list[LLM] = []
+def assert_pool_whole(stats: dict) -> None:
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
 
 
 @pytest.fixture
 def make_llm():
-    """Build an LLM; after the test, its KV pool must be whole again and nothing left queued."""
+    """Build an LLM; after the test its KV pool must be whole again, then it is closed (so the
+    next test's LLM on the same model starts a fresh engine and cache)."""
     created = []
 
     def build(model, **kwargs) -> LLM:
@@ -101,10 +104,28 @@ def make_llm():
         return llm
 
     yield build
-    for llm in created:
-        stats = llm.stats()
-        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-        assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    try:
+        for llm in created:
+            assert_pool_whole(llm.stats())
+    finally:
+        for llm in created:
+            llm.close()
+
+
+@pytest.fixture
+def make_engine():
+    """Build a bare LLMEngine to drive step by step; its pool must be whole after the test."""
+    created = []
+
+    def build(model, **kwargs) -> LLMEngine:
+        kwargs.setdefault("show_progress", False)
+        engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        created.append(engine)
+        return engine
+
+    yield build
+    for engine in created:
+        assert_pool_whole(engine.stats())
 
 
 def random_prompts(count: int, lengths, seed: int = 0) -> list[list[int]]:
@@ -115,13 +136,12 @@ def random_prompts(count: int, lengths, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The bundled SmolLM2-135M-Instruct, loaded once for the session."""
-    return LLM("default", show_progress=False)
+    """The bundled SmolLM2-135M-Instruct in float32 (compared against float32 transformers),
+    loaded once for the session."""
+    return LLM("default", dtype="float32", show_progress=False)
 
 
 @pytest.fixture
 def smollm2(default_llm):
     yield default_llm
-    stats = default_llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert_pool_whole(default_llm.stats())

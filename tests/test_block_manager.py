@@ -69,9 +69,8 @@ def test_allocation_fails_without_side_effects_when_the_pool_is_short():
     assert request.block_ids == [] and manager.num_free_blocks == 3
 
 
-def test_abort_mid_prefill_frees_blocks(tiny_model_dirs, make_llm):
-    llm = make_llm(tiny_model_dirs["llama"], max_num_batched_tokens=8, block_size=4)
-    engine = llm.engine
+def test_abort_mid_prefill_frees_blocks(tiny_model_dirs, make_engine):
+    engine = make_engine(tiny_model_dirs["llama"], max_num_batched_tokens=8, block_size=4)
     request_id = engine.add_request(random_prompts(1, [40])[0], SamplingParams(max_tokens=4))
     engine.step()
     request = engine.groups[request_id][0]
@@ -82,9 +81,8 @@ def test_abort_mid_prefill_frees_blocks(tiny_model_dirs, make_llm):
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
 
 
-def test_abort_mid_decode_frees_blocks_and_others_continue(tiny_model_dirs, make_llm):
-    llm = make_llm(tiny_model_dirs["llama"])
-    engine = llm.engine
+def test_abort_mid_decode_frees_blocks_and_others_continue(tiny_model_dirs, make_engine):
+    engine = make_engine(tiny_model_dirs["llama"])
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     keep, drop = (engine.add_request(p, params) for p in random_prompts(2, [6, 9]))
     for _ in range(3):

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hearth_llm.engine import LLM, SamplingParams
+from hearth_llm.engine import EngineConfig, LLMEngine, SamplingParams
 
 from conftest import TINY_VOCAB
 
@@ -29,8 +29,8 @@ def test_sampling_params_accept_or_raise_value_error_naming_a_field(kwargs):
 @pytest.fixture(scope="module")
 def small_pool_llm(tiny_model_dirs):
     # 20 blocks of 4 tokens: small enough that a handful of requests forces preemption.
-    return LLM(str(tiny_model_dirs["llama"]), block_size=4, kv_cache_memory=20 * 2048, max_model_len=64,
-               max_num_batched_tokens=24, show_progress=False)
+    return LLMEngine(EngineConfig(model=str(tiny_model_dirs["llama"]), block_size=4, kv_cache_memory=20 * 2048,
+                                  max_model_len=64, max_num_batched_tokens=24, show_progress=False))
 
 
 def check_pool_invariants(engine):
@@ -56,7 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.engine = self.llm.engine
+        self.engine = self.llm
         self.live: list[str] = []
 
     @rule(length=st.integers(1, 40), shared=st.booleans(), max_tokens=st.integers(1, 12),

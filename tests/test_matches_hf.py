@@ -28,10 +28,9 @@ def test_batch_of_16_mixed_lengths_matches_hf(arch, tiny_model_dirs, make_llm):
     assert_matches_hf(tiny_model_dirs[arch], prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
-def test_requests_added_while_others_decode_match_hf(tiny_model_dirs, make_llm):
+def test_requests_added_while_others_decode_match_hf(tiny_model_dirs, make_engine):
     path = tiny_model_dirs["llama"]
-    llm = make_llm(path)
-    engine = llm.engine
+    engine = make_engine(path)
     prompts = random_prompts(6, [20, 5, 44], seed=3)
     ids = [engine.add_request(prompts[0], GREEDY)]
     for prompt in prompts[1:]:

@@ -75,13 +75,12 @@ def test_bad_prompts_are_refused_before_anything_is_queued(prompt, match, tiny_m
     with pytest.raises(ValueError, match=match):
         llm.generate([good, *prompt] if isinstance(prompt, list) and prompt else prompt, use_tqdm=False)
     assert llm.stats() == before
-    assert llm.engine.groups == {}
     # and the engine still serves
     assert len(llm.generate([good], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) >= 1
 
 
-def test_duplicate_request_id_is_refused(tiny_model_dirs, make_llm):
-    engine = make_llm(tiny_model_dirs["llama"]).engine
+def test_duplicate_request_id_is_refused(tiny_model_dirs, make_engine):
+    engine = make_engine(tiny_model_dirs["llama"])
     engine.add_request([5, 6], SamplingParams(max_tokens=1), request_id="same")
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request([5, 6], SamplingParams(max_tokens=1), request_id="same")
