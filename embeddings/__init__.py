@@ -1,0 +1,18 @@
+"""In-process text embeddings: sentence-transformers models on a background engine that batches
+every caller's texts together.
+
+>>> from hearth_llm.embeddings import get_embedding_engine
+>>> engine = get_embedding_engine()                    # all-MiniLM-L6-v2, bundled
+>>> engine.embed(["The cat sat on the mat.", "Paris is in France."]).shape
+torch.Size([2, 384])
+"""
+from .config import EmbeddingConfig
+from .engine import EmbeddingEngine
+from .errors import (EmbeddingEngineClosedError, EmbeddingEngineDeadError, EmbeddingError, EmbeddingFailedError,
+                     TextTooLongError)
+from .model_dir import EncoderSpec, default_model_path, read_encoder_spec
+from .registry import get_embedding_engine, shutdown_embedding_engines
+
+__all__ = ["EmbeddingEngine", "EmbeddingConfig", "get_embedding_engine", "shutdown_embedding_engines",
+           "EncoderSpec", "read_encoder_spec", "default_model_path", "EmbeddingError", "EmbeddingEngineDeadError",
+           "EmbeddingEngineClosedError", "EmbeddingFailedError", "TextTooLongError"]

@@ -1,0 +1,109 @@
+"""Tokenizer and encoder of one model: texts → token ids → embeddings. Used by the engine thread only."""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from .bert import SUPPORTED_MODEL_TYPES, BertConfig, BertEncoder, has_safetensors
+from .config import EmbeddingConfig
+from .model_dir import EncoderSpec
+from .pooling import pool
+
+logger = logging.getLogger("hearth_llm")
+
+
+class EncoderRunner:
+    """Loads the tokenizer and the encoder (ours or transformers', per ``config.implementation``).
+
+    >>> runner = EncoderRunner(read_encoder_spec("default"), EmbeddingConfig())
+    >>> ids, is_too_long = runner.tokenize(["Hello world"], truncate=True)
+    >>> runner.run(ids).shape
+    torch.Size([1, 384])
+    """
+
+    def __init__(self, spec: EncoderSpec, config: EmbeddingConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.device = config.torch_device
+        self.tokenizer = AutoTokenizer.from_pretrained(str(spec.encoder_path))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = 0 if pad is None else int(pad)
+        self.implementation = choose_implementation(spec, config.implementation)
+        if self.implementation == "hearth":
+            self.model = BertEncoder.from_pretrained(spec.encoder_path, dtype=config.torch_dtype, device=self.device)
+        else:
+            self.model = _load_transformers_model(spec, config)
+
+    def tokenize(self, texts: list[str], truncate: bool) -> tuple[list[list[int]], list[bool]]:
+        """Token ids of each text (special tokens included) and whether it was longer than
+        ``max_seq_length``; over-long texts are truncated when ``truncate``, else left cut at
+        ``max_seq_length + 1`` for the caller to refuse."""
+        if self.spec.do_lower_case:
+            texts = [text.lower() for text in texts]
+        limit = self.spec.max_seq_length
+        ids = self._encode(texts, limit + 1)
+        is_too_long = [len(row) > limit for row in ids]
+        if truncate and any(is_too_long):
+            positions = [i for i, too_long in enumerate(is_too_long) if too_long]
+            for i, row in zip(positions, self._encode([texts[i] for i in positions], limit), strict=True):
+                ids[i] = row
+        return ids, is_too_long
+
+    def run(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """Right-pad one batch, encode, pool: float32 ``[len(token_ids), dimension]`` on the CPU."""
+        length = max(len(row) for row in token_ids)
+        input_ids = torch.full((len(token_ids), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(token_ids), length), dtype=torch.long)
+        for i, row in enumerate(token_ids):
+            input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, :len(row)] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        if self.implementation == "hearth":
+            hidden = self.model(input_ids, attention_mask)
+        else:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return pool(hidden, attention_mask, self.spec.pooling, self.spec.normalize).cpu()
+
+    def _encode(self, texts: list[str], max_length: int) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length,
+                              return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+
+
+def choose_implementation(spec: EncoderSpec, requested: str) -> str:
+    """``"hearth"`` (ours) or ``"transformers"``. "auto" takes ours wherever it can run the model:
+    on all-MiniLM-L6-v2, one CPU thread, it embedded 1.14× (batches of 32) to 1.33× (batches of 256)
+    the sentences per CPU-second of ``AutoModel`` with SDPA, at the same accuracy."""
+    reason = _why_not_ours(spec)
+    if requested == "hearth" and reason:
+        raise ValueError(f"implementation='hearth' cannot run {spec.encoder_path}: {reason}; "
+                         "use implementation='transformers' or 'auto'")
+    if requested == "auto":
+        if reason:
+            logger.info("embedding model %s runs on transformers: %s", spec.encoder_path, reason)
+        return "transformers" if reason else "hearth"
+    return requested
+
+
+def _why_not_ours(spec: EncoderSpec) -> str | None:
+    if spec.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {spec.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if not has_safetensors(spec.encoder_path):
+        return "it has no safetensors weights"
+    with open(spec.encoder_path / "config.json", encoding="utf-8") as file:
+        try:
+            BertConfig.from_dict(json.load(file))
+        except (ValueError, KeyError) as error:
+            return str(error)
+    return None
+
+
+def _load_transformers_model(spec: EncoderSpec, config: EmbeddingConfig):
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(spec.encoder_path), dtype=config.torch_dtype, attn_implementation="sdpa")
+    model.to(config.torch_device).eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,127 @@
+"""Embedding throughput: HearthEmbeddings against LangChain's HuggingFaceEmbeddings
+(sentence-transformers) on the same model in the same run, then 64 concurrent ``aembed_query`` calls.
+
+    python -m hearth_llm.engine.bench.embeddings                 # 1000 sentences, 3 rounds each
+    python -m hearth_llm.engine.bench.embeddings --num-sentences 2000 --rounds 5 --json out.json
+
+The two sides alternate round by round so that load from other processes hits both alike; the
+median round counts. Sentences per CPU-second (all threads of this process) are reported too: on
+a shared machine they move much less than wall-clock rates. The baseline needs ``pip install sentence-transformers`` and
+``pip install --no-deps langchain-huggingface`` (its own pins would downgrade huggingface_hub);
+without them only our side runs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from hearth_llm.embeddings import default_model_path, get_embedding_engine
+from hearth_llm.integrations.langchain import HearthEmbeddings
+
+
+def make_sentences(count: int, seed: int = 0) -> list[str]:
+    """Deterministic sentences of 4–40 words (7–43 tokens, 25 on average) drawn from the model's vocabulary."""
+    vocab = (default_model_path() / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    words = [word for word in vocab[2000:] if word.isalpha() and len(word) > 2]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 40))).capitalize() + "."
+            for _ in range(count)]
+
+
+def sentence_transformers_baseline(model_path: str):
+    try:
+        from langchain_huggingface import HuggingFaceEmbeddings
+    except ImportError as error:
+        print(f"baseline skipped: {error}")
+        return None
+    # sentence-transformers' own defaults: batches of 32 sorted by length, normalization by the model.
+    return HuggingFaceEmbeddings(model_name=model_path, model_kwargs={"device": "cpu"})
+
+
+def time_round(embed, sentences: list[str]) -> tuple[float, float, list[list[float]]]:
+    """Sentences per second of wall clock and per CPU-second, and the vectors."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    vectors = embed(sentences)
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    return len(sentences) / wall, len(sentences) / cpu, vectors
+
+
+def min_cosine(ours: list[list[float]], theirs: list[list[float]]) -> float:
+    a, b = torch.tensor(ours), torch.tensor(theirs)
+    return torch.nn.functional.cosine_similarity(a, b, dim=1).min().item()
+
+
+async def concurrent_queries(embeddings: HearthEmbeddings, queries: list[str]) -> dict:
+    engine = embeddings.engine
+    before = engine.stats()
+    start = time.perf_counter()
+    await asyncio.gather(*(embeddings.aembed_query(query) for query in queries))
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    return {"num_calls": len(queries), "num_batches": after["num_batches"] - before["num_batches"],
+            "num_steps": after["num_steps"] - before["num_steps"], "seconds": round(seconds, 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-sentences", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-queries", type=int, default=64)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    sentences = make_sentences(args.num_sentences)
+    model_path = str(default_model_path())
+    ours = HearthEmbeddings(show_progress=False)
+    theirs = sentence_transformers_baseline(model_path)
+    ours.embed_documents(sentences[:64])            # load and warm up both before timing
+    if theirs is not None:
+        theirs.embed_documents(sentences[:64])
+
+    rates: dict[str, list[float]] = {"hearth": [], "sentence_transformers": []}
+    cpu_rates: dict[str, list[float]] = {"hearth": [], "sentence_transformers": []}
+    cosine = None
+    for _ in range(args.rounds):
+        rate, cpu_rate, our_vectors = time_round(ours.embed_documents, sentences)
+        rates["hearth"].append(rate)
+        cpu_rates["hearth"].append(cpu_rate)
+        if theirs is not None:
+            rate, cpu_rate, their_vectors = time_round(theirs.embed_documents, sentences)
+            rates["sentence_transformers"].append(rate)
+            cpu_rates["sentence_transformers"].append(cpu_rate)
+            cosine = min_cosine(our_vectors, their_vectors)
+
+    result = {"num_sentences": len(sentences), "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+              "implementation": ours.engine.implementation, "dtype": ours.engine.config.dtype,
+              "max_batch_tokens": ours.engine.config.batch_token_budget,
+              "hearth_sentences_per_s": round(statistics.median(rates["hearth"]), 1),
+              "hearth_rounds": [round(rate, 1) for rate in rates["hearth"]],
+              "hearth_sentences_per_cpu_s": round(statistics.median(cpu_rates["hearth"]), 1)}
+    if theirs is not None:
+        baseline = statistics.median(rates["sentence_transformers"])
+        result.update(sentence_transformers_sentences_per_s=round(baseline, 1),
+                      sentence_transformers_rounds=[round(rate, 1) for rate in rates["sentence_transformers"]],
+                      sentence_transformers_sentences_per_cpu_s=round(
+                          statistics.median(cpu_rates["sentence_transformers"]), 1),
+                      speedup=round(result["hearth_sentences_per_s"] / baseline, 2),
+                      speedup_per_cpu_s=round(statistics.median(cpu_rates["hearth"])
+                                              / statistics.median(cpu_rates["sentence_transformers"]), 2),
+                      min_cosine=cosine)
+    result["concurrent_queries"] = asyncio.run(concurrent_queries(ours, sentences[:args.num_queries]))
+    result["engine_stats"] = get_embedding_engine().stats()
+
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(result, file, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

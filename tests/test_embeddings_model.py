@@ -1,0 +1,185 @@
+"""The embedding model: our encoder and pooling against independent references.
+
+The default model (all-MiniLM-L6-v2) is checked against transformers' ``AutoModel`` with mean
+pooling and normalization written out here, and against sentence-transformers when it is
+installed. Tiny random BERT and RoBERTa directories check our encoder against transformers' for
+each pooling mode, with and without padding.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoTokenizer, BertConfig, RobertaConfig
+
+from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine, default_model_path, read_encoder_spec
+from hearth_llm.embeddings.linear import Linear, reference_linear
+from hearth_llm.embeddings.pooling import pool
+
+MIN_COSINE = 0.99999
+
+TEXTS = [
+    "The cat sat on the mat.",
+    "Paris is the capital and most populous city of France.",
+    "",
+    "   leading and trailing spaces   ",
+    "Numbers 3.14159 and 2,718 and dates 2024-01-01.",
+    "Ünïcödé, emoji 🙂 and 中文字符 are tokenized too.",
+    "A longer passage about rivers. " * 60,          # > 256 tokens: truncated like the reference
+    "short",
+]
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    with EmbeddingEngine(EmbeddingConfig(show_progress=False)) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def reference_vectors():
+    """transformers AutoModel + mean pooling + L2 normalization, the sentence-transformers recipe."""
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    encoded = tokenizer(TEXTS, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**encoded).last_hidden_state
+    mask = encoded["attention_mask"].unsqueeze(-1).float()
+    return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1)
+
+
+def min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a, b, dim=1).min().item()
+
+
+def test_default_model_is_read_from_its_sentence_transformers_directory():
+    spec = read_encoder_spec("default")
+    assert (spec.pooling, spec.normalize, spec.max_seq_length, spec.dimension) == ("mean", True, 256, 384)
+    assert spec.model_type == "bert"
+
+
+def test_default_engine_runs_our_encoder(default_engine):
+    assert default_engine.implementation == "hearth"
+
+
+def test_default_model_matches_the_transformers_reference(default_engine, reference_vectors):
+    vectors = default_engine.embed(TEXTS)
+    assert vectors.dtype == torch.float32 and vectors.shape == (len(TEXTS), 384)
+    assert min_cosine(vectors, reference_vectors) >= MIN_COSINE
+    assert torch.allclose(vectors.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
+
+
+def test_transformers_implementation_matches_the_reference_too(reference_vectors):
+    with EmbeddingEngine(EmbeddingConfig(implementation="transformers", show_progress=False)) as engine:
+        assert engine.implementation == "transformers"
+        assert min_cosine(engine.embed(TEXTS), reference_vectors) >= MIN_COSINE
+
+
+def test_default_model_matches_sentence_transformers(default_engine):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(str(default_model_path()), device="cpu")
+    expected = torch.from_numpy(model.encode(TEXTS, batch_size=4))
+    assert min_cosine(default_engine.embed(TEXTS), expected) >= MIN_COSINE
+
+
+def test_a_text_embeds_the_same_alone_and_in_a_padded_batch(default_engine):
+    alone = default_engine.embed_one("The cat sat on the mat.")
+    batched = default_engine.embed(["The cat sat on the mat.", "A much longer sentence " * 20])[0]
+    assert F.cosine_similarity(alone, batched, dim=0).item() >= MIN_COSINE
+
+
+def test_onednn_linear_matches_the_torch_reference():
+    torch.manual_seed(0)
+    for activation in ("none", "gelu", "gelu_tanh", "relu"):
+        layer = Linear(48, 96, activation=activation)
+        x = torch.randn(7, 48)
+        expected = reference_linear(x, layer.weight, layer.bias, activation)
+        layer.prepack()
+        assert torch.allclose(layer(x), expected, atol=1e-5), activation
+
+
+def test_mean_pooling_ignores_padding():
+    hidden = torch.tensor([[[1.0, 0.0], [3.0, 0.0], [100.0, 100.0]]])
+    pooled = pool(hidden, torch.tensor([[1, 1, 0]]), "mean", normalize=False)
+    assert pooled.tolist() == [[2.0, 0.0]]
+
+
+# ---- tiny random encoders of each supported kind, against transformers --------------------------
+
+POOLING_FLAGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
+                 "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens", "lasttoken": "pooling_mode_lasttoken"}
+
+
+def write_tiny_sentence_model(path, model_type: str = "bert", pooling: str = "mean", normalize: bool = True):
+    """A random 2-layer encoder with the default model's tokenizer, laid out as sentence-transformers does."""
+    common = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=128)
+    if model_type == "bert":
+        config = BertConfig(**common, pad_token_id=0)
+    else:
+        config = RobertaConfig(**{**common, "max_position_embeddings": 130}, pad_token_id=1, type_vocab_size=1)
+    torch.manual_seed(1)
+    AutoModel.from_config(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(default_model_path() / name, path / name)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
+                                                                 POOLING_FLAGS[pooling]: True}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    return path
+
+
+def transformers_embeddings(path, texts: list[str], pooling: str, normalize: bool) -> torch.Tensor:
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    encoded = tokenizer(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).last_hidden_state
+    return pool(hidden, encoded["attention_mask"], pooling, normalize)
+
+
+@pytest.mark.parametrize("model_type, pooling", [("bert", "mean"), ("bert", "cls"), ("bert", "max"),
+                                                 ("bert", "mean_sqrt_len"), ("bert", "lasttoken"),
+                                                 ("roberta", "mean")])
+def test_our_encoder_matches_transformers_on_tiny_models(tmp_path, model_type, pooling):
+    path = write_tiny_sentence_model(tmp_path, model_type, pooling, normalize=pooling != "max")
+    texts = ["a short one", "a somewhat longer text with more words in it", "x", "same length"]
+    expected = transformers_embeddings(path, texts, pooling, normalize=pooling != "max")
+    with EmbeddingEngine(EmbeddingConfig(model=str(path), implementation="hearth")) as engine:
+        actual = engine.embed(texts)
+    assert torch.allclose(actual, expected, atol=1e-4), (actual - expected).abs().max()
+
+
+def test_plain_hf_directory_means_mean_pooling_without_normalization(tmp_path):
+    path = write_tiny_sentence_model(tmp_path)
+    (path / "modules.json").unlink()
+    spec = read_encoder_spec(str(path))
+    assert (spec.pooling, spec.normalize) == ("mean", False)
+
+
+def test_unsupported_module_is_refused_by_name(tmp_path):
+    path = write_tiny_sentence_model(tmp_path)
+    modules = json.loads((path / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="Dense"):
+        read_encoder_spec(str(path))
+
+
+def test_max_seq_length_beyond_the_position_embeddings_is_refused():
+    with pytest.raises(ValueError, match="max_seq_length must be at most 512"):
+        read_encoder_spec("default", max_seq_length=513)
+
+
+def test_missing_model_directory_is_refused_by_name():
+    with pytest.raises(ValueError, match="model must be 'default' or"):
+        EmbeddingEngine(EmbeddingConfig(model="/no/such/model"))
