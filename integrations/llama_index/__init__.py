@@ -1,9 +1,9 @@
 """LlamaIndex classes served by the in-process hearth engines.
 
->>> from hearth_llm.integrations.llama_index import HearthEmbedding
+>>> from hearth_llm.integrations.llama_index import HearthEmbedding, HearthLLM
 >>> HearthEmbedding().get_text_embedding("Paris is the capital of France.")[:3]
 """
 from .embeddings import HearthEmbedding
+from .llm import HearthLLM
 
-__all__ = ["HearthEmbedding"]
-from .llm import HearthLLM  # noqa: E402,F401
+__all__ = ["HearthEmbedding", "HearthLLM"]
