@@ -145,3 +145,7 @@ def default_llm():
 def smollm2(default_llm):
     yield default_llm
     assert_pool_whole(default_llm.stats())
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stress-requests", type=int, default=300, help="requests in tests/test_stress.py")
