@@ -97,3 +97,36 @@ def test_generation_stops_at_max_model_len(tiny_model_dirs, make_llm):
     llm = make_llm(tiny_model_dirs["llama"], max_model_len=20)
     out = llm.generate([[5] * 15], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def _copy_model(tiny_model_dirs, tmp_path):
+    import shutil
+
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["llama"], target)
+    return target
+
+
+def test_corrupt_safetensors_is_a_value_error_naming_the_file(tiny_model_dirs, tmp_path):
+    target = _copy_model(tiny_model_dirs, tmp_path)
+    (target / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(str(target), show_progress=False)
+
+
+def test_malformed_config_json_is_a_value_error(tiny_model_dirs, tmp_path):
+    target = _copy_model(tiny_model_dirs, tmp_path)
+    (target / "config.json").write_text("{ this is not json")
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(target), show_progress=False)
+
+
+def test_unsupported_architecture_is_named(tiny_model_dirs, tmp_path):
+    import json
+
+    target = _copy_model(tiny_model_dirs, tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
+        LLM(str(target), show_progress=False)
