@@ -169,8 +169,8 @@ class GuidedDecoder:
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             return compiler.compile_json_schema(schema, any_whitespace=False)
-        if spec.json_object:
-            return compiler.compile_builtin_json_grammar()
+        if spec.json_object:  # an object, as OpenAI's json_object mode promises (the builtin grammar allows any value)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.regex is not None:
             return compiler.compile_regex(spec.regex)
         if spec.choice is not None:

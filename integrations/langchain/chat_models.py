@@ -1,9 +1,11 @@
 """``ChatHearth``: a LangChain chat model served by the in-process hearth engine."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, Literal
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -13,22 +15,37 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage,
                                      SystemMessage, ToolMessage)
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import ToolCallChunk, invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import get_config_list
-from pydantic import Field
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.json import parse_partial_json
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import Field, field_validator
 
 from hearth_llm.engine import (ChatPrompt, EngineCore, RequestStream, SamplingParams, StreamOutput, Usage,
                                get_engine)
+from hearth_llm.engine.tool_calling import template_supports_tools, tool_choice_constraint
+from hearth_llm.engine.tool_parsers import (ContentDelta, InvalidToolCallDelta, ParsedOutput, ToolCallDelta,
+                                            ToolCallStreamer, ToolParser, get_tool_parser, select_tool_parser)
 
 PROVIDER = "hearth"
 # max_tokens=None: generate until a stop, EOS or the end of the context (the engine enforces that).
 _NO_TOKEN_LIMIT = 1 << 30
 # Per-call keyword arguments (``invoke(..., temperature=0)``) that map to sampling parameters.
 _SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "logprobs", "top_logprobs",
-                     "presence_penalty", "frequency_penalty", "stop")
-# Content blocks that carry no text for the model to read again.
-_SKIPPED_BLOCK_TYPES = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "reasoning", "thinking"})
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "stop")
+# Per-call options that are not sampling parameters: bound by bind_tools and with_structured_output.
+_CALL_OPTIONS = ("tools", "tool_choice", "structured_output")
+# Content blocks that carry no text for the model to read again (tool calls travel in ``tool_calls``).
+_SKIPPED_BLOCK_TYPES = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "tool_use", "reasoning",
+                                  "thinking"})
+_TOOL_CHOICE_KEYWORDS = ("auto", "none", "any", "required")
+_STRUCTURED_OUTPUT_METHODS = ("json_schema", "function_calling", "json_mode")
 
 
 class ChatHearth(BaseChatModel):
@@ -41,10 +58,15 @@ class ChatHearth(BaseChatModel):
 
     Key init args:
         model: ``"default"`` (SmolLM2-135M-Instruct, bundled), a HF directory, a ``.gguf`` file or a hub id.
-        temperature, max_tokens, top_p, top_k, stop, seed, presence_penalty, frequency_penalty:
-            sampling; ``max_tokens=None`` generates until EOS, a stop string or the context's end.
+        temperature, max_tokens, top_p, top_k, stop, seed, presence_penalty, frequency_penalty,
+        repetition_penalty: sampling; ``max_tokens=None`` generates until EOS, a stop string or the
+            context's end. Small models loop under greedy decoding; ``repetition_penalty=1.1`` helps.
         logprobs, top_logprobs: return token log-probabilities in ``response_metadata["logprobs"]``.
         timeout: seconds per request; past it the request is aborted and ``TimeoutError`` raised.
+        tool_parser: the tool-call format to read (``"hermes"``, ``"llama3_json"``, ``"mistral"``,
+            ``"pythonic"``); by default chosen from the model's chat template and family.
+        tool_choice: the ``tool_choice`` of calls that offer tools but name none (default ``"auto"``);
+            ``"any"`` makes a model too small to call tools on its own call one every turn.
         engine_kwargs: :class:`EngineConfig` fields (``max_num_seqs``, ``kv_cache_memory``, ...).
             Every ChatHearth, ``AsyncLLM`` and ``LLM`` on the same model and config shares one
             engine, its KV cache and its prefix cache.
@@ -88,8 +110,34 @@ class ChatHearth(BaseChatModel):
             chain = ChatPromptTemplate.from_messages([("human", "Tell me about {topic}")]) | chat | StrOutputParser()
             chain.invoke({"topic": "owls"})
 
-    Tool calling and structured output are not offered yet; earlier tool calls and tool results
-    in the history (``AIMessage.tool_calls``, ``ToolMessage``) are rendered for the model.
+    Tool calling (``tool_choice="any"`` or a tool's name forces a well-formed call by grammar):
+        .. code-block:: python
+
+            from langchain_core.tools import tool
+
+            @tool
+            def get_weather(city: str) -> str:
+                \"\"\"The weather in a city.\"\"\"
+                return "sunny"
+
+            msg = chat.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?")
+            msg.tool_calls         # [{'name': 'get_weather', 'args': {'city': 'Paris'}, 'id': 'call_...', ...}]
+            get_weather.invoke(msg.tool_calls[0])   # a ToolMessage for the next turn
+
+    Structured output (the output is decoded under the schema's grammar):
+        .. code-block:: python
+
+            from pydantic import BaseModel
+
+            class City(BaseModel):
+                name: str
+                country: str
+
+            chat.with_structured_output(City).invoke("Name a city in France.")
+            # City(name='Paris', country='France')
+
+        ``method="json_schema"`` (default) constrains the output to the schema; ``"function_calling"``
+        binds the schema as a tool and forces a call to it; ``"json_mode"`` allows any JSON object.
     """
 
     model: str = "default"
@@ -103,9 +151,19 @@ class ChatHearth(BaseChatModel):
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     timeout: float | None = None
     streaming: bool = False
+    tool_parser: str | None = None
+    tool_choice: str | dict | bool | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _check_tool_parser(cls, value: str | None) -> str | None:
+        if value is not None:
+            get_tool_parser(value)  # raises ValueError naming tool_parser and the known formats
+        return value
 
     @property
     def _llm_type(self) -> str:
@@ -128,6 +186,62 @@ class ChatHearth(BaseChatModel):
             params["ls_stop"] = list(options["stop"])
         return params
 
+    # ---- tools and structured output -----------------------------------------------------------
+
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | dict | bool | None = None, **kwargs: Any) -> Runnable[Any, AIMessage]:
+        """Offer ``tools`` to the model; its calls come back in ``AIMessage.tool_calls``.
+
+        ``tool_choice``: ``"auto"`` (the model decides), ``"none"`` (no calls), ``"any"``/``"required"``/
+        ``True`` (at least one call), a tool's name or ``{"type": "function", "function": {"name": ...}}``
+        (a call to that tool). Forced calls are decoded under a grammar, so they are always well formed.
+
+        >>> chat.bind_tools([get_weather], tool_choice="get_weather").invoke("Paris?").tool_calls[0]["name"]
+        'get_weather'
+        """
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        if tool_choice is not None:
+            kwargs["tool_choice"] = _normalize_tool_choice(tool_choice, formatted)
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type, *,
+                               method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[Any, dict | Any]:
+        """A runnable whose output is ``schema`` (a Pydantic model, a TypedDict or a JSON schema) filled in:
+        a Pydantic instance for a Pydantic model, else a dict.
+
+        ``method``: ``"json_schema"`` decodes under the schema's grammar; ``"function_calling"`` binds the
+        schema as a tool and forces a call to it; ``"json_mode"`` allows any JSON object (say in the prompt
+        which keys you want). The output always parses; ``strict`` is accepted for compatibility (the
+        grammar is already strict). ``include_raw=True`` returns ``{"raw", "parsed", "parsing_error"}``.
+
+        >>> chat.with_structured_output(City).invoke("Name a city in France.")
+        City(name='Paris', country='France')
+        """
+        if kwargs:
+            raise ValueError(f"with_structured_output got unknown argument(s) {sorted(kwargs)}")
+        if method not in _STRUCTURED_OUTPUT_METHODS:
+            raise ValueError(f"method must be one of {list(_STRUCTURED_OUTPUT_METHODS)}, got {method!r}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        trace_format = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        if method == "function_calling":
+            tool = convert_to_openai_tool(schema, strict=strict)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format=trace_format)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        else:
+            # json_mode: any object. Said as a schema because the engine's json_object grammar admits arrays too.
+            guide = {"json": convert_to_json_schema(schema) if method == "json_schema" else {"type": "object"}}
+            llm = self.bind(structured_output=guide, ls_structured_output_format=trace_format)
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        unparsed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([unparsed], exception_key="parsing_error")
+
     # ---- the four native paths ---------------------------------------------------------------
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -143,7 +257,7 @@ class ChatHearth(BaseChatModel):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        call = self._prepare(messages, stop, kwargs)
+        call = await self._aprepare(messages, stop, kwargs)
         outputs = []
         with call.submit() as stream:
             async for output in stream:
@@ -165,7 +279,7 @@ class ChatHearth(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        call = self._prepare(messages, stop, kwargs)
+        call = await self._aprepare(messages, stop, kwargs)
         with call.submit() as stream:
             async for output in stream:
                 chunk = call.chunk(output)
@@ -190,17 +304,65 @@ class ChatHearth(BaseChatModel):
             options["stop"] = stop
         return options
 
+    async def _aprepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
+        if kwargs.get("tools") and self.tool_parser is None:
+            # Choosing the parser reads the chat template, which waits for the model to load: off the loop.
+            return await asyncio.to_thread(self._prepare, messages, stop, kwargs)
+        return self._prepare(messages, stop, kwargs)
+
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)  # LangChain's own switch, already acted on
         model = kwargs.pop("model", None) or self.model
-        unknown = sorted(set(kwargs) - set(_SAMPLING_OPTIONS))
+        unknown = sorted(set(kwargs) - set(_SAMPLING_OPTIONS) - set(_CALL_OPTIONS))
         if unknown:
-            raise TypeError(f"ChatHearth got unknown call option(s) {unknown}; known: {['model', *_SAMPLING_OPTIONS]}")
+            raise TypeError(f"ChatHearth got unknown call option(s) {unknown}; "
+                            f"known: {['model', *_SAMPLING_OPTIONS, *_CALL_OPTIONS]}")
+        tools = [convert_to_openai_tool(tool) for tool in kwargs.pop("tools", None) or []]
+        tool_choice = kwargs.pop("tool_choice", None)
+        tool_choice = _normalize_tool_choice(self.tool_choice if tool_choice is None else tool_choice, tools)
+        structured_output = kwargs.pop("structured_output", None)
         options = self._options(stop, kwargs)
         core = get_engine(model, **{"show_progress": False, **self.engine_kwargs})
-        prompt = ChatPrompt(to_chat_messages(messages))
-        return _Call(core, prompt, _sampling_params(options), model, options["top_logprobs"] or 0, self.timeout)
+        parser = None
+        if tools and tool_choice != "none":
+            parser_name = self.tool_parser or _tool_parser_for(core)
+            parser = get_tool_parser(parser_name)()
+            forced_call = tool_choice_constraint(tools, tool_choice, parser_name)
+            if forced_call is not None and structured_output is not None:
+                raise ValueError("structured_output cannot be combined with a forced tool_choice")
+            structured_output = forced_call or structured_output
+        prompt = ChatPrompt(to_chat_messages(messages), tools=tools if parser is not None else None)
+        return _Call(core, prompt, _sampling_params(options, structured_output), model, options["top_logprobs"] or 0,
+                     self.timeout, parser)
+
+
+def _tool_parser_for(core: EngineCore) -> str:
+    """The tool-call format this model writes. A template that never mentions tools gets the hermes
+    system prompt (see ``engine.tool_calling``), so the model is asked for, and read in, hermes."""
+    tokenizer = core.tokenizer  # waits for the model to load
+    if not template_supports_tools(tokenizer):
+        return "hermes"
+    return select_tool_parser(tokenizer.chat_template, getattr(core.engine.hf_config, "model_type", None))
+
+
+def _normalize_tool_choice(tool_choice: str | dict | bool | None, tools: list[dict]) -> str:
+    """``"auto"``, ``"none"``, ``"any"`` or the name of one of ``tools``."""
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, bool):
+        return "any" if tool_choice else "auto"
+    if tool_choice == "required":
+        return "any"
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice.get("function", tool_choice).get("name")
+    if tool_choice in _TOOL_CHOICE_KEYWORDS:
+        return tool_choice
+    names = [tool["function"]["name"] for tool in tools]
+    if not isinstance(tool_choice, str) or tool_choice not in names:
+        raise ValueError(f"tool_choice must be one of {list(_TOOL_CHOICE_KEYWORDS)}, True, or the name of a bound "
+                         f"tool {names}; got {tool_choice!r}")
+    return tool_choice
 
 
 @dataclass(slots=True)
@@ -213,25 +375,56 @@ class _Call:
     model_name: str
     num_top_logprobs: int
     timeout: float | None
+    parser: ToolParser | None = None
+    streamer: ToolCallStreamer | None = None
+    streamed_arguments: dict[int, str] = field(default_factory=dict)  # per tool call index, for chunks
+
+    def __post_init__(self) -> None:
+        if self.parser is not None:
+            self.streamer = self.parser.streamer()
 
     def submit(self) -> RequestStream:
         return self.core.add_request(self.prompt, self.params, timeout=self.timeout)
 
     def chunk(self, output: StreamOutput) -> ChatGenerationChunk:
+        text, tool_call_chunks = output.delta_text, []
+        if self.streamer is not None:
+            events = self.streamer.feed(output.delta_text) + (self.streamer.finish() if output.finished else [])
+            text = "".join(event.text for event in events if isinstance(event, ContentDelta))
+            tool_call_chunks = [self._tool_call_chunk(event) for event in events if not isinstance(event, ContentDelta)]
         metadata = self._logprobs_metadata([output])
         if not output.finished:
-            return ChatGenerationChunk(message=AIMessageChunk(content=output.delta_text, response_metadata=metadata))
-        message = AIMessageChunk(content=output.delta_text, usage_metadata=_usage_metadata(output.usage),
+            return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=tool_call_chunks,
+                                                              response_metadata=metadata))
+        message = AIMessageChunk(content=text, tool_call_chunks=tool_call_chunks,
+                                 usage_metadata=_usage_metadata(output.usage),
                                  response_metadata={**metadata, **self._final_metadata(output)},
                                  chunk_position="last")
         return ChatGenerationChunk(message=message)
 
     def result(self, outputs: list[StreamOutput]) -> ChatResult:
         last = outputs[-1]
-        message = AIMessage(content="".join(output.delta_text for output in outputs),
-                            usage_metadata=_usage_metadata(last.usage),
-                            response_metadata={**self._logprobs_metadata(outputs), **self._final_metadata(last)})
+        text = "".join(output.delta_text for output in outputs)
+        parsed = self.parser.parse(text) if self.parser is not None else ParsedOutput(content=text)
+        message = AIMessage(
+            content=parsed.content,
+            tool_calls=[tool_call(name=call.name, args=call.arguments, id=call.id) for call in parsed.tool_calls],
+            invalid_tool_calls=[invalid_tool_call(name=call.name, args=call.raw_arguments, id=call.id,
+                                                  error=call.error) for call in parsed.invalid_tool_calls],
+            usage_metadata=_usage_metadata(last.usage),
+            response_metadata={**self._logprobs_metadata(outputs), **self._final_metadata(last)})
         return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _tool_call_chunk(self, event: ToolCallDelta | InvalidToolCallDelta) -> ToolCallChunk:
+        index = event.index
+        if isinstance(event, ToolCallDelta):
+            self.streamed_arguments[index] = self.streamed_arguments.get(index, "") + event.arguments_fragment
+            return tool_call_chunk(name=event.name, args=event.arguments_fragment, id=event.id, index=index)
+        if index in self.streamed_arguments:  # its start went out already: make the merged whole unreadable
+            return tool_call_chunk(args=_unreadable_tail(self.streamed_arguments[index]), index=index)
+        call = event.invalid_tool_call
+        raw = call.raw_arguments or ""
+        return tool_call_chunk(name=call.name, args=raw + _unreadable_tail(raw), id=call.id, index=index)
 
     def _final_metadata(self, last: StreamOutput) -> dict[str, Any]:
         return {"model_name": self.model_name, "model_provider": PROVIDER, "finish_reason": last.finish_reason,
@@ -247,9 +440,27 @@ class _Call:
         return {"logprobs": {"content": content}}
 
 
-def _sampling_params(options: dict[str, Any]) -> SamplingParams:
-    values = {name: options[name] for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                               "frequency_penalty") if options[name] is not None}
+def _unreadable_tail(arguments: str) -> str:
+    """A suffix after which LangChain's merge of streamed chunks reads ``arguments`` as invalid.
+
+    Merged chunks are re-read with a lenient partial-JSON parser that closes whatever is open, so a
+    call that turned out malformed would merge into a valid-looking one. A closing bracket that
+    matches nothing (after closing an open string) makes that read fail, and the merged message
+    then lists the call under ``invalid_tool_calls``, as ``invoke`` does.
+    """
+    for tail in ('"]', '"}', "]", "}"):  # one of them always works: a bracket mismatched outside a string
+        try:
+            if not isinstance(parse_partial_json(arguments + tail), dict):
+                return tail
+        except ValueError:
+            return tail
+    return ""
+
+
+def _sampling_params(options: dict[str, Any], structured_output: Any = None) -> SamplingParams:
+    values = {"structured_output": structured_output}
+    values |= {name: options[name] for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                                                "frequency_penalty", "repetition_penalty") if options[name] is not None}
     values["max_tokens"] = options["max_tokens"] if options["max_tokens"] is not None else _NO_TOKEN_LIMIT
     values["stop"] = list(options["stop"]) if options["stop"] else None
     if options["logprobs"] or options["top_logprobs"]:
