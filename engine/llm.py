@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from .errors import RequestFailedError
 from .outputs import CompletionOutput, RequestOutput
 from .registry import ChatPrompt, RequestStream, get_engine, render_chat_prompt
 from .sampling_params import SamplingParams
@@ -51,7 +52,9 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``. Invalid input raises before anything is queued."""
+        """Outputs in the order of ``prompts``. Invalid input raises before anything is queued; a
+        request that fails later (say, its grammar does not compile) comes back with
+        ``finish_reason="abort"`` and the error in ``stop_reason``, the others unharmed."""
         prompt_list = _as_prompt_list(prompts)
         return self._run(prompt_list, prompt_list, sampling_params, use_tqdm, priority)
 
@@ -113,7 +116,14 @@ def _collect(prompt, params: SamplingParams, stream: RequestStream) -> RequestOu
     logprobs = [[] for _ in range(params.n)]
     finish = [(None, None)] * params.n
     last = None
-    for out in stream:
+    try:
+        outputs = list(stream)
+    except RequestFailedError as error:  # one failed request must not sink the whole batch
+        return RequestOutput(request_id=stream.request_id, prompt=prompt if isinstance(prompt, str) else None,
+                             prompt_token_ids=[], finished=True, outputs=[
+                                 CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort",
+                                                  stop_reason=str(error)) for i in range(params.n)])
+    for out in outputs:
         texts[out.index].append(out.delta_text)
         token_ids[out.index].extend(out.delta_token_ids)
         if out.logprobs:

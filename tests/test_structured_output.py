@@ -109,7 +109,7 @@ def test_guided_decoding_survives_preemption(tiny_model_dirs, make_llm):
     llm = make_llm(tiny_model_dirs["llama"], block_size=4, kv_cache_memory=12 * 2048, max_model_len=48)
     # The tiny tokenizer's tokens are "w0".."w319" (no decoder, so no spaces between them).
     spec = {"regex": "(w5|w6)+"}
-    params = SamplingParams(temperature=1.0, seed=0, max_tokens=20, structured_output=spec)
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=20, min_tokens=20, structured_output=spec)
     outs = llm.generate([[7 + i] * 20 for i in range(4)], params, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for out in outs:
