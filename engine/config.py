@@ -1,8 +1,12 @@
 """Engine settings: every field can be passed to ``LLM(...)`` / ``AsyncLLM(...)`` as a keyword."""
 from __future__ import annotations
 
+import functools
+import json
+import math
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -18,7 +22,9 @@ class EngineConfig:
     >>> EngineConfig(model="default", max_num_seqs=32, kv_cache_memory="512MiB")
 
     - ``model``: ``"default"`` (SmolLM2-135M-Instruct), a HF directory, a ``.gguf`` file, or a hub id.
-    - ``dtype``: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+    - ``dtype``: ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``. ``"auto"`` is bfloat16 on CUDA; on a
+      CPU with native bfloat16 (AVX512-BF16 or AMX) it is bfloat16 for GGUF files (the bundled default
+      included) and for model directories stored in 16 bits, float32 otherwise.
     - ``device``: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``.
     - ``max_model_len``: longest prompt + output; default the model's context, capped by the KV cache.
     - ``block_size``: tokens per KV cache block.
@@ -31,7 +37,8 @@ class EngineConfig:
     - ``trust_remote_code``: always refused; present so the refusal is explicit.
     - ``seed``: seeds sampling of requests without their own seed.
     - ``max_waiting_requests``: bound of the waiting queue (AsyncLLM backpressure).
-    - ``num_threads``: torch CPU threads; default the cores this process may use.
+    - ``num_threads``: torch CPU threads; default the cores this process may use (its CPU affinity and
+      container quota), never more than torch would use on its own.
     - ``show_progress``: progress bars while loading.
     - ``grammar_compile_timeout``: seconds a structured-output grammar may take to compile.
     - ``cuda_graphs``: on CUDA, capture decode steps as CUDA graphs (startup takes a few seconds).
@@ -74,6 +81,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes("kv_cache_memory", self.kv_cache_memory)
+        if self.num_threads is None:
+            self.num_threads = default_num_threads()
+        _positive_int("num_threads", self.num_threads)
 
     @property
     def torch_device(self) -> torch.device:
@@ -83,9 +93,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if has_native_cpu_bf16() and _is_stored_in_16_bits(self.model) else torch.float32
 
     @classmethod
     def from_kwargs(cls, model: str = "default", **kwargs) -> "EngineConfig":
@@ -94,6 +106,60 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **kwargs)
+
+
+def _is_stored_in_16_bits(model: str) -> bool:
+    """GGUF files (quantized far below bf16) and HF directories whose config says 16-bit: for these
+    bf16 compute keeps what the file holds. Float32 checkpoints keep float32, so their outputs stay
+    token-equal to float32 transformers."""
+    if model == "default" or model.endswith(".gguf"):
+        return True
+    config_path = Path(model).expanduser() / "config.json"
+    try:
+        declared = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    stored = declared.get("dtype") or declared.get("torch_dtype")
+    return stored in ("bfloat16", "float16")
+
+
+@functools.cache
+def has_native_cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively; without it bf16 is emulated and slower than fp32."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_num_threads() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a container's CPU quota and by
+    torch's own setting (physical cores, or what the user chose)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, min(cores, torch.get_num_threads()))
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time a container may use (cgroup v2 ``cpu.max`` or v1 CFS quota), or None."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
 
 
 def parse_bytes(name: str, value: int | str) -> int:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hearth_llm import kernels
+
 from .request import Request
 
 
@@ -87,14 +89,14 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        chosen = logits.argmax(dim=-1)
+        chosen = kernels.argmax(logits)
         sampled_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
             probs = _filtered_probs(logits.index_select(0, rows), [requests[i] for i in sampled_rows])
             noise = self._exponential_noise(probs, [requests[i].generator for i in sampled_rows])
             # Exponential race: argmax(p / E) draws from p with one random number per token, no cumsum.
-            chosen[rows] = (probs / noise).argmax(dim=-1)
+            chosen[rows] = kernels.argmax(probs / noise)
         return chosen.tolist()
 
 

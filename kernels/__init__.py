@@ -1,4 +1,5 @@
-"""Kernels, with one dispatch point: Triton on CUDA tensors, the torch reference elsewhere.
+"""Kernels, with one dispatch point: Triton on CUDA tensors, faster CPU routines (``cpu_ops``,
+checked against the reference) on CPU tensors, the torch reference for anything else.
 
 Model code calls these names and never asks which device it is on.
 
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import cpu_ops, reference
 
-__all__ = ["write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["argmax", "write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
 def _triton_module():
@@ -36,6 +37,8 @@ def _implementation(name: str, tensor: torch.Tensor):
         triton_ops = _triton_module()
         if triton_ops is not None and hasattr(triton_ops, name):
             return getattr(triton_ops, name)
+    elif tensor.device.type == "cpu":
+        return getattr(cpu_ops, name)
     return getattr(reference, name)
 
 
@@ -60,3 +63,7 @@ def rotary_embedding(query, key, positions, cos_sin_cache):
 
 def silu_and_mul(x):
     return _implementation("silu_and_mul", x)(x)
+
+
+def argmax(x):
+    return _implementation("argmax", x)(x)

@@ -107,3 +107,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation of a merged gate/up projection: ``silu(x[..., :I]) * x[..., I:]``."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of the first maximum of each row of ``[R, V]`` (NaN counts as the largest)."""
+    return x.argmax(dim=-1)

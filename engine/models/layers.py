@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from hearth_llm import kernels
+from hearth_llm.kernels import cpu_ops
 
 from .arch import ArchConfig
 
@@ -21,6 +22,76 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [B + 1] where each sequence's new tokens start in the flat batch
     max_query_len: int
     max_context_len: int
+
+
+class CpuLinear(nn.Module):
+    """A bf16 ``nn.Linear`` whose weight is repacked for CPU matmuls; made by :func:`repack_for_cpu`.
+
+    Batches use a copy of the weight in oneDNN's blocked layout. Steps of a few rows (decoding a
+    few sequences) are bound by reading the weight from memory, so when the weight is already on a
+    4-bit grid (dequantized from a Q4 GGUF file) they read a 4-bit copy: a quarter of the bytes,
+    the same values.
+    """
+
+    # Above this many rows the 4-bit kernel's unpacking costs more than its smaller reads save.
+    INT4_MAX_ROWS = 4
+
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor, int4: tuple | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = packed_weight
+        self.int4 = int4
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= self.INT4_MAX_ROWS:
+            return cpu_ops.int4_linear(x, *self.int4, bias=self.bias)
+        return cpu_ops.dense_linear(x, self.packed_weight, self.bias)
+
+
+class CpuLogitsHead(nn.Module):
+    """The vocabulary projection of a bf16 model on the CPU, with float32 logits.
+
+    Logits rounded to bf16 lie 1/16 apart near typical top values, so greedy choices between close
+    tokens would follow the rounding. A step of a few rows reads the weight from fbgemm's fp16 copy,
+    which is both faster and more exact. Larger batches use the bf16 copy and then recompute their
+    ``NUM_EXACT_TOP`` best logits in float32, where every choice is made.
+    """
+
+    FP16_MAX_ROWS = 4
+    NUM_EXACT_TOP = 8
+
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor, fp16_weight) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # tied models share it with the embedding: no copy
+        self.packed_weight = packed_weight
+        self.fp16_weight = fp16_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp16_weight is not None and x.shape[0] <= self.FP16_MAX_ROWS:
+            return cpu_ops.fp16_linear(x, self.fp16_weight)
+        logits = cpu_ops.dense_linear(x, self.packed_weight).float()
+        top = cpu_ops.topk_indices(logits, min(self.NUM_EXACT_TOP, logits.shape[-1]))
+        exact = torch.linalg.vecdot(self.weight[top].float(), x.float()[:, None, :])
+        return logits.scatter_(1, top, exact)
+
+
+def repack_for_cpu(model: nn.Module, logits_head: str = "lm_head") -> None:
+    """Swap each bf16 ``nn.Linear`` of a model on the CPU for a :class:`CpuLinear`, and the one named
+    ``logits_head`` for a :class:`CpuLogitsHead`. Other models are left as they are (float32 stays
+    on the exact path the HF-equality tests pin down)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                continue
+            packed_weight = cpu_ops.pack_dense_weight(child.weight)
+            if packed_weight is None:
+                continue
+            if parent is model and name == logits_head and child.bias is None:
+                setattr(parent, name, CpuLogitsHead(child, packed_weight, cpu_ops.pack_fp16_weight(child.weight)))
+            else:
+                setattr(parent, name, CpuLinear(child, packed_weight, cpu_ops.int4_weight_if_lossless(child.weight)))
 
 
 class RMSNorm(nn.Module):

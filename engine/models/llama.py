@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .arch import ArchConfig
-from .layers import AttentionMetadata, DecoderLayer, RMSNorm, RotaryEmbedding
+from .layers import AttentionMetadata, DecoderLayer, RMSNorm, RotaryEmbedding, repack_for_cpu
 
 # Our fused parameters and the Hugging Face parameters stacked into them, in order.
 STACKED_PARAMS = {
@@ -18,7 +18,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # An explicit weight skips the random init, which the checkpoint overwrites anyway; on the
+        # meta device that init (normal_) first imports torch._dynamo, most of a second of load time.
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         rotary = RotaryEmbedding(arch)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, rotary) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -57,7 +60,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, stacking q/k/v and gate/up into our fused layers."""
+        """Copy Hugging Face-named weights in, stacking q/k/v and gate/up into our fused layers.
+
+        On the CPU, bf16 linear layers are then repacked for fast matmuls (:func:`repack_for_cpu`),
+        so this is the model's last setup step.
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -82,6 +89,7 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded - ({"lm_head.weight"} if self.arch.tie_word_embeddings else set())
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        repack_for_cpu(self)
 
 
 def _fused_name(name: str) -> tuple[str, int] | None:
