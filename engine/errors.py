@@ -13,7 +13,15 @@ class EngineOverloadedError(EngineError):
 class EngineDeadError(EngineError):
     """The engine loop has stopped (it crashed or failed to start); no request on it can be served.
 
-    ``__cause__`` holds the original exception when there is one.
+    ``__cause__`` holds the original exception when there is one. To restart, build a new handle
+    for the same model (``AsyncLLM(model)``, ``LLM(model)``, ``ChatHearth(model=...)``, or
+    ``get_engine(model)``): the registry replaces a stopped engine with a fresh one, which loads
+    the model again. Handles made before the crash keep raising this error.
+
+    >>> try:
+    ...     text = await llm.generate(prompt)
+    ... except EngineDeadError:
+    ...     llm = AsyncLLM(model)      # a fresh engine; retry the request on it
     """
 
 

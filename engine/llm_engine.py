@@ -101,6 +101,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_token_ids(token_ids)
+        self._check_max_tokens(token_ids, params)
         children = self._make_requests(request_id, text, token_ids, params, priority, cache_salt)
         self.groups[request_id] = children
         self.num_prompt_tokens_total += len(token_ids)
@@ -116,10 +117,12 @@ class LLMEngine:
             self.scheduler.add(child)
         return request_id
 
-    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+    def check_prompt(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[int]:
         """The prompt's token ids, or ValueError naming what is wrong; changes nothing."""
         _, token_ids = self._tokenize_prompt(prompt)
         self._check_token_ids(token_ids)
+        if sampling_params is not None:
+            self._check_max_tokens(token_ids, sampling_params)
         return token_ids
 
     def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -140,6 +143,13 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len={self.max_model_len}")
+
+    def _check_max_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(token_ids)} tokens and "
+                f"max_model_len={self.max_model_len} leaves room for at most {room}; lower max_tokens or pass None")
 
     def _make_requests(self, request_id, text, token_ids, params, priority, cache_salt) -> list[Request]:
         n = params.n
@@ -243,7 +253,8 @@ class LLMEngine:
                 return "stop", token_id
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return "stop", None
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        is_at_max_tokens = params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        if is_at_max_tokens or request.num_tokens >= self.max_model_len:
             return "length", None
         return None, None
 

@@ -20,6 +20,8 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k`` of 0 or -1 means off. ``seed`` makes a request's
     samples the same alone or in any batch. ``logprobs=N`` returns the top-N log-probabilities
     of each generated token (plus the sampled one); ``prompt_logprobs=N`` does so for the prompt.
+    ``max_tokens=None`` generates until EOS, a stop or the end of the context; a number larger than
+    the context leaves for the prompt is refused when the request is added (``ValueError``).
     ``detokenize=False`` returns token ids only (no text, no stop strings), for throughput runs.
     Invalid values raise ``ValueError`` naming the field and its allowed range.
     """
@@ -33,7 +35,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -74,7 +76,8 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
             _check_int("seed", self.seed, -(2**63), 2**63 - 1)
-        _check_int("max_tokens", self.max_tokens, 1, None)
+        if self.max_tokens is not None:  # None: until EOS, a stop or the end of the context
+            _check_int("max_tokens", self.max_tokens, 1, None)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)

@@ -33,10 +33,23 @@ def normalize_tools(tools: list) -> list[dict]:
         function = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise ValueError(f"tools: each tool needs a function name, got {tool!r}")
+        name, description = function["name"], function.get("description") or ""
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(description, str):
+            raise ValueError(f"tools: the description of {name!r} must be a string, got {type(description).__name__}")
+        if not isinstance(parameters, dict) or not _is_json(parameters):
+            raise ValueError(f"tools: the parameters of {name!r} must be a JSON schema object, got {parameters!r:.80}")
         normalized.append({"type": "function", "function": {
-            "name": function["name"], "description": function.get("description", ""), "parameters": parameters}})
+            "name": name, "description": description, "parameters": parameters}})
     return normalized
+
+
+def _is_json(value) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def template_supports_tools(tokenizer) -> bool:

@@ -247,6 +247,19 @@ async def test_a_dead_loop_fails_pending_and_later_calls_fast(make_async_llm):
     assert not llm.core._is_thread_alive()
 
 
+async def test_a_new_handle_after_a_dead_loop_restarts_the_engine(make_async_llm):
+    llm = make_async_llm()
+    await collect(llm, [5, 6])
+    llm.core.engine.scheduler.schedule = lambda: (_ for _ in ()).throw(RuntimeError("scheduler bug"))
+    with pytest.raises(EngineDeadError):
+        await collect(llm, [5, 6, 7])
+    restarted = make_async_llm()  # the documented restart path: a new handle for the same model
+    assert restarted.core is not llm.core
+    assert len(await collect(restarted, [5, 6, 7])) == 8
+    with pytest.raises(EngineDeadError):  # the old handle stays dead
+        await collect(llm, [5, 6, 7])
+
+
 async def test_a_model_that_fails_to_load_fails_calls_with_its_reason(tmp_path):
     llm = AsyncLLM(str(tmp_path / "missing.gguf"), **TINY_ENGINE)
     with pytest.raises(EngineDeadError, match="does not exist") as raised:

@@ -96,3 +96,73 @@ def test_scheduler_and_block_pool_invariants(small_pool_llm):
                                suppress_health_check=list(HealthCheck))
     runner.runTest()
     assert small_pool_llm.stats()["num_preemptions"] > 0
+
+
+REQUEST_FIELDS = ("prompt", "max_tokens", "n", "logprobs", "prompt_logprobs", "max_model_len")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.one_of(st.lists(st.integers(-5, TINY_VOCAB + 5), max_size=80), st.text(max_size=20)),
+       max_tokens=st.one_of(st.none(), st.integers(-2, 100)), n=st.integers(0, 70),
+       logprobs=st.one_of(st.none(), st.integers(-1, 25)))
+def test_requests_are_queued_whole_or_refused_naming_the_field(small_pool_llm, prompt, max_tokens, n, logprobs):
+    engine = small_pool_llm
+    before = engine.stats()
+    try:
+        params = SamplingParams(max_tokens=max_tokens, n=n, logprobs=logprobs, ignore_eos=True)
+        request_id = engine.add_request(prompt, params)
+    except ValueError as error:
+        assert any(name in str(error) for name in REQUEST_FIELDS), error
+        assert engine.stats() == before
+        return
+    assert engine.stats()["num_waiting"] == before["num_waiting"] + n
+    engine.abort_request(request_id)
+    engine.release(request_id)
+    after = engine.stats()
+    for field in ("num_running", "num_waiting", "num_free_blocks"):
+        assert after[field] == before[field], field
+
+
+MESSAGE = st.dictionaries(st.sampled_from(["role", "content", "tool_calls", "name"]),
+                          st.one_of(st.none(), st.integers(), st.text(max_size=8),
+                                    st.lists(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
+                                             max_size=2)),
+                          max_size=3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages=st.one_of(st.lists(MESSAGE, max_size=4), st.text(max_size=5), st.none()))
+def test_chat_messages_render_or_raise_value_error_naming_them(default_tokenizer, messages):
+    from hearth_llm.engine.registry import ChatPrompt, render_chat_prompt
+
+    try:
+        text = render_chat_prompt(default_tokenizer, ChatPrompt(messages))
+    except ValueError as error:
+        assert "messages" in str(error), error
+    else:
+        assert isinstance(text, str) and text
+
+
+TOOL = st.dictionaries(st.sampled_from(["name", "description", "parameters", "function", "type"]),
+                       st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=6),
+                                 st.dictionaries(st.sampled_from(["name", "type", "properties"]),
+                                                 st.one_of(st.text(max_size=4), st.floats()), max_size=2)),
+                       max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tools=st.lists(TOOL, min_size=1, max_size=3))
+def test_tool_schemas_normalize_or_raise_value_error_naming_tools(tools):
+    from hearth_llm.engine.tool_calling import normalize_tools
+
+    try:
+        normalized = normalize_tools(tools)
+    except ValueError as error:
+        assert str(error).startswith("tools:"), error
+    else:
+        assert all(isinstance(tool["function"]["parameters"], dict) for tool in normalized)
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer(default_llm):
+    return default_llm.tokenizer

@@ -93,10 +93,34 @@ def test_max_model_len_larger_than_the_cache_is_refused(tiny_model_dirs):
         LLM(str(tiny_model_dirs["llama"]), kv_cache_memory=4 * 8192, max_model_len=1000, show_progress=False)
 
 
-def test_generation_stops_at_max_model_len(tiny_model_dirs, make_llm):
+def test_max_tokens_none_generates_to_the_end_of_the_context(tiny_model_dirs, make_llm):
     llm = make_llm(tiny_model_dirs["llama"], max_model_len=20)
-    out = llm.generate([[5] * 15], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([[5] * 15], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_max_tokens_past_the_context_is_refused_before_anything_is_queued(tiny_model_dirs, make_llm):
+    llm = make_llm(tiny_model_dirs["llama"], max_model_len=20)
+    before = llm.stats()
+    with pytest.raises(ValueError, match="max_tokens=6 .* at most 5"):
+        llm.generate([[5, 6], [5] * 15], SamplingParams(max_tokens=6), use_tqdm=False)
+    assert llm.stats() == before
+    out = llm.generate([[5] * 15], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5
+
+
+async def test_async_max_tokens_past_the_context_names_max_tokens(tiny_model_dirs):
+    from hearth_llm.engine import AsyncLLM
+
+    engine = AsyncLLM(str(tiny_model_dirs["llama"]), max_model_len=20, show_progress=False)
+    try:
+        with pytest.raises(ValueError, match="max_tokens"):
+            async for _ in engine.generate([5] * 15, SamplingParams(max_tokens=100)):
+                pass
+        pieces = [out async for out in engine.generate([5] * 15, SamplingParams(max_tokens=None, ignore_eos=True))]
+        assert sum(len(p.delta_token_ids) for p in pieces) == 5
+    finally:
+        engine.close()
 
 
 def _copy_model(tiny_model_dirs, tmp_path):
@@ -130,3 +154,61 @@ def test_unsupported_architecture_is_named(tiny_model_dirs, tmp_path):
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="FalconForCausalLM"):
         LLM(str(target), show_progress=False)
+
+
+def _with_chat_template(tiny_model_dirs, tmp_path, template: str):
+    from transformers import AutoTokenizer
+
+    target = _copy_model(tiny_model_dirs, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{% for m in messages %}{{ m.__class__.__init__.__globals__ }}{% endfor %}",
+    "{{ messages.append({'role': 'x'}) }}",  # the sandbox is immutable: no changing the caller's data
+])
+def test_chat_templates_run_in_a_sandbox(template, tiny_model_dirs, tmp_path, make_llm):
+    llm = make_llm(_with_chat_template(tiny_model_dirs, tmp_path, template))
+    messages = [{"role": "user", "content": "w5 w6"}]
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert messages == [{"role": "user", "content": "w5 w6"}]
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) >= 1
+
+
+def test_a_template_that_rejects_the_conversation_names_messages(tiny_model_dirs, tmp_path, make_llm):
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be from the user') }}"
+                "{% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    llm = make_llm(_with_chat_template(tiny_model_dirs, tmp_path, template))
+    with pytest.raises(ValueError, match="messages.*first message must be from the user"):
+        llm.chat([{"role": "assistant", "content": "w5"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    out = llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "messages"), ("hello", "messages"), ([{"content": "x"}], r"messages\[0\]"),
+    ([{"role": "user", "content": "x"}, {"role": 3}], r"messages\[1\]"),
+    ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\]"),
+])
+def test_malformed_chat_messages_name_the_message(messages, match, tiny_model_dirs, make_llm):
+    llm = make_llm(tiny_model_dirs["llama"])
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages, use_tqdm=False)
+
+
+@pytest.mark.parametrize("tools, match", [
+    ([{"function": {"name": "f", "parameters": "not a schema"}}], "tools: the parameters of 'f'"),
+    ([{"name": "f", "parameters": {"default": float("nan")}}], "tools: the parameters of 'f'"),
+    ([{"name": "f", "description": 7}], "tools: the description of 'f'"),
+    ([{"description": "no name"}], "tools: each tool needs a function name"),
+])
+def test_malformed_tools_name_the_tool(tools, match):
+    from hearth_llm.engine.tool_calling import normalize_tools
+
+    with pytest.raises(ValueError, match=match):
+        normalize_tools(tools)

@@ -34,8 +34,6 @@ from hearth_llm.engine.tool_parsers import (ContentDelta, InvalidToolCallDelta, 
                                             ToolCallStreamer, ToolParser, get_tool_parser, select_tool_parser)
 
 PROVIDER = "hearth"
-# max_tokens=None: generate until a stop, EOS or the end of the context (the engine enforces that).
-_NO_TOKEN_LIMIT = 1 << 30
 # Per-call keyword arguments (``invoke(..., temperature=0)``) that map to sampling parameters.
 _SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "logprobs", "top_logprobs",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "stop")
@@ -461,7 +459,7 @@ def _sampling_params(options: dict[str, Any], structured_output: Any = None) -> 
     values = {"structured_output": structured_output}
     values |= {name: options[name] for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
                                                 "frequency_penalty", "repetition_penalty") if options[name] is not None}
-    values["max_tokens"] = options["max_tokens"] if options["max_tokens"] is not None else _NO_TOKEN_LIMIT
+    values["max_tokens"] = options["max_tokens"]  # None: until EOS, a stop or the end of the context
     values["stop"] = list(options["stop"]) if options["stop"] else None
     if options["logprobs"] or options["top_logprobs"]:
         values["logprobs"] = options["top_logprobs"] or 0

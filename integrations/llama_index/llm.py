@@ -21,8 +21,6 @@ from hearth_llm.engine.structured_output import StructuredOutput
 from hearth_llm.engine.tool_calling import template_supports_tools, tool_choice_constraint
 from hearth_llm.engine.tool_parsers import ContentDelta, ToolParser, get_tool_parser, select_tool_parser
 
-# max_tokens=None: generate until a stop, EOS or the end of the context (the engine enforces that).
-_NO_TOKEN_LIMIT = 1 << 30
 # Per-call keyword arguments (``chat(messages, temperature=0)``) that map to sampling parameters.
 _SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "stop", "seed", "presence_penalty",
                      "frequency_penalty")
@@ -348,7 +346,7 @@ class _ChatChunker:
 def _sampling_params(options: dict[str, Any], structured_output: StructuredOutput | None) -> SamplingParams:
     values = {name: options[name] for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
                                                "frequency_penalty") if options[name] is not None}
-    values["max_tokens"] = options["max_tokens"] if options["max_tokens"] is not None else _NO_TOKEN_LIMIT
+    values["max_tokens"] = options["max_tokens"]  # None: until EOS, a stop or the end of the context
     values["stop"] = list(options["stop"]) if options["stop"] else None
     return SamplingParams(**values, structured_output=structured_output)
 
