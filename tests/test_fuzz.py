@@ -166,3 +166,104 @@ def test_tool_schemas_normalize_or_raise_value_error_naming_tools(tools):
 @pytest.fixture(scope="module")
 def default_tokenizer(default_llm):
     return default_llm.tokenizer
+
+
+# ---- malformed model files: each mutation loads or raises ValueError naming the file -------------
+
+
+def mutated(data: bytes, edits: list[tuple[int, int]], limit: int) -> bytes:
+    out = bytearray(data)
+    for position, value in edits:
+        out[position % min(limit, len(out))] = value
+    return bytes(out)
+
+
+BYTE_EDITS = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_bytes(tmp_path_factory) -> bytes:
+    from test_gguf_loader import llama_cpp_tensors, tiny_llama_state_dict, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", llama_cpp_tensors(tiny_llama_state_dict()))
+    return path.read_bytes()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=BYTE_EDITS, keep=st.one_of(st.none(), st.integers(0, 4096)))
+def test_mutated_gguf_loads_or_raises_value_error_naming_the_file(tiny_gguf_bytes, edits, keep):
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from hearth_llm.engine.loader.gguf import load_gguf
+
+    # the header and metadata (names, types, shapes, offsets) sit in the first few KiB
+    data = mutated(tiny_gguf_bytes, edits, 4096)
+    data = data if keep is None else data[:keep]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "mutated.gguf"
+        path.write_bytes(data)
+        try:
+            load_gguf(path, torch.float32, cache_dir=Path(folder) / "cache", progress=False)
+        except ValueError as error:
+            assert "mutated.gguf" in str(error), error
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=BYTE_EDITS, keep=st.one_of(st.none(), st.integers(0, 2048)))
+def test_mutated_safetensors_loads_or_raises_value_error_naming_the_file(tiny_model_dirs, edits, keep):
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from hearth_llm.engine.loader import load_checkpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        target = Path(folder) / "model"
+        shutil.copytree(tiny_model_dirs["llama"], target)
+        weights = target / "model.safetensors"
+        data = mutated(weights.read_bytes(), edits, 2048)  # the JSON header comes first
+        weights.write_bytes(data if keep is None else data[:keep])
+        try:
+            load_checkpoint(str(target), torch.float32, progress=False)
+        except ValueError as error:
+            assert "model.safetensors" in str(error), error
+
+
+JSON_VALUE = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-10**9, 10**9), st.floats(allow_nan=False),
+                                    st.text(max_size=6)),
+                          lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6),
+                                                                                          children, max_size=3),
+                          max_leaves=6)
+CONFIG_KEYS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+               "intermediate_size", "rope_theta", "rope_scaling", "architectures", "head_dim", "rms_norm_eps",
+               "max_position_embeddings", "tie_word_embeddings", "torch_dtype"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON_VALUE, min_size=1, max_size=3))
+def test_config_json_with_wrong_values_loads_or_raises_value_error(tiny_model_dirs, changes):
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from hearth_llm.engine.loader import load_checkpoint
+    from hearth_llm.engine.models.arch import ArchConfig
+
+    with tempfile.TemporaryDirectory() as folder:
+        target = Path(folder) / "model"
+        shutil.copytree(tiny_model_dirs["llama"], target)
+        config = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, **changes}))
+        try:
+            checkpoint = load_checkpoint(str(target), torch.float32, progress=False)
+            ArchConfig.from_hf_config(checkpoint.config)
+        except ValueError as error:
+            assert "config.json" in str(error), error

@@ -20,7 +20,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype, allow_pickle: bool = False
         raise ValueError(f"model: {str(path)!r} has no config.json")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, OSError, json.JSONDecodeError) as error:
+    except Exception as error:  # transformers raises many types (strict dataclass checks among them)
         raise ValueError(f"model: cannot read {config_file}: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     state_dict = _read_weights(path, dtype, allow_pickle, progress)

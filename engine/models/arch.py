@@ -37,9 +37,15 @@ class ArchConfig:
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig, **overrides) -> "ArchConfig":
+        """The facts of ``config``; ``ValueError`` naming the config field when one is unusable."""
+        _check_shape_fields(config)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        inv_freq, attention_scaling = rope_frequencies(config, head_dim)
+        try:
+            inv_freq, attention_scaling = rope_frequencies(config, head_dim)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+            raise ValueError(f"config.json: rope settings {rope_parameters(config)!r:.200} are unusable: "
+                             f"{error!r}") from error
         fields = dict(
             architecture=(config.architectures or [config.model_type])[0],
             vocab_size=config.vocab_size,
@@ -60,6 +66,33 @@ class ArchConfig:
             fields["sliding_window"] = config.sliding_window
         fields.update(overrides)
         return cls(**fields)
+
+
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "max_position_embeddings")
+
+
+def _check_shape_fields(config: PretrainedConfig) -> None:
+    def is_positive_int(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    for name in _POSITIVE_INT_FIELDS:
+        if not is_positive_int(getattr(config, name, None)):
+            raise ValueError(f"config.json: {name} must be a positive integer, got {getattr(config, name, None)!r}")
+    for name in ("num_key_value_heads", "head_dim"):
+        value = getattr(config, name, None)
+        if value is not None and not is_positive_int(value):
+            raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if config.num_attention_heads % num_kv_heads:
+        raise ValueError(f"config.json: num_attention_heads={config.num_attention_heads} must be a multiple of "
+                         f"num_key_value_heads={num_kv_heads}")
+    if getattr(config, "head_dim", None) is None and config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"config.json: hidden_size={config.hidden_size} must be a multiple of "
+                         f"num_attention_heads={config.num_attention_heads} when head_dim is not given")
+    eps = getattr(config, "rms_norm_eps", None)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"config.json: rms_norm_eps must be a number in (0, 1), got {eps!r}")
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
