@@ -1,7 +1,6 @@
 """Load a Hugging Face model directory: config.json, tokenizer files and (sharded) safetensors."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
