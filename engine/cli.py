@@ -1,7 +1,8 @@
-"""``hearth-llm``: the command line (``demo``, ``info``, ``generate``)."""
+"""``hearth-llm``: the command line (``demo``, ``chat``, ``info``, ``generate``, ``bench``)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -117,10 +118,27 @@ def generate(args) -> None:
         sink.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+# ``hearth-llm bench NAME ...`` runs ``hearth_llm.engine.bench.MODULE.main(...)`` with the rest of the arguments.
+BENCHMARKS = {  # NAME: (MODULE, what it measures)
+    "throughput": ("throughput", "GPU: tokens/s and batch-1 latency against HF continuous batching"),
+    "cpu": ("cpu", "CPU: single stream, 32 concurrent, prefill and cold load against HF and llama.cpp"),
+    "embeddings": ("embeddings", "sentences/s against sentence-transformers"),
+    "langchain": ("langchain_chat", "ChatHearth.abatch against ChatHuggingFace.batch, 32 chats"),
+}
+
+
+def bench(args) -> None:
+    module_name, _ = BENCHMARKS[args.benchmark]
+    module = importlib.import_module(f"{__package__}.bench.{module_name}")  # heavy peers load only when asked
+    sys.argv[0] = f"hearth-llm bench {args.benchmark}"  # what the benchmark's own usage line shows
+    module.main(args.bench_argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="hearth-llm", description="In-process LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="a batch of chat prompts on the default model")
+    demo_parser = commands.add_parser("demo", help="a batch of chat prompts on the default model "
+                                                     "(make demo runs the RAG and agent demo)")
     demo_parser.add_argument("--model", default="default")
     demo_parser.add_argument("--max-tokens", type=int, default=64)
     demo_parser.set_defaults(run=demo)
@@ -140,7 +158,19 @@ def main(argv: list[str] | None = None) -> None:
     generate_parser.add_argument("--temperature", type=float, default=0.0)
     generate_parser.add_argument("--chat", action="store_true", help="wrap each line in the chat template")
     generate_parser.set_defaults(run=generate)
-    args = parser.parse_args(argv)
+    bench_parser = commands.add_parser(
+        "bench", help="benchmarks against peers (the README's comparison numbers)",
+        description="Benchmarks; arguments after the name go to it (hearth-llm bench cpu --help).")
+    benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)
+    for name, (_, summary) in BENCHMARKS.items():
+        # No options of its own: --help and the rest reach the benchmark's parser untouched.
+        benchmarks.add_parser(name, help=summary, add_help=False)
+    bench_parser.set_defaults(run=bench)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_argv = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.run(args)
 
 

@@ -77,6 +77,8 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_steps = 0
+        self.num_scheduled_requests = 0  # summed over steps: divided by num_steps, the mean batch size
+        self.max_num_scheduled_requests = 0
         self.metrics = EngineMetrics(config.model)
 
     # ---- admission -------------------------------------------------------------------------
@@ -186,6 +188,8 @@ class LLMEngine:
             return grammar_failures + self._fail_requests(batch.requests, error)
         self.scheduler.update_after_step(batch)
         self.num_steps += 1
+        self.num_scheduled_requests += len(batch.requests)
+        self.max_num_scheduled_requests = max(self.max_num_scheduled_requests, len(batch.requests))
         to_sample = [batch.requests[i] for i in output.sampling_rows]
         try:
             self._record_prompt_logprobs(batch, output.prompt_logits)
@@ -318,6 +322,8 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens_total,
             "num_generation_tokens": self.num_generation_tokens_total,
             "num_steps": self.num_steps,
+            "num_scheduled_requests": self.num_scheduled_requests,
+            "max_num_scheduled_requests": self.max_num_scheduled_requests,
         }
 
     # ---- setup helpers --------------------------------------------------------------------

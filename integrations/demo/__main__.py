@@ -1,0 +1,4 @@
+"""``python -m hearth_llm.integrations.demo``: see the package docstring."""
+from . import main
+
+main()
