@@ -61,6 +61,8 @@ class EngineConfig:
     show_progress: bool = True
     grammar_compile_timeout: float = 10.0
     cuda_graphs: bool = True
+    # Schedule step N+1 while the device runs step N, reading N's tokens one step late; None: on CUDA.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -63,6 +63,7 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[size] = self._forward(size)
+                graph.replay()  # the first replay uploads the graph: keep that out of serving
                 self.graphs[size] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -75,7 +76,8 @@ class DecodeGraphs:
         self.positions[:num_seqs].copy_(positions)
         self.slot_mapping[:num_seqs].copy_(slot_mapping)
         self.slot_mapping[num_seqs:size].fill_(-1)
-        self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(block_tables)
+        width = min(block_tables.shape[1], self.block_tables.shape[1])  # beyond: zero padding
+        self.block_tables[:num_seqs, :width].copy_(block_tables[:, :width])
         self.context_lens[:num_seqs].copy_(context_lens)
         self.context_lens[num_seqs:size].fill_(1)
         self.graphs[size].replay()

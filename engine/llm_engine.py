@@ -18,7 +18,7 @@ from .loader import load_checkpoint
 from .model_runner import ModelRunner
 from .outputs import Logprob
 from .request import Request, RequestStatus
-from .sampler import Sampler
+from .sampler import SampledTokens, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .structured_output import GrammarError, GuidedDecoder
@@ -35,6 +35,15 @@ class RequestDelta:
     new_text: str
     is_finished: bool
     error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A step launched on the device whose tokens the host has not read yet."""
+
+    requests: list[Request]          # one per row of ``sampled``
+    sampled: SampledTokens
+    can_sample_ahead: bool           # whether the next step may be scheduled before these are read
 
 
 class LLMEngine:
@@ -80,6 +89,9 @@ class LLMEngine:
         self.num_scheduled_requests = 0  # summed over steps: divided by num_steps, the mean batch size
         self.max_num_scheduled_requests = 0
         self.metrics = EngineMetrics(config.model)
+        self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: InFlightStep | None = None
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -172,39 +184,89 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling step and one forward pass; returns what changed."""
-        grammar_failures = self._attach_compiled_grammars()
+        """Run one scheduling step and one forward pass; returns what changed.
+
+        With async scheduling the step is launched on the device and the tokens returned are the
+        previous step's: the host schedules and prepares step N+1 while the device runs step N.
+        A step whose requests need their last token seen before the next draw (grammars,
+        penalties, min_tokens) is finished before the next one is scheduled.
+        """
+        deltas = self._attach_compiled_grammars()
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and not in_flight.can_sample_ahead:
+            deltas += self._finish_step(in_flight)
+            in_flight = None
         batch = self.scheduler.schedule()
-        if batch.is_empty:
+        launched = None
+        if not batch.is_empty:
+            launched, failures = self._launch_step(batch, in_flight)
+            deltas += failures
+        if in_flight is not None:
+            deltas += self._finish_step(in_flight)
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                deltas += self._finish_step(launched)
+        elif batch.is_empty and in_flight is None:
             self._wait_for_grammars()
-            return grammar_failures
+        self.metrics.on_step(self, deltas)
+        return deltas
+
+    def _launch_step(self, batch: ScheduledBatch, in_flight: "InFlightStep | None"):
+        """Queue the forward pass and the draws on the device; returns (the step, failure deltas)."""
         try:
-            output = self.runner.run(batch)
+            if in_flight is None:
+                output = self.runner.run(batch)
+            else:  # requests with a pending token read it from the device
+                output = self.runner.run(batch, in_flight.sampled.token_ids)
         except Exception as error:  # a failed forward pass fails this step's requests, not the engine
             logger.exception("forward pass failed; aborting the %d requests of this step", len(batch.requests))
-            return grammar_failures + self._fail_requests(batch.requests, error)
+            return None, self._fail_requests(batch.requests, error)
         self.scheduler.update_after_step(batch)
         self.num_steps += 1
         self.num_scheduled_requests += len(batch.requests)
         self.max_num_scheduled_requests = max(self.max_num_scheduled_requests, len(batch.requests))
         to_sample = [batch.requests[i] for i in output.sampling_rows]
+        if not to_sample:
+            return None, []
         try:
             self._record_prompt_logprobs(batch, output.prompt_logits)
-            sampled = self.sampler(output.logits, to_sample, self.guided_decoder.apply_masks) if to_sample else None
+            sampled = self.sampler(output.logits, to_sample, self.guided_decoder.apply_masks)
         except Exception as error:  # e.g. a grammar mask that raises: fail this step's requests, keep serving
             logger.exception("sampling failed; aborting the %d requests of this step", len(batch.requests))
-            return grammar_failures + self._fail_requests(batch.requests, error)
-        deltas = grammar_failures
+            return None, self._fail_requests(batch.requests, error)
+        sampled.start_copy()
         for row, request in enumerate(to_sample):
+            request.num_pending_tokens += 1
+            request.pending_row = row
+        return InFlightStep(to_sample, sampled, all(r.can_sample_ahead for r in to_sample)), []
+
+    def _finish_step(self, step: "InFlightStep") -> list[RequestDelta]:
+        """Wait for a launched step's tokens and accept them (stop checks, detokenizing)."""
+        deltas = []
+        try:
+            token_ids, logprobs = step.sampled.to_host()
+        except Exception as error:
+            logger.exception("a step failed on the device; aborting its %d requests", len(step.requests))
+            for request in step.requests:
+                request.num_pending_tokens -= 1
+            return self._fail_requests([r for r in step.requests if not r.is_finished], error)
+        for row, request in enumerate(step.requests):
+            request.num_pending_tokens -= 1
+            if request.is_finished:  # aborted, or stopped by the token before this one
+                continue
             try:
-                deltas.append(self._accept_token(request, sampled.token_ids[row], sampled.logprobs[row]))
+                deltas.append(self._accept_token(request, token_ids[row], logprobs[row]))
             except Exception as error:  # e.g. detokenization: fails this request only
                 logger.exception("request %s failed after sampling", request.request_id)
                 deltas.extend(self._fail_requests([request], error))
-        self.metrics.on_step(self, deltas)
+                continue
+            if not request.is_finished:
+                self.scheduler.cache_computed_blocks(request)
         return deltas
 
     def _attach_compiled_grammars(self) -> list[RequestDelta]:

@@ -1,8 +1,10 @@
 """Owns the model and its paged KV cache; turns a scheduled batch into one forward pass."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .models import model_class_for
@@ -17,7 +19,7 @@ GPU_MEMORY_UTILIZATION = 0.9
 class ForwardOutput:
     """Logits for the rows the sampler needs: one per request whose step ends at its last token."""
 
-    logits: torch.Tensor                          # [num_sampling_requests, vocab], float32
+    logits: torch.Tensor                          # [num_sampling_requests, vocab], the model's dtype
     sampling_rows: list[int]                      # index into the batch of each logits row
     prompt_logits: dict[int, torch.Tensor]        # batch index → [num_new_tokens, vocab] for prompt logprobs
 
@@ -73,52 +75,119 @@ class ModelRunner:
                                           self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> ForwardOutput:
+    def run(self, batch: ScheduledBatch, pending_token_ids: torch.Tensor | None = None) -> ForwardOutput:
+        """One forward pass; waits for nothing on the device, so the host may run ahead of it.
+
+        ``pending_token_ids`` are the ids sampled by the step in flight (still on the device): a
+        request with a pending token is fed its ``pending_row`` of them.
+        """
         inputs = self._prepare_inputs(batch)
-        meta = inputs["meta"]
+        meta = inputs.meta
+        if inputs.num_pending:
+            inputs.input_ids[inputs.pending_positions] = pending_token_ids[inputs.pending_rows]
         graphs = self.decode_graphs
         if graphs is not None and meta.max_query_len == 1 and graphs.supports(len(batch.requests)):
-            hidden = graphs.run(inputs["input_ids"], inputs["positions"], meta.slot_mapping, meta.block_tables,
+            hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.block_tables,
                                 meta.context_lens)
         else:
-            hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)
-        sampling_rows, last_indices, prompt_logits = [], [], {}
-        start = 0
-        for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            end = start + num_new
-            reaches_end = request.num_computed_tokens + num_new == request.num_tokens
-            if request.wants_prompt_logprobs and request.num_computed_tokens < request.num_prompt_tokens:
-                prompt_logits[index] = self.model.compute_logits(hidden[start:end]).float()
-            if reaches_end:
-                sampling_rows.append(index)
-                last_indices.append(end - 1)
-            start = end
-        index_tensor = torch.tensor(last_indices, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index_tensor)).float()
-        return ForwardOutput(logits=logits, sampling_rows=sampling_rows, prompt_logits=prompt_logits)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        prompt_logits = {}
+        for index in inputs.prompt_logprob_rows:
+            start, end = inputs.query_bounds[index], inputs.query_bounds[index + 1]
+            prompt_logits[index] = self.model.compute_logits(hidden[start:end]).float()
+        # In the model's dtype: the sampler widens them to float32 unless every row is plain greedy.
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return ForwardOutput(logits=logits, sampling_rows=inputs.sampling_rows, prompt_logits=prompt_logits)
 
-    def _prepare_inputs(self, batch: ScheduledBatch) -> dict:
+    def _prepare_inputs(self, batch: ScheduledBatch) -> "StepInputs":
+        """Build every index the step needs in one host array, copied to the device in one
+        non-blocking transfer from pinned memory."""
         block_size = self.block_size
-        input_ids, positions, slots, context_lens, query_start_loc = [], [], [], [], [0]
-        max_blocks = 0
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+        requests, num_new_tokens = batch.requests, batch.num_new_tokens
+        num_seqs = len(requests)
+        token_ids, tables = [], []
+        starts, context_lens, sampling_rows, logits_ends = [], [], [], []
+        prompt_logprob_rows, pending_positions, pending_rows = [], [], []
+        num_tokens = 0
+        for index, (request, num_new) in enumerate(zip(requests, num_new_tokens)):
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            block_ids = request.block_ids
-            slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+            num_known = request.num_tokens
+            if end > num_known:  # the last token is pending: the device fills it in
+                token_ids += request.token_ids[start:num_known]
+                token_ids.append(0)
+                pending_positions.append(num_tokens + num_new - 1)
+                pending_rows.append(request.pending_row)
+            else:
+                token_ids += request.token_ids[start:end]
+            num_tokens += num_new
+            starts.append(start)
             context_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            max_blocks = max(max_blocks, len(block_ids))
-        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch.requests]
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+            tables.append(request.block_ids)
+            if end == num_known + request.num_pending_tokens:
+                sampling_rows.append(index)
+                logits_ends.append(num_tokens)
+            if request.wants_prompt_logprobs and start < request.num_prompt_tokens:
+                prompt_logprob_rows.append(index)
+        num_new = np.array(num_new_tokens, dtype=np.int64)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        positions = np.repeat(np.array(starts, dtype=np.int64) - query_start_loc[:-1], num_new) + np.arange(num_tokens)
+        table = _block_table(tables)
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+        logits_indices = np.array(logits_ends, dtype=np.int64) - 1
+        on_device = self._copy_to_device([token_ids, positions, slots, context_lens, query_start_loc, logits_indices,
+                                          pending_positions, pending_rows, table.reshape(-1)])
         meta = AttentionMetadata(
-            slot_mapping=as_tensor(slots),
-            block_tables=as_tensor(tables),
-            context_lens=as_tensor(context_lens),
-            query_start_loc=as_tensor(query_start_loc),
-            max_query_len=max(batch.num_new_tokens),
+            slot_mapping=on_device[2],
+            block_tables=on_device[8].view(table.shape),
+            context_lens=on_device[3],
+            query_start_loc=on_device[4],
+            max_query_len=max(num_new_tokens),
             max_context_len=max(context_lens),
         )
-        return {"input_ids": as_tensor(input_ids), "positions": as_tensor(positions), "meta": meta}
+        return StepInputs(input_ids=on_device[0], positions=on_device[1], meta=meta, logits_indices=on_device[5],
+                          sampling_rows=sampling_rows, num_pending=len(pending_rows),
+                          pending_positions=on_device[6], pending_rows=on_device[7],
+                          prompt_logprob_rows=prompt_logprob_rows,
+                          query_bounds=query_start_loc.tolist() if prompt_logprob_rows else [])
+
+    def _copy_to_device(self, arrays: list) -> list[torch.Tensor]:
+        """Int64 copies of ``arrays`` on the device, from one pinned host buffer in one non-blocking
+        transfer. Each starts 128-byte aligned: Triton specializes kernels on pointer alignment, so
+        unaligned ones would compile new kernel variants mid-run."""
+        sizes = [len(values) for values in arrays]
+        offsets = np.cumsum([0] + [-(-size // 16) * 16 for size in sizes]).tolist()
+        host = torch.empty(offsets[-1], dtype=torch.long, pin_memory=self.device.type == "cuda")
+        buffer = host.numpy()
+        for offset, size, values in zip(offsets, sizes, arrays):
+            buffer[offset:offset + size] = values
+        device = host.to(self.device, non_blocking=True)
+        return [device[offset:offset + size] for offset, size in zip(offsets, sizes)]
+
+
+def _block_table(block_ids: list[list[int]]) -> np.ndarray:
+    """Each sequence's block ids as a row, zero-padded to a width that is a multiple of 16, so the
+    row stride never changes the kernels' specialization (a new variant compiled mid-run)."""
+    num_blocks = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+    width = -(-int(num_blocks.max()) // 16) * 16
+    table = np.zeros((len(block_ids), width), dtype=np.int64)
+    table[np.arange(width)[None, :] < num_blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(num_blocks.sum()))
+    return table
+
+@dataclass(slots=True)
+class StepInputs:
+    """A step's model inputs, on the device."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor      # flat index of the last token of each sampling row
+    sampling_rows: list[int]
+    num_pending: int
+    pending_positions: torch.Tensor   # where in input_ids the pending tokens go
+    pending_rows: torch.Tensor        # and which rows of the in-flight step's sampled ids they are
+    prompt_logprob_rows: list[int]
+    query_bounds: list[int]

@@ -55,6 +55,9 @@ class Request:
     grammar_future: object | None = None   # compiling grammar (concurrent.futures.Future)
     grammar_submitted_at: float = 0.0
     matcher: object | None = None          # the grammar's state for this sequence, once compiled
+    # Sampled on the device by a step still in flight, not yet in token_ids (async scheduling).
+    num_pending_tokens: int = 0
+    pending_row: int = -1                  # that token's row in the in-flight step's sampled ids
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -85,6 +88,14 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def can_sample_ahead(self) -> bool:
+        """Whether its next token may be drawn before the host has seen its pending one: not when
+        a grammar, penalties or min_tokens make the next draw depend on the previous token."""
+        params = self.sampling_params
+        return (self.grammar_future is None and self.matcher is None and not params.needs_penalties
+                and self.num_output_tokens + self.num_pending_tokens >= params.min_tokens)
 
     @property
     def is_waiting_for_grammar(self) -> bool:

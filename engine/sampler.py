@@ -12,34 +12,103 @@ from .request import Request
 
 @dataclass(slots=True)
 class SampledTokens:
-    token_ids: list[int]
-    # Per row: {token_id: (logprob, rank)} for the top-N plus the sampled token, or None.
-    logprobs: list[dict[int, tuple[float, int]] | None]
+    """One step's draws, still on the model's device until :meth:`to_host` is called.
+
+    :meth:`start_copy` queues the copies to the host without waiting, so the next step can be
+    launched before this one's tokens are read.
+    """
+
+    token_ids: torch.Tensor                        # [rows] int64
+    num_logprobs: list[int | None]                 # per row: requested top-N, or None
+    top_values: torch.Tensor | None = None         # [rows wanting logprobs, N max] float32
+    top_indices: torch.Tensor | None = None
+    chosen_values: torch.Tensor | None = None      # [rows wanting logprobs] the drawn token's logprob
+    chosen_ranks: torch.Tensor | None = None
+    host: dict[str, torch.Tensor] | None = None     # pinned copies, once :meth:`start_copy` has run
+    ready: object | None = None                    # a CUDA event recorded after the copies
+
+    _FIELDS = ("token_ids", "top_values", "top_indices", "chosen_values", "chosen_ranks")
+
+    def start_copy(self) -> None:
+        """Queue the copies to pinned host memory; nothing waits."""
+        if self.token_ids.device.type != "cuda":
+            return
+        self.host = {}
+        for name in self._FIELDS:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self.host[name] = pinned.copy_(tensor, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def to_host(self) -> tuple[list[int], list[dict[int, tuple[float, int]] | None]]:
+        """The token ids and, per row, ``{token_id: (logprob, rank)}`` (top-N plus the drawn one) or None."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        host = self.host if self.host is not None else {name: getattr(self, name) for name in self._FIELDS}
+        token_ids = host["token_ids"].tolist()
+        logprobs: list[dict[int, tuple[float, int]] | None] = [None] * len(token_ids)
+        if host.get("chosen_values") is not None:
+            top_values, top_indices = host["top_values"].tolist(), host["top_indices"].tolist()
+            chosen_values, chosen_ranks = host["chosen_values"].tolist(), host["chosen_ranks"].tolist()
+            rows = [row for row, num in enumerate(self.num_logprobs) if num is not None]
+            for index, row in enumerate(rows):
+                num = self.num_logprobs[row]
+                entries = {token: (value, rank) for rank, (value, token)
+                           in enumerate(zip(top_values[index][:num], top_indices[index][:num]), start=1)}
+                if token_ids[row] not in entries:
+                    entries[token_ids[row]] = (chosen_values[index], chosen_ranks[index])
+                logprobs[row] = entries
+        return token_ids, logprobs
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device (pinned, non-blocking copy)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:
     """Samples one token per row; each row's randomness comes from its own generator when the
-    request has a seed, so a seeded request draws the same tokens alone or in any batch."""
+    request has a seed, so a seeded request draws the same tokens alone or in any batch.
+
+    Nothing here waits for the device (except penalties, which the engine never runs ahead of).
+    """
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self._cuda_generator: torch.Generator | None = None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], apply_grammar_masks=None) -> SampledTokens:
+        if not all(_is_plain_greedy(r) for r in requests):
+            logits = logits.float()  # a greedy argmax is the same in bf16; everything else wants float32
+        num_logprobs = [r.sampling_params.logprobs for r in requests]
+        logprob_rows = [row for row, num in enumerate(num_logprobs) if num is not None]
         raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if logprob_rows:
+            rows = to_device(logprob_rows, torch.long, logits.device)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
         if apply_grammar_masks is not None and any(r.matcher is not None for r in requests):
             apply_grammar_masks(logits, [r.matcher for r in requests])
         logits = self._apply_penalties(logits, requests)
         logits = _block_early_stop(logits, requests)
         token_ids = self._choose(logits, requests)
-        logprobs = [
-            _top_logprobs(raw_logprobs[row], token_ids[row], r.sampling_params.logprobs)
-            if r.sampling_params.logprobs is not None else None
-            for row, r in enumerate(requests)
-        ]
-        return SampledTokens(token_ids=token_ids, logprobs=logprobs)
+        sampled = SampledTokens(token_ids=token_ids, num_logprobs=num_logprobs)
+        if raw_logprobs is not None:
+            num_top = max(num_logprobs[row] for row in logprob_rows)
+            if num_top > 0:
+                sampled.top_values, sampled.top_indices = raw_logprobs.topk(num_top, dim=-1)
+            else:
+                sampled.top_values = raw_logprobs.new_empty(len(logprob_rows), 0)
+                sampled.top_indices = torch.empty(len(logprob_rows), 0, dtype=torch.long, device=logits.device)
+            chosen = token_ids.index_select(0, rows)[:, None]
+            sampled.chosen_values = raw_logprobs.gather(1, chosen)
+            sampled.chosen_ranks = (raw_logprobs > sampled.chosen_values).sum(dim=-1) + 1
+            sampled.chosen_values = sampled.chosen_values.squeeze(1)
+        return sampled
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list) -> torch.Tensor:
         """One Exp(1) draw per token; seeded rows draw on the CPU from their own generator so the
@@ -50,12 +119,15 @@ class Sampler:
             if len(unseeded) == len(generators):
                 noise.exponential_(generator=self._device_generator(probs.device))
             else:
-                rows = torch.tensor(unseeded, device=probs.device)
+                rows = to_device(unseeded, torch.long, probs.device)
                 noise[rows] = torch.empty(len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype
                                           ).exponential_(generator=self._device_generator(probs.device))
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator).to(probs.device)
+                row_noise = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
+                if probs.device.type == "cuda":
+                    row_noise = row_noise.pin_memory()
+                noise[row].copy_(row_noise, non_blocking=True)
         return noise
 
     def _device_generator(self, device: torch.device) -> torch.Generator:
@@ -88,21 +160,21 @@ class Sampler:
             logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         chosen = kernels.argmax(logits)
         sampled_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+            rows = to_device(sampled_rows, torch.long, logits.device)
             probs = _filtered_probs(logits.index_select(0, rows), [requests[i] for i in sampled_rows])
             noise = self._exponential_noise(probs, [requests[i].generator for i in sampled_rows])
             # Exponential race: argmax(p / E) draws from p with one random number per token, no cumsum.
             chosen[rows] = kernels.argmax(probs / noise)
-        return chosen.tolist()
+        return chosen
 
 
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     params = [r.sampling_params for r in requests]
-    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    temperatures = to_device([p.temperature for p in params], logits.dtype, logits.device)
     logits = logits / temperatures[:, None]
     top_ks = [p.top_k for p in params]
     top_ps = [p.top_p for p in params]
@@ -111,7 +183,7 @@ def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         logits = _top_k_top_p(logits, top_ks, top_ps)
     probs = torch.softmax(logits, dim=-1)
     if any(m > 0 for m in min_ps):
-        min_p = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
+        min_p = to_device(min_ps, probs.dtype, probs.device)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
@@ -119,13 +191,13 @@ def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    ks = to_device([k if k > 0 else vocab for k in top_ks], torch.long, logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = ranks >= ks[:, None]
     sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
-    remove |= mass_before >= torch.tensor(top_ps, dtype=logits.dtype, device=logits.device)[:, None]
+    remove |= mass_before >= to_device(top_ps, logits.dtype, logits.device)[:, None]
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, filtered)
@@ -148,14 +220,7 @@ def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> torch.Te
     return logits
 
 
-def _top_logprobs(logprobs: torch.Tensor, token_id: int, num: int) -> dict[int, tuple[float, int]]:
-    result: dict[int, tuple[float, int]] = {}
-    if num > 0:
-        values, indices = logprobs.topk(num)
-        for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist()), start=1):
-            result[index] = (value, rank)
-    if token_id not in result:
-        chosen = logprobs[token_id]
-        rank = int((logprobs > chosen).sum().item()) + 1
-        result[token_id] = (float(chosen), rank)
-    return result
+def _is_plain_greedy(request: Request) -> bool:
+    params = request.sampling_params
+    return (params.is_greedy and params.logprobs is None and request.matcher is None and not params.needs_penalties
+            and request.num_output_tokens + request.num_pending_tokens >= params.min_tokens)

@@ -60,7 +60,10 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_tokens and self._is_at_length_limit(request):
+                continue  # its pending token is its last: nothing more to compute
+            # A pending token (sampled by the step in flight) is fed from the device's copy of it.
+            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             if not self._allocate_or_preempt(request, num_new, batch, scheduled_ids):
@@ -91,8 +94,8 @@ class Scheduler:
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if request.is_waiting_for_grammar:
-                continue
+            if request.is_waiting_for_grammar or request.num_pending_tokens:
+                continue  # (a preempted request's last token is still in flight)
             if request.waits_for is not None and not _prompt_is_cached(request.waits_for):
                 continue
             request.waits_for = None
@@ -121,10 +124,22 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, request, key=_queue_key)
 
+    def _is_at_length_limit(self, request: Request) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        num_tokens = request.num_tokens + request.num_pending_tokens
+        is_at_max_tokens = max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens
+        return is_at_max_tokens or num_tokens >= self.max_model_len
+
     def update_after_step(self, batch: ScheduledBatch) -> None:
         """Count the tokens just computed and publish newly full blocks to the prefix cache."""
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += num_new
+            self.cache_computed_blocks(request)
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish full blocks, once the host knows every token in them (a block that ends in a
+        pending token waits for it)."""
+        if request.num_computed_tokens <= request.num_tokens:
             self.kv_cache.cache_computed_blocks(request)
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:

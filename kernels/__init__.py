@@ -13,7 +13,8 @@ import torch
 
 from . import cpu_ops, reference
 
-__all__ = ["argmax", "write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["argmax", "write_kv_cache", "paged_attention", "qk_norm_rope_and_cache", "rms_norm", "rotary_embedding",
+           "silu_and_mul"]
 
 
 def _triton_module():
@@ -67,3 +68,43 @@ def silu_and_mul(x):
 
 def argmax(x):
     return _implementation("argmax", x)(x)
+
+
+def qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
+                           num_kv_heads, q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+    """A layer's attention inputs from its fused projection ``qkv`` ``[T, (H + 2 Hkv) * D]``:
+    RMS-norm each query and key head (when the norm weights are given, as in Qwen3), rotate them,
+    store keys and values at ``slot_mapping`` in the paged cache; returns the queries ``[T, H, D]``.
+
+    On CUDA one Triton kernel does it all; elsewhere it is the composition of the single ops below,
+    which is also the reference the fused kernel is tested against.
+
+    >>> cache = torch.zeros(4, 16, 1, 8)
+    >>> qkv_rows, cos_sin = torch.randn(3, 4 * 8), torch.randn(64, 8)
+    >>> qk_norm_rope_and_cache(qkv_rows, torch.arange(3), cos_sin, cache, cache.clone(), torch.arange(3), 2, 1).shape
+    torch.Size([3, 2, 8])
+    """
+    if qkv.is_cuda:
+        triton_ops = _triton_module()
+        if triton_ops is not None:
+            return triton_ops.qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache,
+                                                     slot_mapping, num_heads, num_kv_heads, q_norm_weight,
+                                                     k_norm_weight, eps)
+    return qk_norm_rope_and_cache_unfused(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+                                          num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps)
+
+
+def qk_norm_rope_and_cache_unfused(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
+                                   num_kv_heads, q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+    head_dim = key_cache.shape[-1]
+    num_tokens = qkv.shape[0]
+    query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    query = query.view(num_tokens, num_heads, head_dim)
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    value = value.view(num_tokens, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        query, _ = rms_norm(query, q_norm_weight, eps)
+        key, _ = rms_norm(key, k_norm_weight, eps)
+    query, key = rotary_embedding(query, key, positions, cos_sin_cache)
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    return query

@@ -388,3 +388,52 @@ def test_sampler_full_vocabulary_batch():
     assert torch.equal(tokens[::2], logits[::2].argmax(-1))
     top_50 = logits.topk(50, dim=-1).indices
     assert all(tokens[row] in top_50[row] for row in range(2, 64, 4))
+
+
+# --------------------------------------------------------------------------------------------
+# qk_norm_rope_and_cache: the fused kernel against the composition of the single ops
+# --------------------------------------------------------------------------------------------
+
+
+def fused_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, *, has_norm, seed=0):
+    """(fused outputs, single-op outputs): the queries and both caches. Row 0 is a padding row
+    (slot -1), which the single ops don't know: they run it alone against a scratch cache."""
+    from hearth_llm import kernels
+
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks, block_size = 8, 16
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, generator=generator)
+    positions = torch.randint(0, 500, (num_tokens,), generator=generator).to(DEVICE)
+    cos_sin_cache = randn(512, head_dim, dtype=dtype, generator=generator)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens].to(DEVICE)
+    slots[0] = -1
+    norms = [randn(head_dim, dtype=dtype, generator=generator) for _ in range(2)] if has_norm else [None, None]
+    key_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=generator)
+    value_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=generator)
+
+    fused_caches = key_cache.clone(), value_cache.clone()
+    fused_query = triton_ops.qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, *fused_caches, slots, num_heads,
+                                                    num_kv_heads, *norms, 1e-6)
+    caches = key_cache.clone(), value_cache.clone()
+    query = kernels.qk_norm_rope_and_cache_unfused(qkv[1:], positions[1:], cos_sin_cache, *caches, slots[1:],
+                                                   num_heads, num_kv_heads, *norms, 1e-6)
+    padding_query = kernels.qk_norm_rope_and_cache_unfused(
+        qkv[:1], positions[:1], cos_sin_cache, key_cache.clone(), value_cache.clone(), slots.new_zeros(1),
+        num_heads, num_kv_heads, *norms, 1e-6)
+    return (fused_query, *fused_caches), (torch.cat([padding_query, query]), *caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_norm", [False, True])
+def test_qk_norm_rope_and_cache_matches_the_single_ops(dtype, has_norm):
+    fused, unfused = fused_case(5, 6, 2, 32, dtype, has_norm=has_norm)
+    for actual, expected in zip(fused, unfused):
+        assert_close(actual, expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_heads, num_kv_heads, has_norm", [(16, 8, True), (32, 8, False)])
+def test_qk_norm_rope_and_cache_full_size(num_heads, num_kv_heads, has_norm):
+    fused, unfused = fused_case(100, num_heads, num_kv_heads, 128, torch.bfloat16, has_norm=has_norm)
+    for actual, expected in zip(fused, unfused):
+        assert_close(actual, expected)

@@ -2,6 +2,7 @@
 
     python -m hearth_llm.engine.bench.throughput --shape qwen3-0.6b
     python -m hearth_llm.engine.bench.throughput --shape llama3-8b --hf-num-seqs 64
+    python -m hearth_llm.engine.bench.throughput --shape qwen3-0.6b --no-hf --compare-sync   # ours only
 
 Workload (as nano-vllm's): 256 sequences, input and output lengths uniform in [100, 1024], random
 token ids, EOS ignored, seed 0, greedy. The same weights run through HF transformers' continuous
@@ -65,13 +66,13 @@ def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | 
 
 
 def our_engine(checkpoint, dtype: str, max_num_seqs: int = 256, kv_cache_memory: str = "40GiB",
-               max_model_len: int = 4096, max_num_batched_tokens: int = 16384):
+               max_model_len: int = 4096, max_num_batched_tokens: int = 16384, async_scheduling: bool | None = None):
     from ..config import EngineConfig
     from ..llm_engine import LLMEngine
 
     config = EngineConfig(model=checkpoint.source, dtype=dtype, device="cuda", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-                          max_model_len=max_model_len, show_progress=False)
+                          max_model_len=max_model_len, show_progress=False, async_scheduling=async_scheduling)
     return LLMEngine(config, checkpoint=checkpoint)
 
 
@@ -84,28 +85,51 @@ def workload(num_seqs: int = 256, seed: int = 0, low: int = 100, high: int = 102
     return requests
 
 
-def run_ours(engine, requests) -> dict:
+def run_ours(engine, requests, kernel_profile: str | None = None) -> dict:
+    """Our engine on the workload; ``kernel_profile`` names a file for a torch.profiler table of
+    20 steps in the middle of the run (the steps run a little slower while profiled)."""
     from ..sampling_params import SamplingParams
 
     def params(max_tokens):
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
-    engine.add_request([1, 2, 3], params(4))  # warm-up
-    while engine.has_unfinished_requests():
-        engine.step()
+    # Warm-up on other prompts (no prefix hits later): batches of 1, 16 and 17 prompts compile
+    # every specialization of the Triton kernels the workload meets.
+    for count in (1, 16, 17):
+        for prompt, _ in workload(count, seed=count):
+            engine.add_request(prompt, params(4))
+        while engine.has_unfinished_requests():
+            engine.step()
     torch.cuda.synchronize()
     started = time.perf_counter()
     for prompt, max_tokens in requests:
         engine.add_request(prompt, params(max_tokens))
-    num_output = 0
+    num_output, num_steps, profiler = 0, 0, None
+    step_ends = [started]
     while engine.has_unfinished_requests():
+        if kernel_profile and num_steps == 300:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         num_output += sum(len(d.new_token_ids) for d in engine.step())
+        num_steps += 1
+        step_ends.append(time.perf_counter())
+        if profiler is not None and num_steps == 320:
+            torch.cuda.synchronize()
+            profiler.__exit__(None, None, None)
+            with open(kernel_profile, "w") as sink:
+                sink.write(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+                sink.write("\n\n" + profiler.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+            profiler = None
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     for request_id in list(engine.groups):
         engine.release(request_id)
+    step_ms = sorted((b - a) * 1000 for a, b in zip(step_ends, step_ends[1:]))
     return {"seconds": elapsed, "output_tokens": num_output, "tok_per_s": num_output / elapsed,
-            "preemptions": engine.scheduler.num_preemptions}
+            "steps": num_steps, "preemptions": engine.scheduler.num_preemptions,
+            "step_ms_p50": step_ms[len(step_ms) // 2], "step_ms_p90": step_ms[len(step_ms) * 9 // 10],
+            "step_ms_max": step_ms[-1], "seconds_in_steps_over_50ms": sum(t for t in step_ms if t > 50) / 1000}
 
 
 def run_hf_continuous_batching(model, requests) -> dict:
@@ -164,6 +188,23 @@ def ours_bs1_ms_per_token(engine, num_tokens: int = 128) -> float:
     return (time.perf_counter() - started) * 1000 / num_tokens
 
 
+def decode_graph_bs1_ms(engine, num_replays: int = 100) -> float | None:
+    """Device time of one batch-size-1 decode forward (graph replay, no lm_head or sampling), so the
+    bs1 ms/token above splits into device time and host time the device waits for."""
+    graphs = engine.runner.decode_graphs
+    if graphs is None:
+        return None
+    graph = graphs.graphs[1]  # its buffers still hold the last bs1 step: replays rewrite that KV slot
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(num_replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / num_replays
+
+
 def hf_bs1_ms_per_token(model, num_tokens: int = 64) -> float:
     input_ids = torch.arange(100, 132, device="cuda")[None]
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -188,6 +229,10 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-memory", default="40GiB")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--profile", help="write a cProfile summary of our run here")
+    parser.add_argument("--kernel-profile", help="write a torch.profiler table of 20 mid-run steps here")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF entirely (throughput and bs1)")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="also run ours with async scheduling off, on the same engine settings")
     args = parser.parse_args(argv)
 
     model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
@@ -208,15 +253,25 @@ def main(argv=None) -> None:
         with open(args.profile, "w") as sink:
             sink.write(summary.getvalue())
     else:
-        results["ours"] = run_ours(engine, requests)
+        results["ours"] = run_ours(engine, requests, args.kernel_profile)
+    print(json.dumps(results["ours"]), flush=True)
     results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine)
+    results["ours_bs1_decode_graph_ms"] = decode_graph_bs1_ms(engine)
+    if args.compare_sync:
+        engine.async_scheduling = False
+        # The same lengths, other ids: the first run's prompts sit in the prefix cache.
+        shifted = [([(t + 1) % 10000 for t in prompt], max_tokens) for prompt, max_tokens in requests]
+        results["ours_sync"] = run_ours(engine, shifted)
+        results["ours_sync_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine)
+        print(json.dumps(results["ours_sync"]), flush=True)
     bandwidth = copy_bandwidth_bytes_per_s()
     results["copy_bandwidth_TBps"] = bandwidth / 1e12
     results["weight_read_floor_ms"] = weight_bytes / bandwidth * 1000
     del engine
     torch.cuda.empty_cache()
-    results["hf_bs1_ms_per_token"] = hf_bs1_ms_per_token(model)
-    if args.hf_num_seqs:
+    if not args.no_hf:
+        results["hf_bs1_ms_per_token"] = hf_bs1_ms_per_token(model)
+    if args.hf_num_seqs and not args.no_hf:
         hf_requests = requests[: args.hf_num_seqs]
         results["hf_continuous_batching"] = run_hf_continuous_batching(model, hf_requests)
         results["hf_num_seqs"] = len(hf_requests)

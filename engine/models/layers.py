@@ -140,15 +140,14 @@ class Attention(nn.Module):
     def forward(self, positions, hidden, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary(positions, query, key)
         key_cache, value_cache = kv_cache
-        kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        has_qk_norm = self.q_norm is not None
+        # Split heads, q/k norm, rotary and the cache write: one kernel on CUDA.
+        query = kernels.qk_norm_rope_and_cache(
+            qkv, positions, self.rotary.cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.q_norm.weight if has_qk_norm else None,
+            self.k_norm.weight if has_qk_norm else None, self.q_norm.eps if has_qk_norm else 1e-6,
+        )
         out = kernels.paged_attention(
             query, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window,
