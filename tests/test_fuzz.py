@@ -255,7 +255,7 @@ def test_config_json_with_wrong_values_loads_or_raises_value_error(tiny_model_di
     import torch
 
     from hearth_llm.engine.loader import load_checkpoint
-    from hearth_llm.engine.models.arch import ArchConfig
+    from hearth_llm.engine.models import model_class_for
 
     with tempfile.TemporaryDirectory() as folder:
         target = Path(folder) / "model"
@@ -264,6 +264,6 @@ def test_config_json_with_wrong_values_loads_or_raises_value_error(tiny_model_di
         (target / "config.json").write_text(json.dumps({**config, **changes}))
         try:
             checkpoint = load_checkpoint(str(target), torch.float32, progress=False)
-            ArchConfig.from_hf_config(checkpoint.config)
+            model_class_for(checkpoint.config).arch_from_hf_config(checkpoint.config)
         except ValueError as error:
             assert "config.json" in str(error), error

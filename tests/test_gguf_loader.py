@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -327,6 +329,26 @@ def test_second_load_does_not_convert_again(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_loader, "_convert_gguf", lambda *args: pytest.fail("converted again despite the cache"))
     cached = load_gguf(tiny_gguf, torch.float32, cache_dir=tmp_path, progress=False)
     assert all(torch.equal(cached.state_dict[name], weight) for name, weight in first.state_dict.items())
+
+
+def test_cached_load_does_not_import_the_architecture_config_class(tiny_gguf, tmp_path):
+    # transformers 5's LlamaConfig drags in torch.distributed.tensor and sympy: ~1 s of a cold start.
+    load_gguf(tiny_gguf, torch.float32, cache_dir=tmp_path, progress=False)
+    code = (f"import sys, torch; from hearth_llm.engine.loader.gguf import load_gguf; "
+            f"load_gguf({str(tiny_gguf)!r}, torch.float32, cache_dir={str(tmp_path)!r}, progress=False); "
+            f"print('transformers.models.llama.configuration_llama' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_saved_config_reads_back_as_the_architecture_class(tiny_gguf, tmp_path):
+    from transformers import AutoConfig, LlamaConfig
+
+    config = load_gguf(tiny_gguf, torch.float32, cache_dir=tmp_path / "cache", progress=False).config
+    config.save_pretrained(tmp_path / "saved")
+    saved = AutoConfig.from_pretrained(tmp_path / "saved")
+    assert isinstance(saved, LlamaConfig)
+    assert (saved.hidden_size, saved.num_key_value_heads, saved.head_dim) == (64, 2, 16)
 
 
 def test_a_modified_file_is_converted_again(tiny_gguf, tmp_path):

@@ -16,8 +16,10 @@ padded batch and ``generate_batch`` (continuous batching). llama.cpp runs the GG
 ``llama-cpp-python`` is importable (``pip install llama-cpp-python`` compiles it, ~9 minutes); it has
 no batched generation API, so its "32 concurrent" row is requests one after another.
 
-Timings are the best of ``--repeats`` runs after a warm-up. OpenMP threads that spin while idle
-steal the cores from whatever else runs, so set ``OMP_WAIT_POLICY=PASSIVE`` on a shared machine.
+Timings are the best of ``--repeats`` runs after a warm-up; the table ends with the load average,
+because every system here slows down several times over when other processes hold the cores.
+Leave ``OMP_WAIT_POLICY`` unset to measure the defaults users get (``PASSIVE`` makes torch's idle
+threads sleep: steadier on a busy machine, slower on a free one, for HF transformers as for us).
 """
 from __future__ import annotations
 
@@ -84,47 +86,41 @@ def long_prompt(tokenizer, repeat: int) -> list[int]:
     return [tokenizer.bos_token_id or 1, *ids]
 
 
-def best(values: list[float]) -> float:
-    return max(values)
-
-
 # ---- hearth-llm ------------------------------------------------------------------------------
+#
+# Each system gives, per measure, a function of the repeat number that returns the measured rate;
+# main() runs them interleaved, so all systems see the same stretch of machine load.
 
 
-def hearth_measures(args, tokenizer_out: list) -> dict[str, float]:
+def hearth_runners():
+    """``(runners, tokenizer, close)`` for the engine with its default settings."""
     from hearth_llm.engine import LLM, SamplingParams, get_engine
 
     llm = LLM("default", show_progress=False)
     core = get_engine("default", show_progress=False)  # the engine llm drives, for its token streams
-    tokenizer_out.append(llm.tokenizer)
+    tokenizer = llm.tokenizer
     greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     print(f"hearth-llm: dtype={llm.engine.runner.dtype}, threads={llm.config.num_threads}", flush=True)
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
 
-    def decode_rate(prompt: list[int]) -> float:
+    def decode_rate(repeat: int) -> float:
         times = []
-        for output in core.add_request(prompt, greedy):
+        for output in core.add_request(single_stream_prompt(tokenizer, repeat), greedy):
             times.extend([time.perf_counter()] * len(output.delta_token_ids))
         return (len(times) - 1) / (times[-1] - times[0])
 
-    def concurrent_rate(prompts: list[list[int]]) -> float:
+    def concurrent_rate(repeat: int) -> float:
         started = time.perf_counter()
-        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        outputs = llm.generate(concurrent_prompts(tokenizer, repeat), greedy, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - started)
 
-    def prefill_rate(prompt: list[int]) -> float:
+    def prefill_rate(repeat: int) -> float:
+        prompt = long_prompt(tokenizer, repeat)
         started = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         return len(prompt) / (time.perf_counter() - started)
 
-    tokenizer = llm.tokenizer
-    values = {
-        "single": best([decode_rate(single_stream_prompt(tokenizer, r)) for r in range(args.repeats)]),
-        "concurrent": best([concurrent_rate(concurrent_prompts(tokenizer, r)) for r in range(args.repeats)]),
-        "prefill": best([prefill_rate(long_prompt(tokenizer, r)) for r in range(args.repeats)]),
-    }
-    llm.close()
-    return values
+    return {"single": decode_rate, "concurrent": concurrent_rate, "prefill": prefill_rate}, tokenizer, llm.close
 
 
 # ---- HF transformers -------------------------------------------------------------------------
@@ -160,21 +156,25 @@ class _TokenTimes:
         pass
 
 
-def hf_measures(args, dtype: torch.dtype, tokenizer) -> dict[str, float]:
+def hf_runners(dtype: torch.dtype, tokenizer) -> dict[str, dict]:
+    """Runners of HF transformers ``generate`` (one stream, a static padded batch) and
+    ``generate_batch`` (continuous batching), keyed by the row they fill."""
     from transformers import GenerationConfig
 
     model = build_hf_model(dtype)
+    name = str(dtype).removeprefix("torch.")
     greedy = dict(max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0)
 
     @torch.inference_mode()
-    def decode_rate(prompt: list[int]) -> float:
-        streamer = _TokenTimes()
+    def decode_rate(repeat: int) -> float:
+        prompt, streamer = single_stream_prompt(tokenizer, repeat), _TokenTimes()
         model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                        streamer=streamer, **greedy)
         return (len(streamer.times) - 1) / (streamer.times[-1] - streamer.times[0])
 
     @torch.inference_mode()
-    def static_rate(prompts: list[list[int]]) -> float:
+    def static_rate(repeat: int) -> float:
+        prompts = concurrent_prompts(tokenizer, repeat)
         width = max(map(len, prompts))
         input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -183,74 +183,65 @@ def hf_measures(args, dtype: torch.dtype, tokenizer) -> dict[str, float]:
         return (out.shape[1] - width) * len(prompts) / (time.perf_counter() - started)
 
     @torch.inference_mode()
-    def continuous_rate(prompts: list[list[int]]) -> float:
+    def continuous_rate(repeat: int) -> float:
         config = GenerationConfig(max_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
         started = time.perf_counter()
-        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        results = model.generate_batch(inputs=concurrent_prompts(tokenizer, repeat), generation_config=config,
+                                       progress_bar=False)
         return sum(len(r.generated_tokens) for r in results.values()) / (time.perf_counter() - started)
 
     @torch.inference_mode()
-    def prefill_rate(prompt: list[int]) -> float:
+    def prefill_rate(repeat: int) -> float:
+        prompt = long_prompt(tokenizer, repeat)
         started = time.perf_counter()
         model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                        max_new_tokens=1, do_sample=False, pad_token_id=0)
         return len(prompt) / (time.perf_counter() - started)
 
-    decode_rate(chat_ids(tokenizer, "Hi"))  # warm-up
-    values = {
-        "single": best([decode_rate(single_stream_prompt(tokenizer, r)) for r in range(args.repeats)]),
-        "static": best([static_rate(concurrent_prompts(tokenizer, r)) for r in range(args.repeats)]),
-        "prefill": best([prefill_rate(long_prompt(tokenizer, r)) for r in range(args.repeats)]),
-    }
-    try:
-        values["continuous"] = best([continuous_rate(concurrent_prompts(tokenizer, r)) for r in range(args.repeats)])
-    except Exception as error:  # generate_batch is young; a failure should not end the benchmark
-        values["continuous"] = f"failed: {type(error).__name__}: {error}"[:80]
-    return values
+    decode_rate(0)  # warm-up
+    return {f"HF {name}": {"single": decode_rate, "prefill": prefill_rate},
+            f"HF {name} static": {"concurrent": static_rate},
+            f"HF {name} continuous": {"concurrent": continuous_rate}}
 
 
 # ---- llama.cpp -------------------------------------------------------------------------------
 
 
-def llama_cpp_measures(args, tokenizer) -> dict[str, float | str]:
+def llama_cpp_runners(tokenizer) -> dict:
     from llama_cpp import Llama
 
     from hearth_llm.engine.loader import default_model_path
 
     llm = Llama(str(default_model_path()), n_threads=torch.get_num_threads(), n_ctx=2048, n_batch=512, verbose=False)
 
-    def decode_rate(prompt: list[int]) -> float:
+    def generate(prompt: list[int]) -> list[float]:
         llm.reset()
         times = []
         for _ in llm.generate(prompt, temp=0.0, reset=True):
             times.append(time.perf_counter())
             if len(times) == NUM_NEW_TOKENS:
                 break
+        return times
+
+    def decode_rate(repeat: int) -> float:
+        times = generate(single_stream_prompt(tokenizer, repeat))
         return (len(times) - 1) / (times[-1] - times[0])
 
-    def sequential_rate(prompts: list[list[int]]) -> float:
-        started, num_tokens = time.perf_counter(), 0
-        for prompt in prompts:
-            llm.reset()
-            for _ in llm.generate(prompt, temp=0.0, reset=True):
-                num_tokens += 1
-                if num_tokens % NUM_NEW_TOKENS == 0:
-                    break
+    def sequential_rate(repeat: int) -> float:
+        # Four requests one after another stand for 32: without batching the rate does not change.
+        started = time.perf_counter()
+        num_tokens = sum(len(generate(prompt)) for prompt in concurrent_prompts(tokenizer, repeat)[:4])
         return num_tokens / (time.perf_counter() - started)
 
-    def prefill_rate(prompt: list[int]) -> float:
+    def prefill_rate(repeat: int) -> float:
+        prompt = long_prompt(tokenizer, repeat)
         llm.reset()
         started = time.perf_counter()
         llm.eval(prompt)
         return len(prompt) / (time.perf_counter() - started)
 
-    decode_rate(chat_ids(tokenizer, "Hi"))  # warm-up
-    return {
-        "single": best([decode_rate(single_stream_prompt(tokenizer, r)) for r in range(args.repeats)]),
-        # Four requests one after another stand for 32: without batching the rate does not change.
-        "concurrent": sequential_rate(concurrent_prompts(tokenizer, 0)[:4]),
-        "prefill": best([prefill_rate(long_prompt(tokenizer, r)) for r in range(args.repeats)]),
-    }
+    decode_rate(0)  # warm-up
+    return {"single": decode_rate, "concurrent": sequential_rate, "prefill": prefill_rate}
 
 
 # ---- cold load -------------------------------------------------------------------------------
@@ -368,6 +359,8 @@ def print_table(rows: list[Row], systems: list[str]) -> None:
         print(f"{system:<28}" + "".join(cells))
     for row in rows:
         print(f"  {row.column}: {row.title}")
+    if any("seq." in str(row.values.get("llama.cpp", "")) for row in rows):
+        print("  seq.: llama-cpp-python has no batched generation; four requests one after another")
     for number, note in enumerate(notes, start=1):
         print(f"  [{number}] {note}")
 
@@ -418,33 +411,40 @@ def main(argv: list[str] | None = None) -> None:
         ("cold", "cold load s", "fresh process to first token, GGUF conversion cached", "s"),
         ("cold_first", "first load s", "the same on the first run after install (nothing cached)", "s"),
     ]}
-    systems = ["hearth-llm"]
 
-    tokenizer_box: list = []
-    for key, value in hearth_measures(args, tokenizer_box).items():
-        rows[key].values["hearth-llm"] = value
-    tokenizer = tokenizer_box[0]
-
+    runners, tokenizer, close_engine = hearth_runners()
+    systems = {"hearth-llm": runners}
     hf_dtypes = [] if args.skip_hf else [d.strip() for d in args.hf_dtypes.split(",") if d.strip()]
     for name in hf_dtypes:
         print(f"HF transformers {name} ...", flush=True)
-        values = hf_measures(args, getattr(torch, name), tokenizer)
-        systems += [f"HF {name}", f"HF {name} static", f"HF {name} continuous"]
-        rows["single"].values[f"HF {name}"] = values["single"]
-        rows["prefill"].values[f"HF {name}"] = values["prefill"]
-        rows["concurrent"].values[f"HF {name} static"] = values["static"]
-        rows["concurrent"].values[f"HF {name} continuous"] = values["continuous"]
-
+        systems.update(hf_runners(getattr(torch, name), tokenizer))
     if not args.skip_llama_cpp:
-        systems.append("llama.cpp")
         if _has_module("llama_cpp"):
             print("llama.cpp ...", flush=True)
-            for key, value in llama_cpp_measures(args, tokenizer).items():
-                rows[key].values["llama.cpp"] = value
-            rows["concurrent"].values["llama.cpp"] = f"{rows['concurrent'].values['llama.cpp']:.1f} seq."
+            systems["llama.cpp"] = llama_cpp_runners(tokenizer)
         else:
+            systems["llama.cpp"] = {}
             for key in ("single", "concurrent", "prefill", "cold"):
                 rows[key].values["llama.cpp"] = "not installed"
+
+    for key in ("single", "concurrent", "prefill"):
+        print(f"measuring: {rows[key].title} ...", flush=True)
+        for repeat in range(args.repeats):
+            for system, measures in systems.items():
+                if key not in measures:
+                    continue
+                try:
+                    value = measures[key](repeat)
+                except Exception as error:  # e.g. a young generate_batch; note it, go on
+                    value = f"failed: {type(error).__name__}: {error}"[:80]
+                previous = rows[key].values.get(system)
+                # The best rate counts; a failure shows only when no repeat succeeded.
+                if not isinstance(previous, float) or (isinstance(value, float) and value > previous):
+                    rows[key].values[system] = value
+    close_engine()
+    if isinstance(rows["concurrent"].values.get("llama.cpp"), float):
+        rows["concurrent"].values["llama.cpp"] = f"{rows['concurrent'].values['llama.cpp']:.1f} seq."
+    systems = list(systems)
 
     if not args.skip_cold:
         print("cold loads ...", flush=True)

@@ -4,10 +4,19 @@ The first load reads the file's metadata, builds a transformers config and token
 dequantizes every tensor to the compute dtype under its Hugging Face name, and writes all of that
 to a cache directory. Later loads of the same file read only the cache, which takes well under a
 second for a small model instead of seconds of parsing and dequantizing.
+
+A cached load does not import transformers' per-architecture config classes: in
+transformers 5 importing ``LlamaConfig`` pulls in ``torch.distributed.tensor`` and sympy, about a
+second of a cold start. The config comes back as a bare ``PretrainedConfig`` subclass that knows
+its ``model_type`` and holds every field (our models read only attributes; ``save_pretrained``
+writes a config.json that transformers reads as the architecture's own class), and the first
+load returns the same, so both loads agree.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 import os
 import re
@@ -25,29 +34,25 @@ from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import (
-    LlamaConfig,
-    MistralConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from .checkpoint import LoadedCheckpoint
 
 # Bump when the conversion changes, so caches written by an older loader are not reused.
-_CACHE_FORMAT_VERSION = 1
+# 2: config.json holds every field (not only those that differ from the defaults).
+_CACHE_FORMAT_VERSION = 2
+_CONFIG_FILE = "config.json"
 _DEFAULT_CACHE_ROOT = Path("~/.cache/hearth_llm/gguf")
 _WEIGHTS_FILE = "model.safetensors"
 _GGUF_MAGIC = b"GGUF"
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
-    "llama": LlamaConfig,
-    "mistral": MistralConfig,
-    "qwen2": Qwen2Config,
-    "qwen3": Qwen3Config,
+# GGUF architecture -> the transformers config class that fills in its defaults (imported lazily).
+_CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
 }
 # llama.cpp's converter reorders the q/k rows of these architectures for its interleaved rotary.
 _ARCHITECTURES_WITH_PERMUTED_QK = frozenset({"llama", "mistral"})
@@ -175,8 +180,8 @@ def _cache_key(gguf_path: Path, dtype: torch.dtype) -> str:
 
 
 def _load_from_cache(cache_path: Path, source: str) -> LoadedCheckpoint:
-    config_dict, _ = PretrainedConfig.get_config_dict(cache_path)
-    config = _CONFIG_CLASSES[config_dict["model_type"]].from_dict(config_dict)
+    config_dict = json.loads((cache_path / _CONFIG_FILE).read_text(encoding="utf-8"))
+    config = _config_class(config_dict["model_type"]).from_dict(config_dict)
     state_dict = load_file(cache_path / _WEIGHTS_FILE)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(cache_path, local_files_only=True)
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, source=source)
@@ -198,11 +203,17 @@ def _write_cache_atomically(checkpoint: LoadedCheckpoint, cache_path: Path) -> N
     staging = Path(tempfile.mkdtemp(prefix=f".{cache_path.name}.", suffix=".partial", dir=cache_path.parent))
     try:
         save_file(checkpoint.state_dict, staging / _WEIGHTS_FILE, metadata={"format": "pt"})
-        checkpoint.config.save_pretrained(staging)
+        (staging / _CONFIG_FILE).write_text(checkpoint.config.to_json_string(use_diff=False), encoding="utf-8")
         checkpoint.tokenizer.save_pretrained(staging)
         os.rename(staging, cache_path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@functools.cache
+def _config_class(model_type: str) -> type[PretrainedConfig]:
+    """A ``PretrainedConfig`` subclass with this ``model_type`` and no defaults of its own."""
+    return type(f"{model_type.title()}GGUFConfig", (PretrainedConfig,), {"model_type": model_type})
 
 
 # --- conversion --------------------------------------------------------------------------------
@@ -242,7 +253,12 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> Loaded
     reader = _open_gguf(gguf_path)
     metadata = _Metadata(values=_read_metadata(reader), path=gguf_path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    config = _build_config(metadata, tensors)
+    try:
+        config = _build_config(metadata, tensors)
+    except ValueError:
+        raise
+    except Exception as error:  # transformers' config classes validate with their own exception types
+        raise ValueError(f"{gguf_path}: its metadata describe an unusable model: {error}") from error
     tokenizer = _build_tokenizer(metadata)
     state_dict = _convert_tensors(metadata, config, tensors, dtype, progress)
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(gguf_path))
@@ -306,7 +322,11 @@ def _build_config(metadata: _Metadata, tensors: dict[str, ReaderTensor]) -> Pret
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
     )
-    return _CONFIG_CLASSES[metadata.architecture](**config_kwargs)
+    import transformers
+
+    config = getattr(transformers, _CONFIG_CLASSES[metadata.architecture])(**config_kwargs)
+    # The architecture's class only fills in its defaults; what we return is what a cached load returns.
+    return _config_class(config.model_type).from_dict(config.to_dict())
 
 
 def _rope_scaling(metadata: _Metadata, tensors: dict[str, ReaderTensor], rope_dim: int) -> dict | None:

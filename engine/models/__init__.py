@@ -20,7 +20,10 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 
 def model_class_for(config: PretrainedConfig):
     """The model class for a config; ``ValueError`` naming the architecture when unsupported."""
-    architectures = list(config.architectures or []) or [MODEL_TYPES.get(config.model_type, config.model_type)]
+    declared = config.architectures or []
+    if not isinstance(declared, (list, tuple)) or not all(isinstance(name, str) for name in declared):
+        raise ValueError(f"config.json: architectures must be a list of class names, got {declared!r:.80}")
+    architectures = list(declared) or [MODEL_TYPES.get(config.model_type, config.model_type)]
     for name in architectures:
         if name in MODEL_CLASSES:
             return MODEL_CLASSES[name]
