@@ -2,9 +2,12 @@
 
 What differs from the transformers implementation, and why:
 
-- Padding costs nothing in the dense layers, which are ~90 % of the time: they run on the packed
-  real tokens ``[num_tokens, hidden]``; only attention sees the padded ``[batch, length]`` layout
-  (scattered in and gathered out per layer), and gets no mask at all when nothing is padded.
+- Padding costs nothing: the dense layers (~90 % of the time) run on the packed real tokens
+  ``[num_tokens, hidden]``, and attention runs once per run of equal-length texts, straight on
+  views of the packed query/key/value, with no mask. Batches come sorted by length, so a batch has
+  a few runs; against one padded, masked attention per batch this embedded 1.16× the sentences
+  per CPU-second on all-MiniLM-L6-v2 (the pad/scatter copies and the mask cost more than the
+  extra attention calls).
 - Query, key and value are one fused projection; every dense layer goes through
   :class:`~.linear.Linear` (oneDNN with the bias and GELU fused on CPU).
 - No pooler, no dropout, no attention-probability outputs.
@@ -13,6 +16,7 @@ RoBERTa differs from BERT only in where its positions start (``pad_token_id + 1`
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,20 +71,30 @@ class BertConfig:
 
 @dataclass(slots=True)
 class PackedLayout:
-    """Where the real tokens of a right-padded ``[batch, length]`` batch sit once packed."""
+    """Where the real tokens of a right-padded ``[batch, length]`` batch sit once packed, and which
+    texts attention takes together: each run of consecutive texts of equal length.
+
+    >>> PackedLayout.from_mask(torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]])).runs
+    [(0, 1, 3), (3, 2, 2)]
+    """
 
     batch: int
     length: int
     token_index: torch.Tensor | None     # [num_tokens] flat padded position of each token; None: no padding
-    attention_mask: torch.Tensor | None  # [batch, 1, 1, length] keys to attend to; None: all
+    runs: list[tuple[int, int, int]]     # (first packed token, num_texts, length) of each equal-length run
 
     @classmethod
     def from_mask(cls, attention_mask: torch.Tensor) -> PackedLayout:
         batch, length = attention_mask.shape
         if bool(attention_mask.all()):
-            return cls(batch, length, None, None)
-        token_index = attention_mask.flatten().nonzero().squeeze(1)
-        return cls(batch, length, token_index, attention_mask.bool()[:, None, None, :])
+            return cls(batch, length, None, [(0, batch, length)])
+        runs, start = [], 0
+        for text_length, texts in itertools.groupby(attention_mask.sum(dim=1).tolist()):
+            num_texts = len(list(texts))
+            if text_length:
+                runs.append((start, num_texts, text_length))
+            start += num_texts * text_length
+        return cls(batch, length, attention_mask.flatten().nonzero().squeeze(1), runs)
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """``[batch * length, ...]`` → ``[num_tokens, ...]``."""
@@ -94,12 +108,26 @@ class PackedLayout:
         return padded.index_copy_(0, self.token_index, packed)
 
 
+def packed_attention(qkv: torch.Tensor, layout: PackedLayout, num_heads: int) -> torch.Tensor:
+    """``[num_tokens, 3 * width]`` packed query, key and value → ``[num_tokens, width]``, one
+    unmasked attention per run of equal-length texts."""
+    width = qkv.shape[1] // 3
+    head_dim = width // num_heads
+    attended = qkv.new_empty(qkv.shape[0], width)
+    for start, num_texts, length in layout.runs:
+        end = start + num_texts * length
+        block = qkv[start:end].view(num_texts, length, 3, num_heads, head_dim)
+        query, key, value = block.permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(query, key, value)            # [texts, heads, length, head_dim]
+        attended[start:end].view(num_texts, length, num_heads, head_dim).copy_(out.transpose(1, 2))
+    return attended
+
+
 class BertLayer(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
         self.qkv_proj = Linear(hidden, 3 * hidden)
         self.out_proj = Linear(hidden, hidden)
         self.attention_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
@@ -109,11 +137,7 @@ class BertLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         """``hidden`` is ``[num_tokens, hidden]``, packed as ``layout`` says."""
-        width = hidden.shape[1]
-        qkv = layout.pad(self.qkv_proj(hidden)).view(layout.batch, layout.length, 3, self.num_heads, self.head_dim)
-        query, key, value = qkv.permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(query, key, value, attn_mask=layout.attention_mask)
-        attended = layout.pack(attended.transpose(1, 2).reshape(layout.batch * layout.length, width))
+        attended = packed_attention(self.qkv_proj(hidden), layout, self.num_heads)
         hidden = self.attention_norm(hidden + self.out_proj(attended))
         return self.output_norm(hidden + self.down_proj(self.up_proj(hidden)))
 

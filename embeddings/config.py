@@ -29,8 +29,12 @@ class EmbeddingConfig:
       on CPU (throughput is flat from 512 to 4096 and drops at 8192, where activations outgrow
       the caches) and 16384 on CUDA.
     - ``max_batch_size``: texts in one forward pass; default 64 on CPU, 512 on CUDA. A step of
-      the engine takes four batches' worth of texts, so a query that arrives behind a large corpus
-      waits for about one step (~1 s on two CPU cores).
+      the engine takes four batches' worth of texts per worker, so a query that arrives behind a
+      large corpus waits for about one step (~1 s on two CPU cores).
+    - ``num_workers``: forward passes that run at once, each on one CPU thread; default
+      ``torch.get_num_threads()`` on CPU (one per core), 1 on CUDA. With 1, every batch runs on
+      the engine thread with all of torch's intra-op threads. A step with a single batch (a lone
+      query, a burst of short ones) always runs that way, for latency.
     - ``implementation``: ``"auto"`` (ours for BERT/RoBERTa safetensors, else transformers),
       ``"hearth"`` or ``"transformers"`` (``AutoModel`` with SDPA attention).
     - ``show_progress``: default of the per-request progress bar (``None``: only for large requests).
@@ -43,6 +47,7 @@ class EmbeddingConfig:
     max_batch_tokens: int | None = None
     max_batch_size: int | None = None
     implementation: str = "auto"
+    num_workers: int | None = None
     show_progress: bool | None = None
 
     def __post_init__(self) -> None:
@@ -58,7 +63,7 @@ class EmbeddingConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
-        for name in ("max_batch_tokens", "max_batch_size"):
+        for name in ("max_batch_tokens", "max_batch_size", "num_workers"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.max_seq_length is not None:
@@ -86,6 +91,12 @@ class EmbeddingConfig:
         if self.max_batch_size is not None:
             return self.max_batch_size
         return 512 if self.torch_device.type == "cuda" else 64
+
+    @property
+    def worker_count(self) -> int:
+        if self.num_workers is not None:
+            return self.num_workers
+        return 1 if self.torch_device.type == "cuda" else torch.get_num_threads()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,10 +2,11 @@
 
 Callers on any thread or event loop submit a list of texts and get a future. The thread takes a
 fair share of every waiting request (:func:`~.batching.fair_shares`), tokenizes that step's texts
-in one call, sorts them by length and cuts them into padded batches (:func:`~.batching.plan_batches`),
-runs each batch under ``torch.inference_mode`` and resolves a request's future when its last text
-is done. So 64 coroutines that each embed one query become one or two forward passes, and the
-event loop never runs the model.
+in one call, sorts them by length and cuts them into batches (:func:`~.batching.plan_batches`),
+runs the batches under ``torch.inference_mode`` — side by side on single-threaded workers
+(:class:`~.workers.ForwardWorkers`) when there are several, on this thread when there is one — and
+resolves a request's future when its last text is done. So 64 coroutines that each embed one query
+become one or two forward passes, and the event loop never runs the model.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,13 +30,15 @@ from .errors import (EmbeddingEngineClosedError, EmbeddingEngineDeadError, Embed
                      TextTooLongError)
 from .model_dir import read_encoder_spec
 from .runner import EncoderRunner
+from .workers import ForwardWorkers
 
 logger = logging.getLogger("hearth_llm")
 
 # Requests of at least this many texts get a progress bar unless they say otherwise.
 PROGRESS_MIN_TEXTS = 1000
-# A step takes this many batches' worth of texts: enough to sort by length across several batches,
-# few enough that a query arriving behind a large corpus waits briefly.
+# A step takes this many batches' worth of texts per worker: enough to sort by length across
+# several batches and keep every worker busy, few enough that a query arriving behind a large
+# corpus waits briefly.
 BATCHES_PER_STEP = 4
 # Callers that fan out together (``asyncio.gather`` over 64 queries) submit over a few milliseconds.
 # Waking from idle, the thread waits until no request has arrived for BURST_QUIET_S (at most
@@ -89,10 +92,12 @@ class EmbeddingEngine:
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._waiting: deque[_Request] = deque()
-        self._in_step: list[_Request] = []   # taken by the current step (engine thread only)
+        self._in_step: list[_Request] = []   # taken by steps still running (engine thread only)
         self._thread: threading.Thread | None = None
         self._loaded = threading.Event()
         self._runner: EncoderRunner | None = None
+        self._workers: ForwardWorkers | None = None   # None: batches run on the engine thread
+        self._in_flight: dict[concurrent.futures.Future, list[_Item]] = {}   # batches on the workers
         self._stop_error: EmbeddingEngineDeadError | None = None
         self._is_closing = False
         self._stats = dict(num_requests=0, num_texts=0, num_steps=0, num_batches=0, num_tokens=0,
@@ -244,17 +249,28 @@ class EmbeddingEngine:
         finally:
             self._loaded.set()
         try:
+            if self.config.worker_count > 1:
+                self._workers = ForwardWorkers(self.config.worker_count)
             with torch.inference_mode():
-                while (items := self._next_step()) is not None:
-                    self._run_step(items)
+                # With workers, the next step is taken (and tokenized) while the last batches of
+                # this one run, so that no core idles between steps.
+                while (items := self._next_step(wait=not self._in_flight)) is not None:
+                    if items:
+                        self._run_step(items)
+                    self._finish_batches(num_left=self.config.worker_count if items else 0)
         except BaseException as error:  # noqa: BLE001
             self._stop(EmbeddingEngineDeadError(f"the embedding engine thread crashed: {type(error).__name__}: "
                                                 f"{error}"), error)
         else:
             self._stop(EmbeddingEngineClosedError("the embedding engine was closed"), None)
+        finally:
+            if self._workers is not None:
+                self._workers.close()
+                self._workers = None
 
-    def _next_step(self) -> list[_Item] | None:
-        """Wait for work; take each waiting request's fair share of one step. None: closing."""
+    def _next_step(self, wait: bool = True) -> list[_Item] | None:
+        """Take each waiting request's fair share of one step; if none waits, wait for one (or
+        return [] when not ``wait``). None: closing."""
         with self._lock:
             was_idle = False
             while True:
@@ -263,6 +279,8 @@ class EmbeddingEngine:
                     return None
                 if self._waiting:
                     break
+                if not wait:
+                    return []
                 self._has_work.wait()
                 was_idle = True
             if was_idle:
@@ -270,13 +288,14 @@ class EmbeddingEngine:
                 if self._is_closing:
                     return None
             requests = list(self._waiting)
-            budget = BATCHES_PER_STEP * self.config.batch_size_limit
+            budget = BATCHES_PER_STEP * self.config.batch_size_limit * self.config.worker_count
             shares = fair_shares([len(r.texts) - r.num_taken for r in requests], budget)
             items = []
             for request, share in zip(requests, shares, strict=True):
                 items += [_Item(request, index) for index in range(request.num_taken, request.num_taken + share)]
                 request.num_taken += share
-            self._in_step = [request for request, share in zip(requests, shares, strict=True) if share]
+            self._in_step = ([request for request in self._in_step if not request.is_finished]
+                             + [request for request, share in zip(requests, shares, strict=True) if share])
             self._waiting = deque(r for r in self._waiting if r.num_taken < len(r.texts))
             self._stats["num_steps"] += 1
             return items
@@ -293,8 +312,24 @@ class EmbeddingEngine:
     def _run_step(self, items: list[_Item]) -> None:
         items = self._tokenize(items)
         lengths = [len(item.token_ids) for item in items]
-        for batch in plan_batches(lengths, self.config.batch_token_budget, self.config.batch_size_limit):
-            self._run_batch([items[i] for i in batch])
+        batches = [[items[i] for i in batch]
+                   for batch in plan_batches(lengths, self.config.batch_token_budget, self.config.batch_size_limit)]
+        if self._workers is None or (len(batches) == 1 and not self._in_flight):
+            for batch in batches:
+                self._run_batch(batch)
+            return
+        for batch in batches:   # longest first: the free worker takes the next, which balances them
+            batch = self._drop_finished_items(batch)
+            if batch:
+                future = self._workers.submit(self._runner.run, [item.token_ids for item in batch])
+                self._in_flight[future] = batch
+
+    def _finish_batches(self, num_left: int) -> None:
+        """Settle the workers' batches as they end, until at most ``num_left`` are in flight."""
+        while len(self._in_flight) > num_left:
+            done, _ = concurrent.futures.wait(self._in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                self._finish_batch(self._in_flight.pop(future), future.result)
 
     def _tokenize(self, items: list[_Item]) -> list[_Item]:
         """Fill in token ids; fail requests that refuse truncation and have an over-long text, and
@@ -334,10 +369,13 @@ class EmbeddingEngine:
 
     def _run_batch(self, batch: list[_Item]) -> None:
         batch = self._drop_finished_items(batch)
-        if not batch:
-            return
+        if batch:
+            self._finish_batch(batch, lambda: self._runner.run([item.token_ids for item in batch]))
+
+    def _finish_batch(self, batch: list[_Item], forward: Callable[[], torch.Tensor]) -> None:
+        """Hand each text its row of ``forward()``, or fail the batch's requests with what it raised."""
         try:
-            embeddings = self._runner.run([item.token_ids for item in batch])
+            embeddings = forward()
         except Exception as error:  # noqa: BLE001 - only this batch's requests fail
             logger.exception("an embedding batch failed")
             for request in {id(item.request): item.request for item in batch}.values():

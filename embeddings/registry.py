@@ -58,4 +58,5 @@ def _config_key(config: EmbeddingConfig) -> tuple:
     values["device"] = str(config.torch_device)
     values["max_batch_tokens"] = config.batch_token_budget
     values["max_batch_size"] = config.batch_size_limit
+    values["num_workers"] = config.worker_count
     return tuple(sorted(values.items()))

@@ -101,6 +101,52 @@ async def test_the_event_loop_keeps_running_while_the_model_works(engine):
     assert ticks > 0
 
 
+def test_side_by_side_workers_give_the_vectors_of_a_single_thread(monkeypatch):
+    texts = [f"sentence {i} " + "word " * (i % 23) for i in range(300)]
+    with EmbeddingEngine(EmbeddingConfig(num_workers=1, max_batch_size=16, show_progress=False)) as serial:
+        expected = serial.embed(texts)
+    with EmbeddingEngine(EmbeddingConfig(num_workers=2, max_batch_size=16, show_progress=False)) as parallel:
+        parallel.start()
+        threads_used = set()
+        original = parallel._runner.run
+
+        def run(token_ids):
+            threads_used.add(threading.current_thread().name)
+            return original(token_ids)
+
+        monkeypatch.setattr(parallel._runner, "run", run)
+        assert torch.allclose(parallel.embed(texts), expected, atol=1e-5)
+    assert all(name.startswith("hearth-embeddings-worker") for name in threads_used)
+    assert len(threads_used) == 2
+
+
+def test_workers_run_on_one_thread_each_and_leave_the_process_its_thread_count(monkeypatch):
+    num_threads = torch.get_num_threads()
+    with EmbeddingEngine(EmbeddingConfig(num_workers=2, max_batch_size=4, show_progress=False)) as engine:
+        engine.start()
+        threads_per_worker = set()
+        original = engine._runner.run
+
+        def run(token_ids):
+            threads_per_worker.add(torch.get_num_threads())
+            return original(token_ids)
+
+        monkeypatch.setattr(engine._runner, "run", run)
+        engine.embed([f"text {i}" for i in range(40)])
+    assert threads_per_worker == {1}
+    started_later = []
+    thread = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert torch.get_num_threads() == num_threads and started_later == [num_threads]
+
+
+def test_a_step_takes_four_batches_per_worker():
+    with EmbeddingEngine(EmbeddingConfig(num_workers=3, max_batch_size=4, show_progress=False)) as engine:
+        engine.embed([f"text {i}" for i in range(48)])
+        assert engine.stats()["num_steps"] == 1
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("texts, error, message", [
@@ -143,6 +189,7 @@ def test_max_seq_length_is_configurable():
     ({"dtype": "int8"}, "dtype must be one of"),
     ({"implementation": "onnx"}, "implementation must be one of"),
     ({"max_seq_length": 1}, "max_seq_length must be at least 2"),
+    ({"num_workers": 0}, "num_workers must be a positive int"),
     ({"batch_size": 8}, "unknown embedding engine option"),
 ])
 def test_bad_engine_options_are_refused_by_name(options, message):
@@ -164,6 +211,24 @@ def test_a_failing_batch_fails_only_its_requests(engine, monkeypatch):
     with pytest.raises(EmbeddingFailedError, match="boom"):
         engine.embed([LONG_TEXT])
     assert engine.embed(["still serving"]).shape == (1, 384)
+
+
+def test_a_failing_batch_on_a_worker_fails_only_its_requests(monkeypatch):
+    with EmbeddingEngine(EmbeddingConfig(num_workers=2, max_batch_size=2, show_progress=False)) as engine:
+        engine.start()
+        original = engine._runner.run
+
+        def run(token_ids):
+            if any(len(ids) > 100 for ids in token_ids):
+                raise RuntimeError("boom")
+            return original(token_ids)
+
+        monkeypatch.setattr(engine._runner, "run", run)
+        failing = engine.submit([LONG_TEXT, "a", "b"])
+        fine = engine.submit(["c", "d", "e", "f"])
+        with pytest.raises(EmbeddingFailedError, match="boom"):
+            failing.result(timeout=60)
+        assert fine.result(timeout=60).shape == (4, 384)
 
 
 def test_a_text_the_tokenizer_cannot_read_fails_only_its_request(engine):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer, BertConfig, RobertaConfig
 
 from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine, default_model_path, read_encoder_spec
+from hearth_llm.embeddings.bert import PackedLayout, packed_attention
 from hearth_llm.embeddings.linear import Linear, reference_linear
 from hearth_llm.embeddings.pooling import pool
 
@@ -90,6 +91,39 @@ def test_a_text_embeds_the_same_alone_and_in_a_padded_batch(default_engine):
     alone = default_engine.embed_one("The cat sat on the mat.")
     batched = default_engine.embed(["The cat sat on the mat.", "A much longer sentence " * 20])[0]
     assert F.cosine_similarity(alone, batched, dim=0).item() >= MIN_COSINE
+
+
+def test_packed_layout_groups_consecutive_texts_of_equal_length_into_runs():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    layout = PackedLayout.from_mask(mask)
+    assert layout.runs == [(0, 2, 3), (6, 1, 4), (10, 1, 2), (12, 1, 3)]
+    assert layout.token_index.tolist() == mask.flatten().nonzero().squeeze(1).tolist()
+
+
+def test_an_unpadded_batch_is_one_run_without_an_index():
+    layout = PackedLayout.from_mask(torch.ones(3, 5, dtype=torch.long))
+    assert layout.runs == [(0, 3, 5)] and layout.token_index is None
+
+
+def test_packed_attention_equals_masked_attention_on_the_padded_batch():
+    torch.manual_seed(0)
+    heads, head_dim = 4, 8
+    lengths = [7, 7, 5, 9, 5, 5, 1]                   # unsorted, with repeats: several runs
+    mask = (torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]).long()
+    padded_qkv = torch.randn(len(lengths), 9, 3, heads, head_dim)
+    query, key, value = padded_qkv.permute(2, 0, 3, 1, 4)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.bool()[:, None, None, :])
+    expected = expected.transpose(1, 2).reshape(len(lengths) * 9, heads * head_dim)
+    layout = PackedLayout.from_mask(mask)
+    actual = packed_attention(layout.pack(padded_qkv.reshape(len(lengths) * 9, -1)), layout, heads)
+    assert torch.allclose(actual, layout.pack(expected), atol=1e-6)
+
+
+def test_texts_embed_the_same_in_batches_of_many_equal_length_runs(default_engine):
+    texts = [" ".join(["word"] * n) for n in (3, 9, 3, 1, 9, 9, 4, 3)]
+    together = default_engine.embed(texts)
+    alone = torch.stack([default_engine.embed_one(text) for text in texts])
+    assert min_cosine(together, alone) >= MIN_COSINE
 
 
 def test_onednn_linear_matches_the_torch_reference():

@@ -4,9 +4,11 @@
     python -m hearth_llm.engine.bench.embeddings                 # 1000 sentences, 3 rounds each
     python -m hearth_llm.engine.bench.embeddings --num-sentences 2000 --rounds 5 --json out.json
 
-The two sides alternate round by round so that load from other processes hits both alike; the
-median round counts. Sentences per CPU-second (all threads of this process) are reported too: on
-a shared machine they move much less than wall-clock rates. The baseline needs ``pip install sentence-transformers`` and
+The two sides alternate round by round, and which goes first alternates too (ST, ours, ours, ST,
+...), so that load from other processes hits both alike; ``speedup`` is the median over rounds of
+ours / theirs within the round, and the load average is printed before and after. Sentences per
+CPU-second (all threads of this process) are reported too: on a shared machine they move much
+less than wall-clock rates. The baseline needs ``pip install sentence-transformers`` and
 ``pip install --no-deps langchain-huggingface`` (its own pins would downgrade huggingface_hub);
 without them only our side runs.
 """
@@ -15,13 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
 
 import torch
 
-from hearth_llm.embeddings import default_model_path, get_embedding_engine
+from hearth_llm.embeddings import default_model_path
 from hearth_llm.integrations.langchain import HearthEmbeddings
 
 
@@ -73,48 +76,55 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-sentences", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-queries", type=int, default=64)
+    parser.add_argument("--num-workers", type=int, help="EmbeddingConfig.num_workers (default: one per core)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
 
     sentences = make_sentences(args.num_sentences)
     model_path = str(default_model_path())
-    ours = HearthEmbeddings(show_progress=False)
+    engine_kwargs = {} if args.num_workers is None else {"num_workers": args.num_workers}
+    ours = HearthEmbeddings(show_progress=False, engine_kwargs=engine_kwargs)
     theirs = sentence_transformers_baseline(model_path)
     ours.embed_documents(sentences[:64])            # load and warm up both before timing
     if theirs is not None:
         theirs.embed_documents(sentences[:64])
 
-    rates: dict[str, list[float]] = {"hearth": [], "sentence_transformers": []}
-    cpu_rates: dict[str, list[float]] = {"hearth": [], "sentence_transformers": []}
-    cosine = None
-    for _ in range(args.rounds):
-        rate, cpu_rate, our_vectors = time_round(ours.embed_documents, sentences)
-        rates["hearth"].append(rate)
-        cpu_rates["hearth"].append(cpu_rate)
-        if theirs is not None:
-            rate, cpu_rate, their_vectors = time_round(theirs.embed_documents, sentences)
-            rates["sentence_transformers"].append(rate)
-            cpu_rates["sentence_transformers"].append(cpu_rate)
-            cosine = min_cosine(our_vectors, their_vectors)
+    sides = {"hearth": ours.embed_documents}
+    if theirs is not None:
+        sides["sentence_transformers"] = theirs.embed_documents
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    cpu_rates: dict[str, list[float]] = {name: [] for name in sides}
+    vectors = {}
+    load_before = os.getloadavg()
+    for round_index in range(args.rounds):
+        for name in (reversed(sides) if round_index % 2 == 0 else sides):
+            rate, cpu_rate, vectors[name] = time_round(sides[name], sentences)
+            rates[name].append(rate)
+            cpu_rates[name].append(cpu_rate)
 
     result = {"num_sentences": len(sentences), "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+              "load_average_before": [round(load, 2) for load in load_before],
+              "load_average_after": [round(load, 2) for load in os.getloadavg()],
               "implementation": ours.engine.implementation, "dtype": ours.engine.config.dtype,
               "max_batch_tokens": ours.engine.config.batch_token_budget,
+              "num_workers": ours.engine.config.worker_count,
               "hearth_sentences_per_s": round(statistics.median(rates["hearth"]), 1),
               "hearth_rounds": [round(rate, 1) for rate in rates["hearth"]],
               "hearth_sentences_per_cpu_s": round(statistics.median(cpu_rates["hearth"]), 1)}
     if theirs is not None:
         baseline = statistics.median(rates["sentence_transformers"])
+        round_speedups = [a / b for a, b in zip(rates["hearth"], rates["sentence_transformers"], strict=True)]
         result.update(sentence_transformers_sentences_per_s=round(baseline, 1),
                       sentence_transformers_rounds=[round(rate, 1) for rate in rates["sentence_transformers"]],
                       sentence_transformers_sentences_per_cpu_s=round(
                           statistics.median(cpu_rates["sentence_transformers"]), 1),
-                      speedup=round(result["hearth_sentences_per_s"] / baseline, 2),
+                      speedup=round(statistics.median(round_speedups), 2),
+                      speedup_rounds=[round(speedup, 2) for speedup in round_speedups],
                       speedup_per_cpu_s=round(statistics.median(cpu_rates["hearth"])
                                               / statistics.median(cpu_rates["sentence_transformers"]), 2),
-                      min_cosine=cosine)
+                      min_cosine=min_cosine(vectors["hearth"], vectors["sentence_transformers"]))
     result["concurrent_queries"] = asyncio.run(concurrent_queries(ours, sentences[:args.num_queries]))
-    result["engine_stats"] = get_embedding_engine().stats()
+    result["engine_stats"] = ours.engine.stats()
 
     print(json.dumps(result, indent=2))
     if args.json:
