@@ -42,6 +42,8 @@ class EngineConfig:
     - ``show_progress``: progress bars while loading.
     - ``grammar_compile_timeout``: seconds a structured-output grammar may take to compile.
     - ``cuda_graphs``: on CUDA, capture decode steps as CUDA graphs (startup takes a few seconds).
+    - ``async_scheduling``: schedule and launch step N+1 while the device runs step N, reading step N's
+      tokens one step late; ``None`` turns it on for CUDA (the CPU has no device to overlap with).
     """
 
     model: str = "default"
@@ -61,7 +63,6 @@ class EngineConfig:
     show_progress: bool = True
     grammar_compile_timeout: float = 10.0
     cuda_graphs: bool = True
-    # Schedule step N+1 while the device runs step N, reading N's tokens one step late; None: on CUDA.
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +87,11 @@ class EngineConfig:
         if self.num_threads is None:
             self.num_threads = default_num_threads()
         _positive_int("num_threads", self.num_threads)
+        for name in ("enable_prefix_caching", "allow_pickle", "trust_remote_code", "show_progress", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -27,6 +27,7 @@ def test_min_tokens_above_max_tokens_is_refused():
 @pytest.mark.parametrize("field, value", [
     ("block_size", 0), ("max_num_seqs", -1), ("max_num_batched_tokens", 0), ("dtype", "int3"),
     ("device", "tpu"), ("kv_cache_memory", "lots"), ("kv_cache_memory", -5), ("max_model_len", 0),
+    ("async_scheduling", "yes"), ("cuda_graphs", 1), ("enable_prefix_caching", None),
 ])
 def test_engine_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
