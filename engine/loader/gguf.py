@@ -255,12 +255,12 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> Loaded
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     try:
         config = _build_config(metadata, tensors)
-    except ValueError:
-        raise
+        tokenizer = _build_tokenizer(metadata)
+        state_dict = _convert_tensors(metadata, config, tensors, dtype, progress)
     except Exception as error:  # transformers' config classes validate with their own exception types
+        if isinstance(error, ValueError) and str(gguf_path) in str(error):
+            raise
         raise ValueError(f"{gguf_path}: its metadata describe an unusable model: {error}") from error
-    tokenizer = _build_tokenizer(metadata)
-    state_dict = _convert_tensors(metadata, config, tensors, dtype, progress)
     return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(gguf_path))
 
 
