@@ -205,11 +205,11 @@ async def test_a_failed_forward_pass_fails_its_requests_and_the_engine_keeps_ser
     real_run = runner.run
     calls = []
 
-    def fail_once(batch):
+    def fail_once(batch, *in_flight_tokens):  # with async scheduling the runner also gets the step in flight
         calls.append(len(batch.requests))
         if len(calls) == 1:
             raise RuntimeError("injected forward failure")
-        return real_run(batch)
+        return real_run(batch, *in_flight_tokens)
 
     runner.run = fail_once
     try:
