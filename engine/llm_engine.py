@@ -17,7 +17,7 @@ from .metrics import EngineMetrics
 from .loader import load_checkpoint
 from .model_runner import ModelRunner
 from .outputs import Logprob
-from .request import Request, RequestStatus
+from .request import Request
 from .sampler import SampledTokens, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -219,10 +219,8 @@ class LLMEngine:
     def _launch_step(self, batch: ScheduledBatch, in_flight: "InFlightStep | None"):
         """Queue the forward pass and the draws on the device; returns (the step, failure deltas)."""
         try:
-            if in_flight is None:
-                output = self.runner.run(batch)
-            else:  # requests with a pending token read it from the device
-                output = self.runner.run(batch, in_flight.sampled.token_ids)
+            # requests with a pending token read it from the in-flight step's draws, on the device
+            output = self.runner.run(batch, None if in_flight is None else in_flight.sampled.token_ids)
         except Exception as error:  # a failed forward pass fails this step's requests, not the engine
             logger.exception("forward pass failed; aborting the %d requests of this step", len(batch.requests))
             return None, self._fail_requests(batch.requests, error)
@@ -319,8 +317,7 @@ class LLMEngine:
                 return "stop", token_id
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return "stop", None
-        is_at_max_tokens = params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-        if is_at_max_tokens or request.num_tokens >= self.max_model_len:
+        if request.is_at_length_limit(self.max_model_len):
             return "length", None
         return None, None
 

@@ -178,6 +178,7 @@ def _block_table(block_ids: list[list[int]]) -> np.ndarray:
         itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(num_blocks.sum()))
     return table
 
+
 @dataclass(slots=True)
 class StepInputs:
     """A step's model inputs, on the device."""

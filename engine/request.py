@@ -89,6 +89,12 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
 
+    def is_at_length_limit(self, max_model_len: int, num_pending_tokens: int = 0) -> bool:
+        """Whether its tokens, plus ``num_pending_tokens`` not yet seen, reach ``max_tokens`` or ``max_model_len``."""
+        max_tokens = self.sampling_params.max_tokens
+        return (max_tokens is not None and self.num_output_tokens + num_pending_tokens >= max_tokens) or \
+            self.num_tokens + num_pending_tokens >= max_model_len
+
     @property
     def can_sample_ahead(self) -> bool:
         """Whether its next token may be drawn before the host has seen its pending one: not when

@@ -222,5 +222,4 @@ def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> torch.Te
 
 def _is_plain_greedy(request: Request) -> bool:
     params = request.sampling_params
-    return (params.is_greedy and params.logprobs is None and request.matcher is None and not params.needs_penalties
-            and request.num_output_tokens + request.num_pending_tokens >= params.min_tokens)
+    return params.is_greedy and params.logprobs is None and request.can_sample_ahead

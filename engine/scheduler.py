@@ -60,7 +60,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if request.num_pending_tokens and self._is_at_length_limit(request):
+            if request.num_pending_tokens and request.is_at_length_limit(self.max_model_len, request.num_pending_tokens):
                 continue  # its pending token is its last: nothing more to compute
             # A pending token (sampled by the step in flight) is fed from the device's copy of it.
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
@@ -123,12 +123,6 @@ class Scheduler:
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, request, key=_queue_key)
-
-    def _is_at_length_limit(self, request: Request) -> bool:
-        max_tokens = request.sampling_params.max_tokens
-        num_tokens = request.num_tokens + request.num_pending_tokens
-        is_at_max_tokens = max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens
-        return is_at_max_tokens or num_tokens >= self.max_model_len
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
         """Count the tokens just computed and publish newly full blocks to the prefix cache."""

@@ -199,7 +199,8 @@ def test_bad_engine_options_are_refused_by_name(options, message):
 
 # ---- failures and progress ------------------------------------------------------------------
 
-def test_a_failing_batch_fails_only_its_requests(engine, monkeypatch):
+def fail_batches_with_long_texts(engine, monkeypatch) -> None:
+    """The engine's forward pass raises for any batch holding a text of more than 100 tokens."""
     original = engine._runner.run
 
     def run(token_ids):
@@ -208,6 +209,10 @@ def test_a_failing_batch_fails_only_its_requests(engine, monkeypatch):
         return original(token_ids)
 
     monkeypatch.setattr(engine._runner, "run", run)
+
+
+def test_a_failing_batch_fails_only_its_requests(engine, monkeypatch):
+    fail_batches_with_long_texts(engine, monkeypatch)
     with pytest.raises(EmbeddingFailedError, match="boom"):
         engine.embed([LONG_TEXT])
     assert engine.embed(["still serving"]).shape == (1, 384)
@@ -216,14 +221,7 @@ def test_a_failing_batch_fails_only_its_requests(engine, monkeypatch):
 def test_a_failing_batch_on_a_worker_fails_only_its_requests(monkeypatch):
     with EmbeddingEngine(EmbeddingConfig(num_workers=2, max_batch_size=2, show_progress=False)) as engine:
         engine.start()
-        original = engine._runner.run
-
-        def run(token_ids):
-            if any(len(ids) > 100 for ids in token_ids):
-                raise RuntimeError("boom")
-            return original(token_ids)
-
-        monkeypatch.setattr(engine._runner, "run", run)
+        fail_batches_with_long_texts(engine, monkeypatch)
         failing = engine.submit([LONG_TEXT, "a", "b"])
         fine = engine.submit(["c", "d", "e", "f"])
         with pytest.raises(EmbeddingFailedError, match="boom"):

@@ -126,20 +126,6 @@ def hearth_runners():
 # ---- HF transformers -------------------------------------------------------------------------
 
 
-def build_hf_model(dtype: torch.dtype):
-    from transformers import LlamaForCausalLM
-
-    from hearth_llm.engine.loader import load_checkpoint
-
-    checkpoint = load_checkpoint("default", torch.float32, progress=False)
-    model = LlamaForCausalLM(checkpoint.config)
-    missing, unexpected = model.load_state_dict(checkpoint.state_dict, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"state dict does not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}")
-    model.tie_weights()
-    return model.to(dtype).eval()
-
-
 class _TokenTimes:
     """A ``generate`` streamer that notes when each new token arrives (the first ``put`` is the prompt)."""
 
@@ -161,7 +147,9 @@ def hf_runners(dtype: torch.dtype, tokenizer) -> dict[str, dict]:
     ``generate_batch`` (continuous batching), keyed by the row they fill."""
     from transformers import GenerationConfig
 
-    model = build_hf_model(dtype)
+    from .hf_peer import default_model_in_transformers
+
+    model, _ = default_model_in_transformers(dtype)
     name = str(dtype).removeprefix("torch.")
     greedy = dict(max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0)
 

@@ -52,21 +52,15 @@ def run_engine_alone(chats, max_tokens: int) -> tuple[float, int]:
 
 def build_hf_chat(max_tokens: int):
     from langchain_huggingface import ChatHuggingFace, HuggingFacePipeline
-    from transformers import LlamaForCausalLM, pipeline
+    from transformers import pipeline
 
-    from hearth_llm.engine.loader import load_checkpoint
+    from .hf_peer import default_model_in_transformers
 
-    checkpoint = load_checkpoint("default", torch.float32, progress=False)
-    model = LlamaForCausalLM(checkpoint.config)
-    missing, unexpected = model.load_state_dict(checkpoint.state_dict, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"state dict does not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}")
-    model.tie_weights()
-    model.eval()
-    generator = pipeline("text-generation", model=model, tokenizer=checkpoint.tokenizer, max_new_tokens=max_tokens,
+    model, tokenizer = default_model_in_transformers()
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, max_new_tokens=max_tokens,
                          do_sample=False, return_full_text=False)
     llm = HuggingFacePipeline(pipeline=generator, model_id="SmolLM2-135M-Instruct")
-    return ChatHuggingFace(llm=llm, tokenizer=checkpoint.tokenizer), checkpoint.tokenizer
+    return ChatHuggingFace(llm=llm, tokenizer=tokenizer), tokenizer
 
 
 def run_hf(chats, max_tokens: int) -> tuple[float, int, str]:

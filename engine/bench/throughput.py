@@ -175,7 +175,7 @@ def ours_bs1_ms_per_token(engine, num_tokens: int = 128) -> float:
     engine.add_request(list(range(16)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False))
     while engine.has_unfinished_requests():
         engine.step()  # prefill + first token: not timed
-    request_id = engine.add_request(list(range(100, 132)), SamplingParams(
+    engine.add_request(list(range(100, 132)), SamplingParams(
         temperature=0, max_tokens=num_tokens + 1, ignore_eos=True, detokenize=False))
     engine.step()
     torch.cuda.synchronize()
