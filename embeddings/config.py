@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+_DTYPES = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 IMPLEMENTATIONS = ("auto", "hearth", "transformers")
 
@@ -21,8 +21,11 @@ class EmbeddingConfig:
     - ``model``: ``"default"`` (all-MiniLM-L6-v2, bundled) or a sentence-transformers directory
       (a plain BERT-family HF directory works too: mean pooling, no normalization).
     - ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
-    - ``dtype``: ``"float32"`` (default: the only one that keeps cosine ≥ 0.99999 to the fp32
-      reference), ``"bfloat16"`` (1.7× faster on CPUs with AVX-512 BF16, cosine ≥ 0.9998) or ``"float16"``.
+    - ``dtype``: ``"auto"`` (default): float32, and on CPUs with bf16 matmuls (AVX-512 BF16, AMX)
+      our encoder's mixed precision — the attention output projections and the last feed-forward
+      block in bf16, ~9 % faster on all-MiniLM-L6-v2 — kept only when a check at load finds it
+      within cosine 0.999995 of float32 on that model. ``"float32"``: all float32 (the exact
+      path); ``"bfloat16"`` (1.7× faster on CPUs with AVX-512 BF16, cosine ≥ 0.9998) or ``"float16"``.
     - ``max_seq_length``: tokens per text, special tokens included; default the model directory's
       ``max_seq_length``. Longer texts are truncated, or refused when a request says ``truncate=False``.
     - ``max_batch_tokens``: padded tokens (texts × longest text) in one forward pass; default 2048
@@ -42,7 +45,7 @@ class EmbeddingConfig:
 
     model: str = "default"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_seq_length: int | None = None
     max_batch_tokens: int | None = None
     max_batch_size: int | None = None
@@ -101,6 +104,10 @@ class EmbeddingConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def allows_mixed_precision(self) -> bool:
+        return self.dtype == "auto" and self.torch_device.type == "cpu"
 
     @classmethod
     def from_kwargs(cls, model: str = "default", **kwargs) -> EmbeddingConfig:

@@ -119,6 +119,12 @@ class EmbeddingEngine:
         """``"hearth"`` or ``"transformers"``; loads the model."""
         return self._loaded_runner().implementation
 
+    @property
+    def precision(self) -> str:
+        """What the matmuls compute in: ``"float32"``, ``"mixed float32/bfloat16"`` (see
+        :class:`EmbeddingConfig`'s ``dtype="auto"``), ...; loads the model."""
+        return self._loaded_runner().precision
+
     # ---- requests ---------------------------------------------------------------------------
 
     def submit(self, texts: Sequence[str], *, truncate: bool = True,
@@ -313,7 +319,8 @@ class EmbeddingEngine:
         items = self._tokenize(items)
         lengths = [len(item.token_ids) for item in items]
         batches = [[items[i] for i in batch]
-                   for batch in plan_batches(lengths, self.config.batch_token_budget, self.config.batch_size_limit)]
+                   for batch in plan_batches(lengths, self.config.batch_token_budget, self.config.batch_size_limit,
+                                             split_below=self._runner.float32_below_length)]
         if self._workers is None or (len(batches) == 1 and not self._in_flight):
             for batch in batches:
                 self._run_batch(batch)

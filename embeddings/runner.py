@@ -6,12 +6,30 @@ import logging
 
 import torch
 
-from .bert import SUPPORTED_MODEL_TYPES, BertConfig, BertEncoder, has_safetensors
+from .bert import MIXED_PRECISION_MIN_TOKENS, SUPPORTED_MODEL_TYPES, BertConfig, BertEncoder, has_safetensors
 from .config import EmbeddingConfig
 from .model_dir import EncoderSpec
 from .pooling import pool
 
 logger = logging.getLogger("hearth_llm")
+
+# What the mixed-precision check at load embeds both ways: prose, a question, lists, numbers, code,
+# other scripts, a one-word text and one long enough to be truncated.
+CALIBRATION_TEXTS = (
+    "The kettle switches itself off when the water boils or when it is lifted from its base.",
+    "How do I descale a kettle with citric acid?",
+    "Ingredients: 200 g flour, 2 eggs, 300 ml milk, a pinch of salt. Whisk until smooth.",
+    "Revenue rose 4.7% to $12.3 billion in Q3 2024, while operating costs fell by 1.2%.",
+    "def mean(values): return sum(values) / len(values) if values else 0.0",
+    "Der schnelle braune Fuchs springt über den faulen Hund. 東京は日本の首都です。",
+    "yes",
+    "Photosynthesis converts light energy into chemical energy stored in glucose. " * 12,
+    "Customer reported that the app crashes on login after the latest update; reinstalling did not help.",
+    "A quiet harbour at dawn, gulls circling over the fishing boats as the fog lifts.",
+)
+# The engine promises cosine >= 0.99999 to the float32 model; the check asks for half that error on
+# the texts above, keeping the other half in reserve for texts unlike them.
+MIXED_PRECISION_MIN_COSINE = 0.999995
 
 
 class EncoderRunner:
@@ -34,8 +52,38 @@ class EncoderRunner:
         self.implementation = choose_implementation(spec, config.implementation)
         if self.implementation == "hearth":
             self.model = BertEncoder.from_pretrained(spec.encoder_path, dtype=config.torch_dtype, device=self.device)
+            if config.allows_mixed_precision:
+                self._use_mixed_precision_if_close()
         else:
             self.model = _load_transformers_model(spec, config)
+
+    @property
+    def precision(self) -> str:
+        """``"float32"``, ``"bfloat16"``, ... or ``"mixed float32/bfloat16"``."""
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        is_mixed = self.implementation == "hearth" and self.model.is_mixed_precision
+        return f"mixed {dtype}/bfloat16" if is_mixed else dtype
+
+    @property
+    def float32_below_length(self) -> int:
+        """Batches with a text of fewer tokens run in float32 (0: precision never depends on length)."""
+        is_mixed = self.implementation == "hearth" and self.model.is_mixed_precision
+        return MIXED_PRECISION_MIN_TOKENS if is_mixed else 0
+
+    def _use_mixed_precision_if_close(self) -> None:
+        """Switch our encoder to mixed precision if, on :data:`CALIBRATION_TEXTS`, every embedding
+        stays within :data:`MIXED_PRECISION_MIN_COSINE` of the float32 one; else stay float32."""
+        token_ids, _ = self.tokenize(list(CALIBRATION_TEXTS), truncate=True)
+        with torch.inference_mode():
+            exact = self.run(token_ids)
+            self.model.prepack(mixed_precision=True)
+            if not self.model.is_mixed_precision:    # no bf16 matmuls on this CPU
+                return
+            worst = torch.nn.functional.cosine_similarity(self.run(token_ids), exact, dim=1).min().item()
+        if worst < MIXED_PRECISION_MIN_COSINE:
+            logger.info("embedding model %s stays float32: mixed precision reached cosine %.7f < %.7f",
+                        self.spec.encoder_path, worst, MIXED_PRECISION_MIN_COSINE)
+            self.model.prepack()
 
     def tokenize(self, texts: list[str], truncate: bool) -> tuple[list[list[int]], list[bool]]:
         """Token ids of each text (special tokens included) and whether it was longer than

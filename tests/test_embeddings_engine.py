@@ -46,6 +46,13 @@ def test_a_text_longer_than_the_budget_runs_alone():
     assert plan_batches([100, 2, 2], max_batch_tokens=10, max_batch_size=8) == [[0], [1, 2]]
 
 
+def test_short_texts_never_share_a_batch_with_longer_ones_when_asked():
+    lengths = [3, 12, 4, 2, 9, 4]
+    batches = plan_batches(lengths, max_batch_tokens=100, max_batch_size=8, split_below=4)
+    assert batches == [[1, 4, 2, 5], [0, 3]]
+    assert plan_batches(lengths, max_batch_tokens=100, max_batch_size=8) == [[1, 4, 2, 5, 0, 3]]
+
+
 def test_a_short_request_behind_a_large_one_gets_its_share_at_once():
     assert fair_shares([10_000, 1], budget=256) == [255, 1]
     assert fair_shares([3, 2], budget=256) == [3, 2]

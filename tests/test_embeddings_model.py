@@ -19,6 +19,7 @@ from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine, default_mode
 from hearth_llm.embeddings.bert import PackedLayout, packed_attention
 from hearth_llm.embeddings.linear import Linear, reference_linear
 from hearth_llm.embeddings.pooling import pool
+from hearth_llm.embeddings import runner as runner_module
 
 MIN_COSINE = 0.99999
 
@@ -136,6 +137,57 @@ def test_onednn_linear_matches_the_torch_reference():
         assert torch.allclose(layer(x), expected, atol=1e-5), activation
 
 
+def test_bf16_copy_of_a_float32_layer_takes_and_gives_float32_at_bf16_precision():
+    torch.manual_seed(0)
+    layer = Linear(48, 96, activation="gelu")
+    x = torch.randn(7, 48)
+    expected = reference_linear(x, layer.weight, layer.bias, "gelu")
+    layer.prepack(with_bf16_copy=True)
+    if not layer.has_bf16_copy:
+        pytest.skip("no bf16 oneDNN matmuls on this CPU")
+    fast = layer(x, in_bf16=True)
+    assert fast.dtype == torch.float32
+    assert not torch.allclose(fast, expected, atol=1e-5)                  # it did compute in bf16...
+    assert torch.allclose(fast, expected, atol=0.05, rtol=0.02)           # ...at bf16's precision
+    assert torch.allclose(layer(x), expected, atol=1e-5)                  # and the float32 path is kept
+
+
+def test_default_dtype_on_a_bf16_cpu_is_mixed_precision_within_the_cosine_bar(default_engine, reference_vectors):
+    if not _has_bf16_matmuls():
+        pytest.skip("no bf16 oneDNN matmuls on this CPU")
+    assert default_engine.precision == "mixed float32/bfloat16"
+    long_texts = [text for text in TEXTS if len(text) > 20]
+    with EmbeddingEngine(EmbeddingConfig(dtype="float32", show_progress=False)) as exact_engine:
+        assert exact_engine.precision == "float32"
+        exact = exact_engine.embed(long_texts)
+    mixed = default_engine.embed(long_texts)
+    assert not torch.allclose(mixed, exact, atol=1e-6)                   # the bf16 layers did run
+    assert min_cosine(mixed, exact) >= MIN_COSINE
+
+
+def test_texts_too_short_for_mixed_precision_embed_exactly_as_in_float32(default_engine):
+    if default_engine.precision != "mixed float32/bfloat16":
+        pytest.skip("no mixed precision on this CPU")
+    short = ["ok", "yes", "x", "", "kettle"]                           # 2–3 tokens
+    with EmbeddingEngine(EmbeddingConfig(dtype="float32", show_progress=False)) as exact_engine:
+        exact = exact_engine.embed(short)
+    # batched with long texts too: short texts get batches of their own
+    mixed = default_engine.embed(["A much longer sentence about the weather " * 3, *short])[1:]
+    assert torch.allclose(mixed, exact, atol=1e-6)
+
+
+def test_mixed_precision_is_dropped_when_the_check_at_load_misses_the_bar(monkeypatch):
+    monkeypatch.setattr(runner_module, "MIXED_PRECISION_MIN_COSINE", 1.5)    # no cosine reaches it
+    with EmbeddingEngine(EmbeddingConfig(show_progress=False)) as engine:
+        assert engine.precision == "float32"
+
+
+def _has_bf16_matmuls() -> bool:
+    layer = Linear(8, 8)
+    layer.prepack(with_bf16_copy=True)
+    return layer.has_bf16_copy
+
+
 def test_mean_pooling_ignores_padding():
     hidden = torch.tensor([[[1.0, 0.0], [3.0, 0.0], [100.0, 100.0]]])
     pooled = pool(hidden, torch.tensor([[1, 1, 0]]), "mean", normalize=False)
@@ -188,7 +240,8 @@ def test_our_encoder_matches_transformers_on_tiny_models(tmp_path, model_type, p
     path = write_tiny_sentence_model(tmp_path, model_type, pooling, normalize=pooling != "max")
     texts = ["a short one", "a somewhat longer text with more words in it", "x", "same length"]
     expected = transformers_embeddings(path, texts, pooling, normalize=pooling != "max")
-    with EmbeddingEngine(EmbeddingConfig(model=str(path), implementation="hearth")) as engine:
+    # float32 throughout: this checks the architecture; mixed precision is checked on its own below
+    with EmbeddingEngine(EmbeddingConfig(model=str(path), implementation="hearth", dtype="float32")) as engine:
         actual = engine.embed(texts)
     assert torch.allclose(actual, expected, atol=1e-4), (actual - expected).abs().max()
 

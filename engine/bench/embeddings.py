@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"num_sentences": len(sentences), "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
               "load_average_before": [round(load, 2) for load in load_before],
               "load_average_after": [round(load, 2) for load in os.getloadavg()],
-              "implementation": ours.engine.implementation, "dtype": ours.engine.config.dtype,
+              "implementation": ours.engine.implementation, "precision": ours.engine.precision,
               "max_batch_tokens": ours.engine.config.batch_token_budget,
               "num_workers": ours.engine.config.worker_count,
               "hearth_sentences_per_s": round(statistics.median(rates["hearth"]), 1),
