@@ -288,3 +288,39 @@ def test_attention_over_one_contiguous_run_of_blocks_matches_reference():
                                                                      (300, 300, 100)])
 def test_long_single_prefill_in_query_chunks_matches_reference(query_len, context_len, sliding_window):
     check_attention(paged_batch([query_len], [context_len], 9, 3, dtype=torch.bfloat16), sliding_window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("query_len, context_len, sliding_window", [(128, 128, None), (201, 201, None),
+                                                                     (150, 233, None), (201, 201, 50),
+                                                                     (150, 233, 70)])
+def test_chunked_prefill_with_query_heads_stacked_per_kv_head_matches_reference(
+        dtype, num_heads, num_kv_heads, query_len, context_len, sliding_window):
+    check_attention(paged_batch([query_len], [context_len], num_heads, num_kv_heads, dtype=dtype), sliding_window)
+
+
+def kv_write(slot_mapping, num_blocks=40, block_size=16):
+    generator = torch.Generator().manual_seed(0)
+    key, value = torch.randn(2, slot_mapping.shape[0], 3, 8, generator=generator).bfloat16().unbind(0)
+    caches = [torch.zeros(num_blocks, block_size, 3, 8, dtype=torch.bfloat16) for _ in range(4)]
+    cpu_ops.write_kv_cache(key, value, caches[0], caches[1], slot_mapping)
+    reference.write_kv_cache(key, value, caches[2], caches[3], slot_mapping)
+    return caches
+
+
+@pytest.mark.parametrize("slot_mapping", [torch.arange(37, 37 + 100), torch.arange(100).flip(0),
+                                          torch.cat((torch.arange(16, 80), torch.arange(320, 356)))],
+                         ids=["one run", "reversed", "two runs"])
+def test_kv_write_of_a_long_prefill_stores_each_token_at_its_slot(slot_mapping):
+    key_cache, value_cache, expected_key_cache, expected_value_cache = kv_write(slot_mapping)
+    assert torch.equal(key_cache, expected_key_cache) and torch.equal(value_cache, expected_value_cache)
+
+
+def test_kv_write_with_new_slots_in_place_does_not_reuse_the_last_steps_run():
+    with torch.inference_mode():
+        slot_mapping = torch.arange(100)
+        kv_write(slot_mapping)
+        slot_mapping[50:] += 200  # in place, as a runner reusing its step buffers would
+        key_cache, value_cache, expected_key_cache, expected_value_cache = kv_write(slot_mapping)
+    assert torch.equal(key_cache, expected_key_cache) and torch.equal(value_cache, expected_value_cache)
