@@ -39,6 +39,9 @@ class EngineConfig:
     - ``max_waiting_requests``: bound of the waiting queue (AsyncLLM backpressure).
     - ``num_threads``: torch CPU threads; default the cores this process may use (its CPU affinity and
       container quota), never more than torch would use on its own.
+    - ``adaptive_threads``: on the CPU, run each step on the thread count (1, half or ``num_threads``)
+      measured fastest for steps of its size (:mod:`~.thread_governor`): small decode steps often
+      go faster on one thread when the cores are contended. ``False``: always ``num_threads``.
     - ``show_progress``: progress bars while loading.
     - ``grammar_compile_timeout``: seconds a structured-output grammar may take to compile.
     - ``cuda_graphs``: on CUDA, capture decode steps as CUDA graphs (startup takes a few seconds).
@@ -60,6 +63,7 @@ class EngineConfig:
     seed: int = 0
     max_waiting_requests: int = 4096
     num_threads: int | None = None
+    adaptive_threads: bool = True
     show_progress: bool = True
     grammar_compile_timeout: float = 10.0
     cuda_graphs: bool = True
@@ -87,7 +91,8 @@ class EngineConfig:
         if self.num_threads is None:
             self.num_threads = default_num_threads()
         _positive_int("num_threads", self.num_threads)
-        for name in ("enable_prefix_caching", "allow_pickle", "trust_remote_code", "show_progress", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "allow_pickle", "trust_remote_code", "show_progress", "cuda_graphs",
+                     "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

@@ -1,6 +1,7 @@
 """The engine loop: admit requests, schedule a step, run the model, sample, detokenize, finish."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from .sampler import SampledTokens, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .structured_output import GrammarError, GuidedDecoder
+from .thread_governor import ThreadGovernor
 
 logger = logging.getLogger("hearth_llm")
 
@@ -92,6 +94,8 @@ class LLMEngine:
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: InFlightStep | None = None
+        self.thread_governor = (ThreadGovernor(config.num_threads)
+                                if device.type == "cpu" and config.adaptive_threads and config.num_threads > 1 else None)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -202,7 +206,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
-            launched, failures = self._launch_step(batch, in_flight)
+            with self._cpu_threads_for(batch):
+                launched, failures = self._launch_step(batch, in_flight)
             deltas += failures
         if in_flight is not None:
             deltas += self._finish_step(in_flight)
@@ -215,6 +220,11 @@ class LLMEngine:
             self._wait_for_grammars()
         self.metrics.on_step(self, deltas)
         return deltas
+
+    def _cpu_threads_for(self, batch: ScheduledBatch):
+        if self.thread_governor is None:
+            return contextlib.nullcontext()
+        return self.thread_governor.threads_for(batch.num_scheduled_tokens)
 
     def _launch_step(self, batch: ScheduledBatch, in_flight: "InFlightStep | None"):
         """Queue the forward pass and the draws on the device; returns (the step, failure deltas)."""
