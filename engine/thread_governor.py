@@ -52,7 +52,8 @@ class ThreadGovernor:
         """The thread count for a step of ``num_tokens`` tokens."""
         bucket = num_tokens.bit_length()
         timings = self._timings.get(bucket, {})
-        untimed = [count for count in self.candidates if count not in timings]
+        # all threads first, as without a governor: a size seen once (one long prompt) runs as before
+        untimed = [count for count in reversed(self.candidates) if count not in timings]
         if untimed:
             return untimed[0]
         best = min(timings, key=lambda count: statistics.median(timings[count]))

@@ -18,6 +18,10 @@ no batched generation API, so its "32 concurrent" row is requests one after anot
 
 Timings are the best of ``--repeats`` runs after a warm-up; the table ends with the load average,
 because every system here slows down several times over when other processes hold the cores.
+All three share this process, as they would in a notebook: once two threads have each run OpenMP
+work (HF in the main thread, our engine in its own), libgomp stops its idle threads from spinning
+and every short parallel op pays a sleep and a wake-up; the engine's thread governor measures
+which thread count each step size runs faster on, and the table after the results shows it.
 Leave ``OMP_WAIT_POLICY`` unset to measure the defaults users get (``PASSIVE`` makes torch's idle
 threads sleep: steadier on a busy machine, slower on a free one, for HF transformers as for us).
 """
@@ -93,7 +97,7 @@ def long_prompt(tokenizer, repeat: int) -> list[int]:
 
 
 def hearth_runners():
-    """``(runners, tokenizer, close)`` for the engine with its default settings."""
+    """``(runners, tokenizer, llm)`` for the engine with its default settings."""
     from hearth_llm.engine import LLM, SamplingParams, get_engine
 
     llm = LLM("default", show_progress=False)
@@ -120,7 +124,7 @@ def hearth_runners():
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         return len(prompt) / (time.perf_counter() - started)
 
-    return {"single": decode_rate, "concurrent": concurrent_rate, "prefill": prefill_rate}, tokenizer, llm.close
+    return {"single": decode_rate, "concurrent": concurrent_rate, "prefill": prefill_rate}, tokenizer, llm
 
 
 # ---- HF transformers -------------------------------------------------------------------------
@@ -353,6 +357,18 @@ def print_table(rows: list[Row], systems: list[str]) -> None:
         print(f"  [{number}] {note}")
 
 
+def print_threads_used(threads_used: dict[int, dict[int, float]]) -> None:
+    """What the engine's thread governor measured: median step time per thread count, per step size."""
+    if not threads_used:
+        return
+    print("\nhearth-llm steps by size (tokens): median ms on each thread count, * = the one it runs")
+    for bucket, times in threads_used.items():
+        fastest = min(times, key=times.get)
+        cells = "  ".join(f"{count} thr {seconds * 1e3:7.2f}{'*' if count == fastest else ' '}"
+                          for count, seconds in times.items())
+        print(f"  {2 ** (bucket - 1):>5}-{2 ** bucket - 1:<5} {cells}")
+
+
 def print_goals(rows: dict[str, Row], hf_dtype: str | None) -> None:
     ours = lambda key: rows[key].values.get("hearth-llm")  # noqa: E731
     other = lambda key, system: rows[key].values.get(system)  # noqa: E731
@@ -400,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         ("cold_first", "first load s", "the same on the first run after install (nothing cached)", "s"),
     ]}
 
-    runners, tokenizer, close_engine = hearth_runners()
+    runners, tokenizer, hearth_llm = hearth_runners()
     systems = {"hearth-llm": runners}
     hf_dtypes = [] if args.skip_hf else [d.strip() for d in args.hf_dtypes.split(",") if d.strip()]
     for name in hf_dtypes:
@@ -429,7 +445,9 @@ def main(argv: list[str] | None = None) -> None:
                 # The best rate counts; a failure shows only when no repeat succeeded.
                 if not isinstance(previous, float) or (isinstance(value, float) and value > previous):
                     rows[key].values[system] = value
-    close_engine()
+    governor = hearth_llm.engine.thread_governor
+    threads_used = governor.summary() if governor is not None else {}
+    hearth_llm.close()
     if isinstance(rows["concurrent"].values.get("llama.cpp"), float):
         rows["concurrent"].values["llama.cpp"] = f"{rows['concurrent'].values['llama.cpp']:.1f} seq."
     systems = list(systems)
@@ -445,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows["cold_first"].values[system] = values["first"]
 
     print_table(list(rows.values()), systems)
+    print_threads_used(threads_used)
     print_goals(rows, hf_dtypes[0] if hf_dtypes else None)
     quality = None if args.skip_quality else quality_guard()
     if quality:
