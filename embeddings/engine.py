@@ -30,7 +30,7 @@ from .errors import (EmbeddingEngineClosedError, EmbeddingEngineDeadError, Embed
                      TextTooLongError)
 from .model_dir import read_encoder_spec
 from .runner import EncoderRunner
-from .workers import ForwardWorkers
+from .workers import ForwardWorkers, start_single_threaded
 
 logger = logging.getLogger("hearth_llm")
 
@@ -89,6 +89,9 @@ class EmbeddingEngine:
         self.config = config if config is not None else EmbeddingConfig()
         self.config.validate()
         self.spec = read_encoder_spec(self.config.model, self.config.max_seq_length)
+        # resolved here: its default follows the calling thread's torch threads, and the engine
+        # thread runs on one
+        self.num_workers = self.config.worker_count
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._waiting: deque[_Request] = deque()
@@ -224,8 +227,13 @@ class EmbeddingEngine:
 
     def _start_locked(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hearth-embeddings", daemon=True)
-            self._thread.start()
+            if self.num_workers > 1:   # batches run on the workers; see workers.py for why
+                # both made on the caller's thread, whose thread count is the process's to keep
+                self._workers = ForwardWorkers(self.num_workers)
+                self._thread = start_single_threaded(self._run, name="hearth-embeddings")
+            else:
+                self._thread = threading.Thread(target=self._run, name="hearth-embeddings", daemon=True)
+                self._thread.start()
 
     def _raise_if_stopped(self) -> None:
         if self._stop_error is not None:
@@ -247,6 +255,14 @@ class EmbeddingEngine:
 
     def _run(self) -> None:
         try:
+            self._load_and_serve()
+        finally:
+            if self._workers is not None:
+                self._workers.close()
+                self._workers = None
+
+    def _load_and_serve(self) -> None:
+        try:
             self._runner = EncoderRunner(self.spec, self.config)
         except BaseException as error:  # noqa: BLE001 - every waiting caller must hear of it
             self._stop(EmbeddingEngineDeadError(f"loading the embedding model {self.spec.path} failed: "
@@ -255,24 +271,18 @@ class EmbeddingEngine:
         finally:
             self._loaded.set()
         try:
-            if self.config.worker_count > 1:
-                self._workers = ForwardWorkers(self.config.worker_count)
             with torch.inference_mode():
                 # With workers, the next step is taken (and tokenized) while the last batches of
                 # this one run, so that no core idles between steps.
                 while (items := self._next_step(wait=not self._in_flight)) is not None:
                     if items:
                         self._run_step(items)
-                    self._finish_batches(num_left=self.config.worker_count if items else 0)
+                    self._finish_batches(num_left=self.num_workers if items else 0)
         except BaseException as error:  # noqa: BLE001
             self._stop(EmbeddingEngineDeadError(f"the embedding engine thread crashed: {type(error).__name__}: "
                                                 f"{error}"), error)
         else:
             self._stop(EmbeddingEngineClosedError("the embedding engine was closed"), None)
-        finally:
-            if self._workers is not None:
-                self._workers.close()
-                self._workers = None
 
     def _next_step(self, wait: bool = True) -> list[_Item] | None:
         """Take each waiting request's fair share of one step; if none waits, wait for one (or
@@ -294,7 +304,7 @@ class EmbeddingEngine:
                 if self._is_closing:
                     return None
             requests = list(self._waiting)
-            budget = BATCHES_PER_STEP * self.config.batch_size_limit * self.config.worker_count
+            budget = BATCHES_PER_STEP * self.config.batch_size_limit * self.num_workers
             shares = fair_shares([len(r.texts) - r.num_taken for r in requests], budget)
             items = []
             for request, share in zip(requests, shares, strict=True):
