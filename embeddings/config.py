@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 IMPLEMENTATIONS = ("auto", "hearth", "transformers")
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth_llm.kernels import cpu_ops
+
 logger = logging.getLogger("hearth_llm")
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu")
@@ -71,7 +73,7 @@ class Linear(nn.Linear):
         if not _can_use_onednn(self.weight):
             return
         self._packed_weight = self._packed(self.weight.dtype, self.bias)
-        if with_bf16_copy and self.weight.dtype == torch.float32 and _has_onednn_bf16():
+        if with_bf16_copy and self.weight.dtype == torch.float32 and cpu_ops.has_onednn_bf16():
             bias = None if self.bias is None else self.bias.detach().bfloat16()
             packed = self._packed(torch.bfloat16, bias)
             self._bf16_copy = None if packed is None else (packed, bias)
@@ -101,13 +103,6 @@ class Linear(nn.Linear):
 
 _ONEDNN_ACTIVATIONS = {"none": ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"),
                        "relu": ("relu", "")}
-
-
-def _has_onednn_bf16() -> bool:
-    try:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _can_use_onednn(weight: torch.Tensor) -> bool:

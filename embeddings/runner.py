@@ -58,17 +58,19 @@ class EncoderRunner:
             self.model = _load_transformers_model(spec, config)
 
     @property
+    def is_mixed_precision(self) -> bool:
+        return self.implementation == "hearth" and self.model.is_mixed_precision
+
+    @property
     def precision(self) -> str:
         """``"float32"``, ``"bfloat16"``, ... or ``"mixed float32/bfloat16"``."""
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        is_mixed = self.implementation == "hearth" and self.model.is_mixed_precision
-        return f"mixed {dtype}/bfloat16" if is_mixed else dtype
+        return f"mixed {dtype}/bfloat16" if self.is_mixed_precision else dtype
 
     @property
     def float32_below_length(self) -> int:
         """Batches with a text of fewer tokens run in float32 (0: precision never depends on length)."""
-        is_mixed = self.implementation == "hearth" and self.model.is_mixed_precision
-        return MIXED_PRECISION_MIN_TOKENS if is_mixed else 0
+        return MIXED_PRECISION_MIN_TOKENS if self.is_mixed_precision else 0
 
     def _use_mixed_precision_if_close(self) -> None:
         """Switch our encoder to mixed precision if, on :data:`CALIBRATION_TEXTS`, every embedding

@@ -94,8 +94,8 @@ class LLMEngine:
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: InFlightStep | None = None
-        self.thread_governor = (ThreadGovernor(config.num_threads)
-                                if device.type == "cpu" and config.adaptive_threads and config.num_threads > 1 else None)
+        is_governed = device.type == "cpu" and config.adaptive_threads and config.num_threads > 1
+        self.thread_governor = ThreadGovernor(config.num_threads) if is_governed else None
 
     # ---- admission -------------------------------------------------------------------------
 

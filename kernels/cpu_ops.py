@@ -392,7 +392,7 @@ def pack_dense_weight(weight: torch.Tensor) -> torch.Tensor | None:
     ``F.linear`` reorders a plain bf16 weight on every call; doing it once makes decode-size
     matmuls up to twice as fast. None where this torch build has no bf16 oneDNN.
     """
-    if weight.dtype != torch.bfloat16 or not _has_onednn_bf16():
+    if weight.dtype != torch.bfloat16 or not has_onednn_bf16():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
@@ -402,7 +402,8 @@ def dense_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tenso
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-def _has_onednn_bf16() -> bool:
+def has_onednn_bf16() -> bool:
+    """Whether this torch build and CPU run oneDNN's bf16 matmuls (AVX-512 BF16 or AMX)."""
     try:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):

@@ -58,21 +58,6 @@ def test_async_scheduling_matches_hf_under_preemption(tiny_model_dirs, make_engi
         assert request.output_token_ids == hf_greedy(path, prompt, 24)
 
 
-def test_async_scheduling_abort_in_flight_frees_blocks(tiny_model_dirs, make_engine):
-    engine = make_engine(tiny_model_dirs["llama"], device="cpu", async_scheduling=True)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    keep, drop = (engine.add_request(p, params) for p in random_prompts(2, [6, 9]))
-    for _ in range(3):
-        engine.step()
-    assert engine.abort_request(drop)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert len(engine.groups[keep][0].output_token_ids) == 10
-    assert engine.groups[drop][0].finish_reason == "abort"
-    engine.release(keep)
-    engine.release(drop)
-
-
 @pytest.mark.parametrize("n", [1, 3])
 def test_async_scheduling_stops_at_stop_tokens_without_extra_output(tiny_model_dirs, make_engine, n):
     path = tiny_model_dirs["llama"]

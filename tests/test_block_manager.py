@@ -1,4 +1,6 @@
 """Block pool and KV cache manager: hash chains, LRU eviction, reference counts, aborts."""
+import pytest
+
 from hearth_llm.engine import SamplingParams
 from hearth_llm.engine.block_pool import BlockPool, hash_block_tokens
 from hearth_llm.engine.kv_cache_manager import KVCacheManager
@@ -81,8 +83,10 @@ def test_abort_mid_prefill_frees_blocks(tiny_model_dirs, make_engine):
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
 
 
-def test_abort_mid_decode_frees_blocks_and_others_continue(tiny_model_dirs, make_engine):
-    engine = make_engine(tiny_model_dirs["llama"])
+# async scheduling on the CPU too: the aborted request has a step in flight when it is aborted
+@pytest.mark.parametrize("async_scheduling", [None, True], ids=["default", "async"])
+def test_abort_mid_decode_frees_blocks_and_others_continue(tiny_model_dirs, make_engine, async_scheduling):
+    engine = make_engine(tiny_model_dirs["llama"], device="cpu", async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     keep, drop = (engine.add_request(p, params) for p in random_prompts(2, [6, 9]))
     for _ in range(3):

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
               "load_average_after": [round(load, 2) for load in os.getloadavg()],
               "implementation": ours.engine.implementation, "precision": ours.engine.precision,
               "max_batch_tokens": ours.engine.config.batch_token_budget,
-              "num_workers": ours.engine.config.worker_count,
+              "num_workers": ours.engine.num_workers,
               "hearth_sentences_per_s": round(statistics.median(rates["hearth"]), 1),
               "hearth_rounds": [round(rate, 1) for rate in rates["hearth"]],
               "hearth_sentences_per_cpu_s": round(statistics.median(cpu_rates["hearth"]), 1)}
