@@ -43,3 +43,37 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of a finished request; ``cached_tokens`` of the prompt came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class StreamOutput:
+    """What one engine step produced for one request (one sample of it when ``n > 1``).
+
+    ``finish_reason`` is set on a sample's last output; ``finished``, ``usage`` and the prompt's
+    token ids (and ``prompt_logprobs`` when asked) only on the request's very last output.
+    """
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    index: int = 0
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finished: bool = False
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
