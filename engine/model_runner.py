@@ -7,21 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .batch import ForwardOutput, ScheduledBatch
 from .models import model_class_for
 from .models.layers import AttentionMetadata
-from .scheduler import ScheduledBatch
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 GPU_MEMORY_UTILIZATION = 0.9
-
-
-@dataclass(slots=True)
-class ForwardOutput:
-    """Logits for the rows the sampler needs: one per request whose step ends at its last token."""
-
-    logits: torch.Tensor                          # [num_sampling_requests, vocab], the model's dtype
-    sampling_rows: list[int]                      # index into the batch of each logits row
-    prompt_logits: dict[int, torch.Tensor]        # batch index → [num_new_tokens, vocab] for prompt logprobs
 
 
 class ModelRunner:

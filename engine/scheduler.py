@@ -3,27 +3,10 @@ within one shared token budget. Prefill chunks, decodes and prefix hits all foll
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
+from .batch import ScheduledBatch
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """This step's work: each request with how many of its tokens to compute now."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
 
 def _queue_key(request: Request) -> tuple[int, int]:
