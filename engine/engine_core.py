@@ -203,7 +203,9 @@ class EngineCore:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        return _AddRequest(RequestStream(self, request_id, timeout), prompt, params, priority, cache_salt)
+        stream = RequestStream(request_id, timeout, abort=self._abort_stream, is_engine_alive=self._is_thread_alive,
+                               model=str(self.config.model))
+        return _AddRequest(stream, prompt, params, priority, cache_salt)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) before the next step; unknown or finished ids are ignored."""

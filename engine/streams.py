@@ -1,4 +1,8 @@
-"""``RequestStream``: the outputs of one request, handed from the engine thread to any reader."""
+"""``RequestStream``: the outputs of one request, handed from the engine thread to any reader.
+
+The stream knows nothing of the engine: it is given a callback that aborts its request and one
+that says whether the engine thread still lives, so the two modules do not import each other.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,13 +10,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING
 
 from .errors import EngineDeadError, RequestTimeoutError
 from .outputs import StreamOutput
-
-if TYPE_CHECKING:
-    from .engine_core import EngineCore
 
 # A reader that waits re-checks this often that the engine thread still lives, so nothing hangs.
 LIVENESS_POLL_S = 1.0
@@ -30,16 +30,23 @@ class RequestStream:
     >>> with get_engine("default").add_request("Hello", SamplingParams(max_tokens=8)) as stream:
     ...     for out in stream:
     ...         print(out.delta_text, end="")
+
+    ``abort`` is called once with the stream when its reader stops early; ``is_engine_alive`` is
+    asked whenever a reader has waited ``LIVENESS_POLL_S`` without news; ``model`` names the engine
+    in the error raised when it is gone.
     """
 
-    def __init__(self, core: EngineCore, request_id: str, timeout: float | None):
+    def __init__(self, request_id: str, timeout: float | None, *, abort: Callable[[RequestStream], None],
+                 is_engine_alive: Callable[[], bool], model: str = ""):
         self.request_id = request_id
-        self._core = core
+        self._abort = abort
+        self._is_engine_alive = is_engine_alive
+        self._model = model
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._lock = threading.Lock()
         self._items: deque[StreamOutput | BaseException] = deque()
-        self._waiter: threading.Event | tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._waiter: _ThreadWaiter | _LoopWaiter | None = None
         self._is_done = False  # the consumer saw the last output or an error, or gave up
 
     # ---- engine thread side ----------------------------------------------------------------
@@ -49,50 +56,26 @@ class RequestStream:
         with self._lock:
             self._items.append(item)
             waiter, self._waiter = self._waiter, None
-        if waiter is None:
-            return True
-        if isinstance(waiter, threading.Event):
-            waiter.set()
-            return True
-        loop, future = waiter
-        try:
-            loop.call_soon_threadsafe(_resolve, future)
-        except RuntimeError:  # the loop is closed: nobody will read this stream
-            return False
-        return True
+        return waiter is None or waiter.wake()
 
     # ---- consumer side ---------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[StreamOutput]:
-        try:
-            while True:
-                item, waiter = self._take_or_wait(threading.Event)
-                if waiter is not None:
-                    waiter.wait(self._wait_s())
-                    self._check_progress()
-                    continue
-                output = self._unwrap(item)
-                yield output
-                if output.finished:
-                    return
-        finally:
-            self.close()
+        with self:
+            for step in self._read(_ThreadWaiter):
+                if isinstance(step, StreamOutput):
+                    yield step
+                else:
+                    step.wait(self._wait_s())
 
     async def __aiter__(self) -> AsyncIterator[StreamOutput]:
         loop = asyncio.get_running_loop()
-        try:
-            while True:
-                item, waiter = self._take_or_wait(lambda: (loop, loop.create_future()))
-                if waiter is not None:
-                    await asyncio.wait((waiter[1],), timeout=self._wait_s())
-                    self._check_progress()
-                    continue
-                output = self._unwrap(item)
-                yield output
-                if output.finished:
-                    return
-        finally:
-            self.close()
+        with self:
+            for step in self._read(lambda: _LoopWaiter(loop)):
+                if isinstance(step, StreamOutput):
+                    yield step
+                else:
+                    await asyncio.wait((step.future,), timeout=self._wait_s())
 
     def __enter__(self) -> RequestStream:
         return self
@@ -104,14 +87,24 @@ class RequestStream:
         """Stop reading; aborts the request unless it already finished."""
         if not self._is_done:
             self._is_done = True
-            self._core._abort_stream(self)
+            self._abort(self)
 
-    def _take_or_wait(self, make_waiter: Callable):
-        with self._lock:
-            if self._items:
-                return self._items.popleft(), None
-            self._waiter = make_waiter()
-            return None, self._waiter
+    def _read(self, make_waiter: Callable) -> Iterator[StreamOutput | _ThreadWaiter | _LoopWaiter]:
+        """The reading loop, written once for both iterators: yields each output up to the last,
+        or, when none is there, a waiter for the caller to wait on (``put`` wakes it)."""
+        while True:
+            with self._lock:
+                item = self._items.popleft() if self._items else None
+                if item is None:
+                    self._waiter = waiter = make_waiter()
+            if item is None:
+                yield waiter
+                self._check_progress()
+                continue
+            output = self._unwrap(item)
+            yield output
+            if output.finished:
+                return
 
     def _unwrap(self, item: StreamOutput | BaseException) -> StreamOutput:
         if isinstance(item, BaseException):
@@ -130,16 +123,39 @@ class RequestStream:
 
     def _check_progress(self) -> None:
         self._check_deadline()
-        if not self._core._is_thread_alive():
+        if not self._is_engine_alive():
             with self._lock:
                 if self._items:
                     return  # the last words of the engine thread are still to be read
-            raise EngineDeadError(f"the engine thread for model {self._core.config.model!r} is gone")
+            raise EngineDeadError(f"the engine thread for model {self._model!r} is gone")
 
     def _check_deadline(self) -> None:
         if self._deadline is not None and time.monotonic() >= self._deadline:
             raise RequestTimeoutError(
                 f"request {self.request_id!r} did not finish within timeout={self._timeout} s; it was aborted")
+
+
+class _ThreadWaiter(threading.Event):
+    """A reading thread waits on it; ``put`` sets it."""
+
+    def wake(self) -> bool:
+        self.set()
+        return True
+
+
+class _LoopWaiter:
+    """A reading coroutine awaits its future; ``put`` resolves it on the reader's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.future = loop.create_future()
+
+    def wake(self) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future)
+        except RuntimeError:  # the loop is closed: nobody will read this stream
+            return False
+        return True
 
 
 def _resolve(future: asyncio.Future) -> None:
