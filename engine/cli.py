@@ -1,8 +1,11 @@
-"""``hearth-llm``: the command line (``demo``, ``chat``, ``info``, ``generate``, ``bench``)."""
+"""The engine's commands of ``hearth-llm``: ``demo``, ``chat``, ``info``, ``generate``.
+
+``bench`` lives in ``hearth_llm.benchmarks.cli``; ``hearth_llm.cli`` puts both behind one script, so the
+engine never imports the benchmarks (they import the integrations).
+"""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -118,25 +121,21 @@ def generate(args) -> None:
         sink.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-# ``hearth-llm bench NAME ...`` runs ``hearth_llm.engine.bench.MODULE.main(...)`` with the rest of the arguments.
-BENCHMARKS = {  # NAME: (MODULE, what it measures)
-    "throughput": ("throughput", "GPU: tokens/s and batch-1 latency against HF continuous batching"),
-    "cpu": ("cpu", "CPU: single stream, 32 concurrent, prefill and cold load against HF and llama.cpp"),
-    "embeddings": ("embeddings", "sentences/s against sentence-transformers"),
-    "langchain": ("langchain_chat", "ChatHearth.abatch against ChatHuggingFace.batch, 32 chats"),
-}
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The ``hearth-llm`` parser with the engine's commands, and its subcommand table for more.
 
-
-def bench(args) -> None:
-    module_name, _ = BENCHMARKS[args.benchmark]
-    module = importlib.import_module(f"{__package__}.bench.{module_name}")  # heavy peers load only when asked
-    sys.argv[0] = f"hearth-llm bench {args.benchmark}"  # what the benchmark's own usage line shows
-    module.main(args.bench_argv)
-
-
-def main(argv: list[str] | None = None) -> None:
+    >>> parser, commands = build_parser()
+    >>> parser.parse_args(["info"]).command
+    'info'
+    """
     parser = argparse.ArgumentParser(prog="hearth-llm", description="In-process LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_commands(commands)
+    return parser, commands
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Adds ``demo``, ``chat``, ``info`` and ``generate`` to a ``hearth-llm`` subcommand table."""
     demo_parser = commands.add_parser("demo", help="a batch of chat prompts on the default model "
                                                      "(make demo runs the RAG and agent demo)")
     demo_parser.add_argument("--model", default="default")
@@ -158,20 +157,23 @@ def main(argv: list[str] | None = None) -> None:
     generate_parser.add_argument("--temperature", type=float, default=0.0)
     generate_parser.add_argument("--chat", action="store_true", help="wrap each line in the chat template")
     generate_parser.set_defaults(run=generate)
-    bench_parser = commands.add_parser(
-        "bench", help="benchmarks against peers (the README's comparison numbers)",
-        description="Benchmarks; arguments after the name go to it (hearth-llm bench cpu --help).")
-    benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)
-    for name, (_, summary) in BENCHMARKS.items():
-        # No options of its own: --help and the rest reach the benchmark's parser untouched.
-        benchmarks.add_parser(name, help=summary, add_help=False)
-    bench_parser.set_defaults(run=bench)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> None:
+    """Parses ``argv`` and runs the chosen command. A command that sets ``forwards_unknown_args``
+    (``bench``) gets the arguments it does not know as ``args.forwarded_argv``; any other refuses them."""
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        args.bench_argv = rest
+    if getattr(args, "forwards_unknown_args", False):
+        args.forwarded_argv = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.run(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The engine's commands alone; the ``hearth-llm`` script (``hearth_llm.cli``) adds ``bench``."""
+    parser, _ = build_parser()
+    run(parser, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 
 
 def run_cli(*args: str) -> str:
-    completed = subprocess.run([sys.executable, "-m", "hearth_llm.engine.cli", *args], capture_output=True,
+    completed = subprocess.run([sys.executable, "-m", "hearth_llm.cli", *args], capture_output=True,
                                text=True, timeout=120, check=True)
     return completed.stdout
 
@@ -31,6 +31,6 @@ def test_bench_forwards_help_to_each_benchmark(name, option):
 
 
 def test_unknown_arguments_of_other_commands_are_still_refused():
-    completed = subprocess.run([sys.executable, "-m", "hearth_llm.engine.cli", "info", "--bogus"],
+    completed = subprocess.run([sys.executable, "-m", "hearth_llm.cli", "info", "--bogus"],
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 2 and "unrecognized arguments: --bogus" in completed.stderr

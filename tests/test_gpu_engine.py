@@ -38,7 +38,7 @@ def report(name, value):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp32_greedy_is_token_equal_to_hf(shape):
-    from hearth_llm.engine.bench.throughput import our_engine, random_model
+    from hearth_llm.benchmarks.throughput import our_engine, random_model
     from hearth_llm.engine.sampling_params import SamplingParams
 
     model, checkpoint = random_model(shape, torch.float32, "cuda")
@@ -59,7 +59,7 @@ def test_fp32_greedy_is_token_equal_to_hf(shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_greedy_is_close_to_hf(shape):
-    from hearth_llm.engine.bench.throughput import our_engine, random_model
+    from hearth_llm.benchmarks.throughput import our_engine, random_model
     from hearth_llm.engine.sampling_params import SamplingParams
 
     model, checkpoint = random_model(shape, torch.bfloat16, "cuda")

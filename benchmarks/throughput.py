@@ -1,8 +1,8 @@
 """GPU throughput and latency against HF transformers, on random-weight models of real shapes.
 
-    python -m hearth_llm.engine.bench.throughput --shape qwen3-0.6b
-    python -m hearth_llm.engine.bench.throughput --shape llama3-8b --hf-num-seqs 64
-    python -m hearth_llm.engine.bench.throughput --shape qwen3-0.6b --no-hf --compare-sync   # ours only
+    python -m hearth_llm.benchmarks.throughput --shape qwen3-0.6b
+    python -m hearth_llm.benchmarks.throughput --shape llama3-8b --hf-num-seqs 64
+    python -m hearth_llm.benchmarks.throughput --shape qwen3-0.6b --no-hf --compare-sync   # ours only
 
 Workload (as nano-vllm's): 256 sequences, input and output lengths uniform in [100, 1024], random
 token ids, EOS ignored, seed 0, greedy. The same weights run through HF transformers' continuous
@@ -54,7 +54,7 @@ def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | 
     """An HF model with random weights of the given shape, and the same weights as our checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from ..loader.checkpoint import LoadedCheckpoint
+    from hearth_llm.engine.loader.checkpoint import LoadedCheckpoint
 
     config = hf_config(shape, num_layers)
     torch.manual_seed(0)
@@ -67,8 +67,8 @@ def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | 
 
 def our_engine(checkpoint, dtype: str, max_num_seqs: int = 256, kv_cache_memory: str = "40GiB",
                max_model_len: int = 4096, max_num_batched_tokens: int = 16384, async_scheduling: bool | None = None):
-    from ..config import EngineConfig
-    from ..llm_engine import LLMEngine
+    from hearth_llm.engine.config import EngineConfig
+    from hearth_llm.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=checkpoint.source, dtype=dtype, device="cuda", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
@@ -88,7 +88,7 @@ def workload(num_seqs: int = 256, seed: int = 0, low: int = 100, high: int = 102
 def run_ours(engine, requests, kernel_profile: str | None = None) -> dict:
     """Our engine on the workload; ``kernel_profile`` names a file for a torch.profiler table of
     20 steps in the middle of the run (the steps run a little slower while profiled)."""
-    from ..sampling_params import SamplingParams
+    from hearth_llm.engine.sampling_params import SamplingParams
 
     def params(max_tokens):
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
@@ -170,7 +170,7 @@ def copy_bandwidth_bytes_per_s() -> float:
 
 
 def ours_bs1_ms_per_token(engine, num_tokens: int = 128) -> float:
-    from ..sampling_params import SamplingParams
+    from hearth_llm.engine.sampling_params import SamplingParams
 
     engine.add_request(list(range(16)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False))
     while engine.has_unfinished_requests():

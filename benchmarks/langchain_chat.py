@@ -1,7 +1,7 @@
 """32 LangChain chats on SmolLM2: ``ChatHearth.abatch`` against ``ChatHuggingFace`` over
 ``HuggingFacePipeline`` (same weights, same process, greedy, same token budget).
 
-    python -m hearth_llm.engine.bench.langchain_chat [--num-chats 32] [--max-tokens 64] [--skip-hf]
+    python -m hearth_llm.benchmarks.langchain_chat [--num-chats 32] [--max-tokens 64] [--skip-hf]
 
 Needs ``langchain-huggingface`` (``pip install --no-deps langchain-huggingface`` keeps its optional
 sentence-transformers and CUDA wheels out). The HF model is built from our loader's dequantized

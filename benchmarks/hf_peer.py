@@ -15,7 +15,7 @@ def default_model_in_transformers(dtype: torch.dtype = torch.float32):
     """
     from transformers import LlamaForCausalLM
 
-    from ..loader import load_checkpoint
+    from hearth_llm.engine.loader import load_checkpoint
 
     checkpoint = load_checkpoint("default", torch.float32, progress=False)
     model = LlamaForCausalLM(checkpoint.config)

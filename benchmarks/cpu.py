@@ -1,6 +1,6 @@
 """CPU speed of the engine on the bundled SmolLM2-135M, side by side with HF transformers and llama.cpp.
 
-    python -m hearth_llm.engine.bench.cpu [--hf-dtypes bfloat16,float32] [--skip-hf] [--skip-llama-cpp]
+    python -m hearth_llm.benchmarks.cpu [--hf-dtypes bfloat16,float32] [--skip-hf] [--skip-llama-cpp]
 
 Every measure runs for every system in the same process and the same minute, because timings on a
 shared machine drift: the numbers are meant to be read side by side, not against another run's.

@@ -1,8 +1,8 @@
 """Embedding throughput: HearthEmbeddings against LangChain's HuggingFaceEmbeddings
 (sentence-transformers) on the same model in the same run, then 64 concurrent ``aembed_query`` calls.
 
-    python -m hearth_llm.engine.bench.embeddings                 # 1000 sentences, 3 rounds each
-    python -m hearth_llm.engine.bench.embeddings --num-sentences 2000 --rounds 5 --json out.json
+    python -m hearth_llm.benchmarks.embeddings                 # 1000 sentences, 3 rounds each
+    python -m hearth_llm.benchmarks.embeddings --num-sentences 2000 --rounds 5 --json out.json
 
 The two sides alternate round by round, and which goes first alternates too (ST, ours, ours, ST,
 ...), so that load from other processes hits both alike; ``speedup`` is the median over rounds of
