@@ -10,18 +10,18 @@ import logging
 import math
 import os
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .chat.prompt import ChatPrompt, render_chat_prompt
+from .chat.prompt import ChatPrompt
 from .config import EngineConfig
 from .errors import EngineClosedError, EngineDeadError, EngineOverloadedError, RequestFailedError
-from .llm_engine import LLMEngine, RequestDelta
+from .input_processor import BatchRejectedError, RequestInput, request_input
+from .llm_engine import LLMEngine
 from .model_info import ModelInfo, model_info_of
-from .outputs import StreamOutput, Usage
-from .request import Request
+from .output_processor import RequestDelta, mark_last, stream_output
+from .outputs import StreamOutput
 from .sampling_params import SamplingParams
 from .streams import RequestStream
 
@@ -31,10 +31,7 @@ logger = logging.getLogger("hearth_llm")
 @dataclass(slots=True)
 class _AddRequest:
     stream: RequestStream
-    prompt: str | list[int] | ChatPrompt
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
+    input: RequestInput  # its arguments checked on the caller's thread; the prompt on the engine's
 
 
 @dataclass(slots=True)
@@ -181,7 +178,7 @@ class EngineCore:
         _check_timeout(timeout)
         adds = [self._new_add(prompt, params, request_id, priority, cache_salt, timeout)
                 for prompt, params, request_id, priority in zip(prompts, sampling_params, request_ids, priorities)]
-        num_sequences = sum(add.params.n for add in adds)
+        num_sequences = sum(add.input.sampling_params.n for add in adds)
         with self._lock:
             self._raise_if_stopped()
             num_waiting = self._num_waiting + self._num_queued_adds
@@ -196,16 +193,10 @@ class EngineCore:
         return [add.stream for add in adds]
 
     def _new_add(self, prompt, params, request_id, priority, cache_salt, timeout) -> _AddRequest:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        stream = RequestStream(request_id, timeout, abort=self._abort_stream, is_engine_alive=self._is_thread_alive,
-                               model=str(self.config.model))
-        return _AddRequest(stream, prompt, params, priority, cache_salt)
+        checked = request_input(prompt, params, request_id, priority, cache_salt)
+        stream = RequestStream(checked.request_id, timeout, abort=self._abort_stream,
+                               is_engine_alive=self._is_thread_alive, model=str(self.config.model))
+        return _AddRequest(stream, checked)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) before the next step; unknown or finished ids are ignored."""
@@ -286,31 +277,12 @@ class EngineCore:
         return True
 
     def _apply_adds(self, engine: LLMEngine, adds: list[_AddRequest]) -> None:
-        prompts: list[str | list[int]] = []
-        for index, add in enumerate(adds):
-            try:  # check every prompt before queueing any, so a bad one leaves no trace
-                prompt = add.prompt
-                if isinstance(prompt, ChatPrompt):
-                    prompt = render_chat_prompt(engine.tokenizer, prompt)
-                engine.check_prompt(prompt, add.params)
-                prompts.append(prompt)
-            except Exception as error:
-                for other in adds:
-                    other.stream.put(error if other is add or len(adds) == 1 else _in_batch_error(error, index))
-                return
-        added: list[str] = []
-        for index, (add, prompt) in enumerate(zip(adds, prompts)):
-            try:
-                engine.add_request(prompt, add.params, add.stream.request_id, add.priority, add.cache_salt)
-            except Exception as error:  # invalid input fails these requests only
-                for request_id in added:
-                    engine.abort_request(request_id)
-                    engine.release(request_id)
-                for other in adds:
-                    other.stream.put(error if other is add or len(adds) == 1 else
-                                     _in_batch_error(error, index))
-                return
-            added.append(add.stream.request_id)
+        try:
+            engine.add_requests([add.input for add in adds])
+        except BatchRejectedError as rejected:  # nothing of the batch was queued
+            for index, add in enumerate(adds):
+                add.stream.put(rejected.error_for(index))
+            return
         for add in adds:
             self._streams[add.stream.request_id] = add.stream
 
@@ -320,7 +292,7 @@ class EngineCore:
             return
         engine.abort_request(command.request_id)
         output = StreamOutput(command.request_id, "", [], finish_reason="abort")
-        stream.put(_mark_last(output, engine.groups[command.request_id]))
+        stream.put(mark_last(output, engine.groups[command.request_id]))
         self._forget(engine, command.request_id)
 
     def _dispatch(self, engine: LLMEngine, deltas: list[RequestDelta]) -> None:
@@ -336,9 +308,9 @@ class EngineCore:
                 continue
             children = engine.groups[group_id]
             is_group_finished = all(child.is_finished for child in children)
-            output = _stream_output(delta)
+            output = stream_output(delta)
             if is_group_finished:
-                _mark_last(output, children)
+                mark_last(output, children)
             if not stream.put(output):
                 engine.abort_request(group_id)
                 is_group_finished = True
@@ -369,46 +341,10 @@ class EngineCore:
             self._on_stop(self)
 
 
-def _stream_output(delta: RequestDelta) -> StreamOutput:
-    request = delta.request
-    wants_logprobs = request.sampling_params.logprobs is not None and delta.new_token_ids
-    return StreamOutput(
-        request_id=request.group_id,
-        delta_text=delta.new_text,
-        delta_token_ids=list(delta.new_token_ids),
-        index=request.sample_index,
-        finish_reason=request.finish_reason if delta.is_finished else None,
-        stop_reason=request.stop_reason if delta.is_finished else None,
-        logprobs=request.logprobs[-len(delta.new_token_ids):] if wants_logprobs else None,
-    )
-
-
-def _mark_last(output: StreamOutput, children: list[Request]) -> StreamOutput:
-    first = children[0]
-    output.finished = True
-    output.usage = _usage(children)
-    output.prompt_token_ids = first.prompt_token_ids
-    output.prompt_logprobs = first.prompt_logprobs or None
-    return output
-
-
-def _usage(children: list[Request]) -> Usage:
-    first = children[0]
-    return Usage(prompt_tokens=first.num_prompt_tokens,
-                 completion_tokens=sum(child.num_output_tokens for child in children),
-                 cached_tokens=max(first.num_cached_tokens, 0))
-
-
 def _request_failed(request_id: str, cause: BaseException) -> RequestFailedError:
     error = RequestFailedError(f"request {request_id!r} failed: {type(cause).__name__}: {cause}")
     error.__cause__ = cause
     return error
-
-
-def _in_batch_error(error: Exception, index: int) -> ValueError:
-    copy = ValueError(f"prompt {index} of this batch is invalid, so none was queued: {error}")
-    copy.__cause__ = error
-    return copy
 
 
 def _error_like(error: EngineDeadError) -> EngineDeadError:

@@ -8,11 +8,54 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 logger = logging.getLogger("hearth_llm")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One step's numbers for the metrics: what it produced and the engine's state after it.
+
+    >>> StepStats.collect(deltas, engine.stats()).num_new_tokens
+    4
+    """
+
+    now: float
+    num_new_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float                   # 1 = every block in use
+    prefix_cache_queries: int               # running totals, as the engine counts them
+    prefix_cache_hits: int
+    num_preemptions: int
+    first_token_latencies: list[float] = field(default_factory=list)   # arrival → first token, this step's
+    request_latencies: list[float] = field(default_factory=list)       # arrival → finish, per finished sequence
+    time_per_output_token: list[float] = field(default_factory=list)   # after the first, finished sequences
+
+    @classmethod
+    def collect(cls, deltas, engine_stats: dict, now: float | None = None) -> StepStats:
+        """From a step's :class:`RequestDelta` list and the engine's ``stats()`` after it."""
+        now = time.monotonic() if now is None else now
+        step = cls(now=now, num_new_tokens=sum(len(d.new_token_ids) for d in deltas),
+                   num_running=engine_stats["num_running"], num_waiting=engine_stats["num_waiting"],
+                   kv_cache_usage=1.0 - engine_stats["num_free_blocks"] / max(engine_stats["num_total_blocks"], 1),
+                   prefix_cache_queries=engine_stats["prefix_cache_queries"],
+                   prefix_cache_hits=engine_stats["prefix_cache_hits"],
+                   num_preemptions=engine_stats["num_preemptions"])
+        for delta in deltas:
+            request = delta.request
+            if delta.new_token_ids and request.num_output_tokens == 1:
+                step.first_token_latencies.append(now - request.arrival_time)
+            if delta.is_finished:
+                step.request_latencies.append(now - request.arrival_time)
+                if request.first_token_time is not None and request.num_output_tokens > 1:
+                    step.time_per_output_token.append(
+                        (now - request.first_token_time) / (request.num_output_tokens - 1))
+        return step
 
 
 class EngineMetrics:
@@ -37,44 +80,36 @@ class EngineMetrics:
         if self._prometheus:
             self._prometheus["prompt_tokens"].labels(self.model_name).inc(num_prompt_tokens)
 
-    def on_step(self, engine, deltas) -> None:
-        now = time.monotonic()
-        num_new = sum(len(d.new_token_ids) for d in deltas)
-        self.num_generation_tokens += num_new
+    def on_step(self, step: StepStats) -> None:
+        """Record one step's numbers (the engine builds them with :meth:`StepStats.collect`)."""
+        self.num_generation_tokens += step.num_new_tokens
+        self.num_finished += len(step.request_latencies)
         prom = self._prometheus
-        for delta in deltas:
-            request = delta.request
-            if prom and delta.new_token_ids and request.num_output_tokens == 1:
-                prom["ttft"].labels(self.model_name).observe(now - request.arrival_time)
-            if delta.is_finished:
-                self.num_finished += 1
-                if prom:
-                    prom["e2e"].labels(self.model_name).observe(now - request.arrival_time)
-                    if request.first_token_time is not None and request.num_output_tokens > 1:
-                        per_token = (now - request.first_token_time) / (request.num_output_tokens - 1)
-                        prom["tpot"].labels(self.model_name).observe(per_token)
-        stats = engine.stats()
         if prom:
             label = self.model_name
-            prom["generation_tokens"].labels(label).inc(num_new)
-            prom["running"].labels(label).set(stats["num_running"])
-            prom["waiting"].labels(label).set(stats["num_waiting"])
-            used = 1.0 - stats["num_free_blocks"] / max(stats["num_total_blocks"], 1)
-            prom["kv_usage"].labels(label).set(used)
-            _set_counter(prom["prefix_queries"].labels(label), stats["prefix_cache_queries"])
-            _set_counter(prom["prefix_hits"].labels(label), stats["prefix_cache_hits"])
-            _set_counter(prom["preemptions"].labels(label), stats["num_preemptions"])
-        if now - self._last_log_time >= self.log_interval:
-            self._log_line(stats, now)
+            for latency in step.first_token_latencies:
+                prom["ttft"].labels(label).observe(latency)
+            for latency in step.request_latencies:
+                prom["e2e"].labels(label).observe(latency)
+            for per_token in step.time_per_output_token:
+                prom["tpot"].labels(label).observe(per_token)
+            prom["generation_tokens"].labels(label).inc(step.num_new_tokens)
+            prom["running"].labels(label).set(step.num_running)
+            prom["waiting"].labels(label).set(step.num_waiting)
+            prom["kv_usage"].labels(label).set(step.kv_cache_usage)
+            _set_counter(prom["prefix_queries"].labels(label), step.prefix_cache_queries)
+            _set_counter(prom["prefix_hits"].labels(label), step.prefix_cache_hits)
+            _set_counter(prom["preemptions"].labels(label), step.num_preemptions)
+        if step.now - self._last_log_time >= self.log_interval:
+            self._log_line(step)
 
-    def _log_line(self, stats: dict, now: float) -> None:
-        elapsed = now - self._last_log_time
+    def _log_line(self, step: StepStats) -> None:
+        elapsed = step.now - self._last_log_time
         throughput = (self.num_generation_tokens - self._last_log_tokens) / elapsed
-        used = 1.0 - stats["num_free_blocks"] / max(stats["num_total_blocks"], 1)
-        hit_rate = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+        hit_rate = step.prefix_cache_hits / max(step.prefix_cache_queries, 1)
         logger.info("generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%% used, prefix-cache hit rate %.1f%%",
-                    throughput, stats["num_running"], stats["num_waiting"], 100 * used, 100 * hit_rate)
-        self._last_log_time, self._last_log_tokens = now, self.num_generation_tokens
+                    throughput, step.num_running, step.num_waiting, 100 * step.kv_cache_usage, 100 * hit_rate)
+        self._last_log_time, self._last_log_tokens = step.now, self.num_generation_tokens
 
 
 def _set_counter(child, value: float) -> None:
