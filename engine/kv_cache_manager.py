@@ -82,9 +82,6 @@ class KVCacheManager:
         request.block_ids.clear()
         self.num_cached_blocks.pop(request.request_id, None)
 
-    def reset_prefix_cache_stats(self) -> None:
-        self.prefix_cache_queries = self.prefix_cache_hits = 0
-
     def _extend_block_hashes(self, request: Request) -> None:
         num_full_blocks = request.num_tokens // self.block_size
         hashes = request.block_hashes

@@ -61,29 +61,25 @@ class StepStats:
 class EngineMetrics:
     """Counters and histograms one engine updates after every step.
 
-    Without prometheus_client the plain counters still work (``snapshot()``); with it, the
-    metrics register once per process under ``vllm:``-style names with a ``model_name`` label.
+    Without prometheus_client only the periodic log line is written; with it, the metrics
+    register once per process under ``vllm:``-style names with a ``model_name`` label.
     """
 
     def __init__(self, model_name: str, log_interval: float = 10.0) -> None:
         self.model_name = model_name
         self.log_interval = log_interval
-        self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.num_finished = 0
         self._last_log_time = time.monotonic()
         self._last_log_tokens = 0
         self._prometheus = _prometheus_metrics()
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
-        self.num_prompt_tokens += num_prompt_tokens
         if self._prometheus:
             self._prometheus["prompt_tokens"].labels(self.model_name).inc(num_prompt_tokens)
 
     def on_step(self, step: StepStats) -> None:
         """Record one step's numbers (the engine builds them with :meth:`StepStats.collect`)."""
         self.num_generation_tokens += step.num_new_tokens
-        self.num_finished += len(step.request_latencies)
         prom = self._prometheus
         if prom:
             label = self.model_name
