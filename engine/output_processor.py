@@ -138,11 +138,12 @@ def stream_output(delta: RequestDelta) -> StreamOutput:
 
 
 def mark_last(output: StreamOutput, children: list[Request]) -> StreamOutput:
-    """Make ``output`` the request's last: finished, with usage and the prompt's ids (and logprobs)."""
+    """Make ``output`` the request's last: finished, with usage and the prompt (ids, text, logprobs)."""
     first = children[0]
     output.finished = True
     output.usage = usage_of(children)
     output.prompt_token_ids = first.prompt_token_ids
+    output.prompt = first.prompt
     output.prompt_logprobs = first.prompt_logprobs or None
     return output
 

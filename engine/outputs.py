@@ -62,8 +62,9 @@ class Usage:
 class StreamOutput:
     """What one engine step produced for one request (one sample of it when ``n > 1``).
 
-    ``finish_reason`` is set on a sample's last output; ``finished``, ``usage`` and the prompt's
-    token ids (and ``prompt_logprobs`` when asked) only on the request's very last output.
+    ``finish_reason`` is set on a sample's last output; ``finished``, ``usage``, the prompt's
+    token ids and text (a ``ChatPrompt`` as its template rendered it; None for token ids), and
+    ``prompt_logprobs`` when asked, only on the request's very last output.
     """
 
     request_id: str
@@ -77,3 +78,4 @@ class StreamOutput:
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt: str | None = None
