@@ -114,22 +114,28 @@ def _first_slot_of_one_run(slot_mapping: torch.Tensor) -> int | None:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                    max_query_len, max_context_len, scale, sliding_window=None):
-    """As :func:`reference.paged_attention`, with shortcuts for decode steps and single prefills."""
+                    max_query_len, max_context_len, scale, sliding_window=None, soft_cap=None):
+    """As :func:`reference.paged_attention`, with shortcuts for decode steps and single prefills.
+
+    Every shortcut calls ``reference.scaled_dot_product_attention``: SDPA itself, or with a
+    ``soft_cap`` the written-out attention that caps the scores.
+    """
+    reference.check_soft_cap(soft_cap)
     num_seqs = context_lens.shape[0]
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_heads % num_kv_heads:
         return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                         query_start_loc, max_query_len, max_context_len, scale, sliding_window)
+                                         query_start_loc, max_query_len, max_context_len, scale, sliding_window,
+                                         soft_cap)
     if max_query_len == 1 and num_tokens == num_seqs:
         return _decode_attention(query, key_cache, value_cache, block_tables, context_lens, max_context_len,
-                                 scale, sliding_window)
+                                 scale, sliding_window, soft_cap)
     if num_seqs == 1:
         return _single_sequence_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                          max_context_len, scale, sliding_window)
+                                          max_context_len, scale, sliding_window, soft_cap)
     return _varlen_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                             max_query_len, max_context_len, scale, sliding_window)
+                             max_query_len, max_context_len, scale, sliding_window, soft_cap)
 
 
 def _gather(cache: torch.Tensor, blocks: tuple, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
@@ -157,7 +163,7 @@ def _context_blocks(block_tables: torch.Tensor, num_context_blocks: int) -> tupl
 
 
 def _decode_attention(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
-                      sliding_window):
+                      sliding_window, soft_cap=None):
     """One query per sequence: the query heads that share a KV head become that head's query rows,
     so the attention is a plain (non-GQA) SDPA call over the gathered keys."""
     num_seqs, num_heads, head_dim = query.shape
@@ -170,7 +176,8 @@ def _decode_attention(query, key_cache, value_cache, block_tables, context_lens,
     mask = _decode_mask(context_lens, num_context_blocks * block_size, max_context_len, sliding_window)
     if mask is None:  # one sequence and no window: its first max_context_len keys, nothing to hide
         keys, values = keys[:, :, :max_context_len], values[:, :, :max_context_len]
-    out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=mask, scale=scale)
+    out = reference.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=mask, scale=scale,
+                                                 soft_cap=soft_cap)
     return out.view(num_seqs, num_heads, head_dim)
 
 
@@ -195,7 +202,7 @@ _PREFILL_QUERY_CHUNK = 64
 
 
 def _single_sequence_attention(query, key_cache, value_cache, block_tables, context_lens, max_context_len, scale,
-                               sliding_window):
+                               sliding_window, soft_cap=None):
     """One sequence's prefill (or prefill chunk after a cached prefix): no padding, so no gather
     of other sequences, and for a short fresh prefill without a window, SDPA's own causal path."""
     num_tokens, num_heads, head_dim = query.shape
@@ -209,13 +216,14 @@ def _single_sequence_attention(query, key_cache, value_cache, block_tables, cont
         is_fresh = num_tokens == max_context_len
         mask = None if is_fresh and sliding_window is None else _prefill_biases(
             num_tokens, max_context_len, sliding_window, num_tokens, 1, query.dtype, query.device)[0]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
-                                             scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out = reference.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                     scale=scale, enable_gqa=num_heads != num_kv_heads,
+                                                     soft_cap=soft_cap)
         return out[0].transpose(0, 1)
-    return _chunked_prefill_attention(query, keys, values, max_context_len, scale, sliding_window)
+    return _chunked_prefill_attention(query, keys, values, max_context_len, scale, sliding_window, soft_cap)
 
 
-def _chunked_prefill_attention(query, keys, values, context_len, scale, sliding_window):
+def _chunked_prefill_attention(query, keys, values, context_len, scale, sliding_window, soft_cap=None):
     """Causal attention in chunks of queries, with the query heads that share a KV head stacked as
     that head's rows (token-major): the SDPA calls are then plain multi-head ones with three times
     the rows, which its CPU kernel runs ~10 % faster than the GQA form, and each chunk's result is
@@ -233,9 +241,9 @@ def _chunked_prefill_attention(query, keys, values, context_len, scale, sliding_
     for bias, start in zip(biases, range(0, num_tokens, _PREFILL_QUERY_CHUNK)):
         end = min(start + _PREFILL_QUERY_CHUNK, num_tokens)
         num_visible = first_query_pos + end
-        chunk_out = F.scaled_dot_product_attention(
+        chunk_out = reference.scaled_dot_product_attention(
             grouped_query[:, :, start * num_queries_per_kv:end * num_queries_per_kv], keys[:, :, :num_visible],
-            values[:, :, :num_visible], attn_mask=bias, scale=scale)
+            values[:, :, :num_visible], attn_mask=bias, scale=scale, soft_cap=soft_cap)
         out_by_kv_head[:, start:end].copy_(chunk_out[0].view(num_kv_heads, end - start, num_queries_per_kv, head_dim))
     return out.view(num_tokens, num_heads, head_dim)
 
@@ -265,7 +273,7 @@ def _prefill_biases(num_tokens, context_len, sliding_window, chunk, rows_per_que
 
 
 def _varlen_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, max_query_len,
-                      max_context_len, scale, sliding_window):
+                      max_context_len, scale, sliding_window, soft_cap=None):
     """A mixed batch: the reference's padded formulation, with its index and mask tensors built once
     per step."""
     num_seqs = context_lens.shape[0]
@@ -293,8 +301,8 @@ def _varlen_attention(query, key_cache, value_cache, block_tables, context_lens,
     values = _gather(value_cache, blocks, num_seqs, query.dtype)
     padded_query = query.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
     padded_query[token_seq, token_row] = query
-    out = F.scaled_dot_product_attention(padded_query.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
+    out = reference.scaled_dot_product_attention(padded_query.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 scale=scale, enable_gqa=num_heads != num_kv_heads, soft_cap=soft_cap)
     return out.transpose(1, 2)[token_seq, token_row]
 
 
@@ -312,11 +320,16 @@ def rms_norm(x, weight, eps, residual=None):
     return normed * weight, x
 
 
-def rotary_embedding(query, key, positions, cos_sin_cache):
+def rotary_embedding(query, key, positions, cos_sin_cache, is_neox_style=True):
     """As :func:`reference.rotary_embedding`, with queries and keys rotated together in four ops.
 
-    Rotate-half is ``x * cos + roll(x, D/2) * [-sin, sin]``; the full-width tables are built once per step.
+    Rotate-half is ``x * cos + roll(x, R/2) * [-sin, sin]``; GPT-J style is the same with each pair
+    of dims swapped instead of rolled. The full-width tables are built once per step. A partial
+    rotary (R < D) rotates only the first R dims and passes the rest through.
     """
+    head_dim, rotary_dim = query.shape[-1], cos_sin_cache.shape[-1]
+    if not is_neox_style or rotary_dim != head_dim:
+        return _rotary_embedding_general(query, key, positions, cos_sin_cache, is_neox_style)
     num_query_heads = query.shape[1]
     cos, signed_sin = _memo.get("rotary", (positions, cos_sin_cache), lambda: _rotary_tables(positions, cos_sin_cache))
     both = torch.cat((query, key), dim=1)
@@ -329,10 +342,59 @@ def _rotary_tables(positions, cos_sin_cache):
     return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
 
+def _rotary_embedding_general(query, key, positions, cos_sin_cache, is_neox_style):
+    reference.check_rotary_dim(query.shape[-1], cos_sin_cache.shape[-1])
+    rotary_dim, num_query_heads = cos_sin_cache.shape[-1], query.shape[1]
+    if is_neox_style:
+        cos, signed_sin = _memo.get("rotary", (positions, cos_sin_cache),
+                                    lambda: _rotary_tables(positions, cos_sin_cache))
+    else:
+        cos, signed_sin = _memo.get("rotary_interleaved", (positions, cos_sin_cache),
+                                    lambda: _interleaved_rotary_tables(positions, cos_sin_cache))
+    both = torch.cat((query, key), dim=1)
+    rotating = both[..., :rotary_dim]
+    if is_neox_style:
+        partners = rotating.roll(rotary_dim // 2, dims=-1)
+    else:
+        partners = rotating.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    rotated = torch.addcmul(rotating * cos, partners, signed_sin).to(both.dtype)
+    if rotary_dim < both.shape[-1]:
+        rotated = torch.cat((rotated, both[..., rotary_dim:]), dim=-1)
+    return rotated[:, :num_query_heads], rotated[:, num_query_heads:]
+
+
+def _interleaved_rotary_tables(positions, cos_sin_cache):
+    """GPT-J style: dims 2i and 2i + 1 share cos_i and sin_i; the even dim takes -sin."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    signed_sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return cos.repeat_interleave(2, dim=-1)[:, None, :], signed_sin[:, None, :]
+
+
 def silu_and_mul(x):
     """As :func:`reference.silu_and_mul`."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def gelu_and_mul(x, approximate="tanh"):
+    """As :func:`reference.gelu_and_mul`."""
+    reference.check_gelu_approximate(approximate)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate).mul_(up)
+
+
+def gelu(x, approximate="tanh"):
+    """As :func:`reference.gelu`."""
+    return reference.gelu(x, approximate)
+
+
+def layer_norm(x, weight, bias, eps, residual=None):
+    """As :func:`reference.layer_norm`, in torch's one fused kernel (float32 inside, as the reference)."""
+    if residual is not None:
+        x = x + residual
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return reference.layer_norm(x, weight, bias, eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x
 
 
 # torch's argmax and topk scan a row element by element; amax is vectorized and ~20x faster. Over

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import sampling
+from . import reference, sampling
 
 __all__ = [
     "write_kv_cache",
@@ -25,6 +25,9 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_and_mul",
+    "gelu",
+    "layer_norm",
     "qk_norm_rope_and_cache",
     "sample_from_logits",
 ]
@@ -52,6 +55,13 @@ DECODE_NUM_STAGES = 2
 
 def _next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (libdevice's tanh has no Triton-interpreter version); exact to float32
+    rounding near 1 and +-1 at the extremes (exp overflows to inf, 2 / inf = 0)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,15 +146,16 @@ def _attend_to_key_range(
     acc, row_max, row_sum, query, query_pos,
     key_start, key_end,
     key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-    block_size, head_dim, softmax_scale_log2, sliding_window,
+    block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    MASK_BY_QUERY_POSITION: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr,
+    MASK_BY_QUERY_POSITION: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """Online-softmax accumulation of ``query`` rows over cache positions [key_start, key_end).
 
-    Scores are kept in the log2 domain (scaled by scale * log2(e)) so exp2 replaces exp.
+    Scores are kept in the log2 domain (scaled by scale * log2(e)) so exp2 replaces exp; a soft
+    cap c makes them ``c * tanh(scale * q.k / c)``, with ``soft_cap_log2`` = c * log2(e).
     ``row_max`` starts at -inf; rows that see no key stay at acc = 0, row_sum = 0.
     """
     dims = tl.arange(0, BLOCK_D)
@@ -166,7 +177,10 @@ def _attend_to_key_range(
             scores = tl.dot(query.to(tl.float32), tl.trans(key.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(query, tl.trans(key))
-        scores = scores * softmax_scale_log2
+        if HAS_SOFT_CAP:
+            scores = _tanh(scores * (softmax_scale_log2 / soft_cap_log2)) * soft_cap_log2
+        else:
+            scores = scores * softmax_scale_log2
 
         is_visible = is_key_in_range[None, :]
         if MASK_BY_QUERY_POSITION:
@@ -229,8 +243,8 @@ def _prefill_attention_kernel(
     block_tables_stride_seq,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, sliding_window,
-    HAS_SLIDING_WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
+    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """One program: BLOCK_Q consecutive query tokens of one sequence, for all query heads that
@@ -284,29 +298,29 @@ def _prefill_attention_kernel(
         acc, row_max, row_sum = _attend_to_key_range(
             acc, row_max, row_sum, query, query_pos, key_start, all_start,
             key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-            block_size, head_dim, softmax_scale_log2, sliding_window,
+            block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
             key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
             value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
             MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=True,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+            HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
         )
     acc, row_max, row_sum = _attend_to_key_range(
         acc, row_max, row_sum, query, query_pos, all_start, all_end,
         key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-        block_size, head_dim, softmax_scale_log2, sliding_window,
+        block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
         key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
     )
     acc, row_max, row_sum = _attend_to_key_range(
         acc, row_max, row_sum, query, query_pos, all_end, key_end,
         key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-        block_size, head_dim, softmax_scale_log2, sliding_window,
+        block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
         key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=HAS_SLIDING_WINDOW,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
     )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(
@@ -325,9 +339,9 @@ def _decode_attention_kernel(
     block_tables_stride_seq,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, sliding_window,
+    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
     partition_size,
-    HAS_SLIDING_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """One program: one partition of one sequence's keys, for the query heads of one KV head.
@@ -370,11 +384,11 @@ def _decode_attention_kernel(
     acc, row_max, row_sum = _attend_to_key_range(
         acc, row_max, row_sum, query, rows, key_start, key_end,
         key_cache_ptr, value_cache_ptr, block_tables_ptr + seq.to(tl.int64) * block_tables_stride_seq, kv_head,
-        block_size, head_dim, softmax_scale_log2, sliding_window,
+        block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
         key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
     )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     if IS_SPLIT:
@@ -450,6 +464,7 @@ def paged_attention(
     max_context_len: int,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length queries over a paged KV cache; see ``reference.paged_attention``.
 
@@ -468,6 +483,7 @@ def paged_attention(
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    reference.check_soft_cap(soft_cap)
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     num_seqs = context_lens.shape[0]
@@ -479,8 +495,10 @@ def paged_attention(
         block_size=block_size,
         head_dim=head_dim,
         softmax_scale_log2=scale * _LOG2_E,
+        soft_cap_log2=(soft_cap or 1.0) * _LOG2_E,
         sliding_window=sliding_window or 0,
         HAS_SLIDING_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=soft_cap is not None,
         BLOCK_D=_next_power_of_2(max(head_dim, 16)),
         # fp32 inputs need an exact fp32 dot, not tf32, to agree with the reference to 1e-5. On CPU
         # tensors (the Triton interpreter) bf16 goes through fp32 as well: the interpreter
@@ -621,12 +639,15 @@ def rms_norm(
 @triton.jit
 def _rotary_embedding_kernel(
     out_ptr, x_ptr, positions_ptr, cos_sin_cache_ptr,
-    num_heads, half_dim,
+    num_heads, half_dim, head_dim,
     x_stride_token, x_stride_head, x_stride_dim,
     out_stride_token, out_stride_head,
     cache_stride_position,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr, HAS_PASS_THROUGH: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
+    """One program per token. ``half_dim`` is half the rotary width R; dims from R to ``head_dim``
+    are copied unchanged (partial rotary)."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     pairs = tl.arange(0, BLOCK_HALF)
@@ -636,43 +657,62 @@ def _rotary_embedding_kernel(
                   mask=pair_mask).to(tl.float32)
     heads = tl.arange(0, BLOCK_H)[:, None]
     mask = (heads < num_heads) & pair_mask[None, :]
-    first_ptrs = x_ptr + token * x_stride_token + heads * x_stride_head + pairs[None, :] * x_stride_dim
-    first = tl.load(first_ptrs, mask=mask).to(tl.float32)
-    second = tl.load(first_ptrs + half_dim * x_stride_dim, mask=mask).to(tl.float32)
-    # Rotate-half: dims i and i + D/2 form one rotating pair.
+    # NeoX (rotate-half): dims i and i + R/2 form one rotating pair; GPT-J: dims 2i and 2i + 1.
+    if IS_NEOX:
+        first_dims = pairs[None, :]
+        second_dims = first_dims + half_dim
+    else:
+        first_dims = 2 * pairs[None, :]
+        second_dims = first_dims + 1
+    row = x_ptr + token * x_stride_token + heads * x_stride_head
+    first = tl.load(row + first_dims * x_stride_dim, mask=mask).to(tl.float32)
+    second = tl.load(row + second_dims * x_stride_dim, mask=mask).to(tl.float32)
     out_first = first * cos[None, :] - second * sin[None, :]
     out_second = second * cos[None, :] + first * sin[None, :]
-    out_ptrs = out_ptr + token * out_stride_token + heads * out_stride_head + pairs[None, :]
-    tl.store(out_ptrs, out_first.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptrs + half_dim, out_second.to(out_ptr.dtype.element_ty), mask=mask)
+    out_row = out_ptr + token * out_stride_token + heads * out_stride_head
+    tl.store(out_row + first_dims, out_first.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_row + second_dims, out_second.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_PASS_THROUGH:
+        pass_dims = 2 * half_dim + tl.arange(0, BLOCK_PASS)[None, :]
+        pass_mask = (heads < num_heads) & (pass_dims < head_dim)
+        kept = tl.load(row + pass_dims * x_stride_dim, mask=pass_mask)
+        tl.store(out_row + pass_dims, kept.to(out_ptr.dtype.element_ty), mask=pass_mask)
 
 
 def rotary_embedding(
-    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    is_neox_style: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half (NeoX) rotary embedding of ``[T, H, D]`` queries and keys, as new tensors.
+    """Rotary embedding of ``[T, H, D]`` queries and keys, as new tensors; see
+    ``reference.rotary_embedding`` (NeoX or GPT-J pairs, partial rotary when R < D).
 
-    ``cos_sin_cache`` is ``[max_position, D]``: the cosines in the first half, sines in the second.
+    ``cos_sin_cache`` is ``[max_position, R]``: the cosines in the first half, sines in the second.
     """
     head_dim = query.shape[-1]
-    if head_dim % 2 != 0 or cos_sin_cache.shape[-1] != head_dim or key.shape[-1] != head_dim:
-        raise ValueError(f"rotary_embedding needs an even head_dim shared by query, key and cos_sin_cache; "
-                         f"got {query.shape[-1]}, {key.shape[-1]} and {cos_sin_cache.shape[-1]}")
+    if head_dim % 2 != 0 or key.shape[-1] != head_dim:
+        raise ValueError(f"rotary_embedding needs an even head_dim shared by query and key; "
+                         f"got {query.shape[-1]} and {key.shape[-1]}")
+    reference.check_rotary_dim(head_dim, cos_sin_cache.shape[-1])
     if cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.contiguous()
-    return (_rotate(query, positions, cos_sin_cache), _rotate(key, positions, cos_sin_cache))
+    return (_rotate(query, positions, cos_sin_cache, is_neox_style),
+            _rotate(key, positions, cos_sin_cache, is_neox_style))
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+            is_neox_style: bool = True) -> torch.Tensor:
     num_tokens, num_heads, head_dim = x.shape
+    rotary_dim = cos_sin_cache.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    block_h, block_half = _next_power_of_2(num_heads), _next_power_of_2(head_dim // 2)
+    block_h, block_half = _next_power_of_2(num_heads), _next_power_of_2(rotary_dim // 2)
     _rotary_embedding_kernel[(num_tokens,)](
-        out, x, positions, cos_sin_cache, num_heads, head_dim // 2,
+        out, x, positions, cos_sin_cache, num_heads, rotary_dim // 2, head_dim,
         *x.stride(), out.stride(0), out.stride(1), cos_sin_cache.stride(0),
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=_warps_for(2 * block_h * block_half),
+        IS_NEOX=is_neox_style, HAS_PASS_THROUGH=rotary_dim < head_dim,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=_next_power_of_2(head_dim - rotary_dim),
+        num_warps=_warps_for(2 * block_h * block_half),
     )
     return out
 
@@ -758,6 +798,11 @@ def _qk_norm_rope_and_cache_kernel(
             value_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
+def supports_fused_rotary(head_dim: int, rotary_dim: int, is_neox_style: bool) -> bool:
+    """Whether :func:`qk_norm_rope_and_cache` handles this rotary layout."""
+    return is_neox_style and rotary_dim == head_dim
+
+
 def qk_norm_rope_and_cache(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -770,13 +815,22 @@ def qk_norm_rope_and_cache(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    is_neox_style: bool = True,
 ) -> torch.Tensor:
-    """``kernels.qk_norm_rope_and_cache`` in one launch (the unfused path takes five to seven)."""
+    """``kernels.qk_norm_rope_and_cache`` in one launch (the unfused path takes five to seven).
+
+    Full-width NeoX rotary only (``supports_fused_rotary``); ``kernels.qk_norm_rope_and_cache``
+    sends partial and GPT-J style rotary to the unfused ops.
+    """
     num_tokens = qkv.shape[0]
     head_dim = key_cache.shape[-1]
     if qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"qkv must be [T, ({num_heads} + 2 * {num_kv_heads}) * {head_dim}] with an even head_dim, "
                          f"got {tuple(qkv.shape)}")
+    if not supports_fused_rotary(head_dim, cos_sin_cache.shape[-1], is_neox_style):
+        raise ValueError(f"the fused kernel rotates whole heads NeoX style: cos_sin_cache must be [max_position, "
+                         f"{head_dim}] and is_neox_style True; got width {cos_sin_cache.shape[-1]} and "
+                         f"is_neox_style={is_neox_style}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
     if qkv.stride(-1) != 1:
@@ -837,6 +891,127 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[grid](out_rows, rows, intermediate_size, rows.stride(0), out_rows.stride(0),
                                BLOCK=block, num_warps=_warps_for(4 * block))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# gelu_and_mul, gelu
+# --------------------------------------------------------------------------------------------
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_HALF = 0.7071067811865476
+
+
+@triton.jit
+def _gelu_kernel(out_ptr, x_ptr, num_cols, x_stride_row, out_stride_row,
+                 IS_GATED: tl.constexpr, IS_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    """GELU of ``num_cols`` columns per row; gated (GeGLU) rows multiply by the up half after them."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * x_stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if IS_TANH:
+        out = 0.5 * x * (1.0 + _tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    else:
+        out = 0.5 * x * (1.0 + tl.erf(x * _SQRT_HALF))
+    if IS_GATED:
+        out = out * tl.load(x_ptr + row * x_stride_row + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeGLU activation of a merged gate/up projection: ``gelu(x[..., :I]) * x[..., I:]``."""
+    if x.shape[-1] % 2 != 0:
+        raise ValueError(f"gelu_and_mul needs an even last dimension (gate and up halves), got {x.shape[-1]}")
+    return _gelu(x, approximate, is_gated=True)
+
+
+def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GELU (``approximate`` "tanh" or "none") of a non-gated MLP's up projection."""
+    return _gelu(x, approximate, is_gated=False)
+
+
+def _gelu(x: torch.Tensor, approximate: str, is_gated: bool) -> torch.Tensor:
+    reference.check_gelu_approximate(approximate)
+    num_cols = x.shape[-1] // 2 if is_gated else x.shape[-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], num_cols, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0 or num_cols == 0:
+        return out
+    out_rows = out.view(-1, num_cols)
+    block = min(1024, _next_power_of_2(num_cols))
+    grid = (rows.shape[0], triton.cdiv(num_cols, block))
+    _gelu_kernel[grid](out_rows, rows, num_cols, rows.stride(0), out_rows.stride(0),
+                       IS_GATED=is_gated, IS_TANH=approximate == "tanh", BLOCK=block, num_warps=_warps_for(4 * block))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# layer_norm
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_kernel(
+    normed_ptr, summed_ptr, x_ptr, residual_ptr, weight_ptr, bias_ptr,
+    hidden_size, eps,
+    x_stride_row, residual_stride_row, normed_stride_row, summed_stride_row,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * x_stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride_row + cols, mask=mask, other=0.0)
+        # Round the sum to its storage dtype before norming it, as the reference norms the stored sum.
+        summed = (x + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + row * summed_stride_row + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    mean = tl.sum(x, 0) / hidden_size
+    centered = tl.where(mask, x - mean, 0.0)
+    inverse_std = tl.rsqrt(tl.sum(centered * centered, 0) / hidden_size + eps)
+    normed = centered * inverse_std * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        normed = normed + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + row * normed_stride_row + cols, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm of ``x + residual``; returns ``(normed, x + residual)``, both written by one kernel."""
+    hidden_size = x.shape[-1]
+    if weight.shape != (hidden_size,) or (bias is not None and bias.shape != (hidden_size,)):
+        raise ValueError(f"weight and bias must have shape ({hidden_size},) to norm rows of x {tuple(x.shape)}, "
+                         f"got {tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    rows = x.reshape(-1, hidden_size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if residual is None:
+        residual_rows, summed, summed_rows = rows, x, rows
+    else:
+        residual_rows = residual.reshape(-1, hidden_size)
+        if residual_rows.stride(-1) != 1:
+            residual_rows = residual_rows.contiguous()
+        summed = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        summed_rows = summed.view(-1, hidden_size)
+    normed = torch.empty(x.shape, dtype=summed.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return normed, summed
+    block = _next_power_of_2(hidden_size)
+    normed_rows = normed.view(-1, hidden_size)
+    weight = weight.contiguous()
+    _layer_norm_kernel[(rows.shape[0],)](
+        normed_rows, summed_rows, rows, residual_rows, weight, weight if bias is None else bias.contiguous(),
+        hidden_size, eps, rows.stride(0), residual_rows.stride(0), normed_rows.stride(0), summed_rows.stride(0),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=_warps_for(block),
+    )
+    return normed, summed
 
 
 # --------------------------------------------------------------------------------------------
