@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 from .structured_output import StructuredOutput
+from .tool_parsers import select_tool_parser
 
 HERMES_SYSTEM_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
@@ -53,8 +54,60 @@ def _is_json(value) -> bool:
 
 
 def template_supports_tools(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return "tools" in template
+    return chat_template_supports_tools(getattr(tokenizer, "chat_template", None))
+
+
+def chat_template_supports_tools(chat_template: str | None) -> bool:
+    """Whether the template reads its ``tools`` argument (else tools are offered the hermes way)."""
+    return "tools" in (chat_template or "")
+
+
+def tool_parser_for(chat_template: str | None, model_type: str | None) -> str:
+    """The tool-call format a model writes. A template that never mentions tools gets the hermes
+    system prompt (see :func:`render_chat_with_tools`), so the model is asked for, and read in, hermes.
+
+    >>> tool_parser_for("{{ messages }}", "mistral")
+    'hermes'
+    >>> tool_parser_for("{% if tools %}[TOOL_CALLS]{% endif %}", "mistral")
+    'mistral'
+    """
+    if not chat_template_supports_tools(chat_template):
+        return "hermes"
+    return select_tool_parser(chat_template, model_type)
+
+
+TOOL_CHOICE_KEYWORDS = ("auto", "none", "required")
+
+
+def normalize_tool_choice(tool_choice, tools: list[dict]) -> str:
+    """``"auto"``, ``"none"``, ``"required"`` or the name of one of ``tools``.
+
+    Accepts OpenAI's and LangChain's forms: None (``"auto"``), True/False (``"required"``/``"auto"``),
+    ``"any"`` (``"required"``), a tool's name, ``{"type": "function", "function": {"name": ...}}``.
+    A name that is not among ``tools`` raises ``ValueError`` naming ``tool_choice``; whether a forced
+    choice has any tool to call is checked where the call is made (:func:`tool_choice_constraint`).
+
+    >>> normalize_tool_choice({"type": "function", "function": {"name": "add"}}, [{"name": "add"}])
+    'add'
+    >>> normalize_tool_choice("any", [])
+    'required'
+    """
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, bool):
+        return "required" if tool_choice else "auto"
+    if tool_choice == "any":
+        return "required"
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function", tool_choice)
+        tool_choice = function.get("name") if isinstance(function, dict) else None
+    if tool_choice in TOOL_CHOICE_KEYWORDS:
+        return tool_choice
+    names = [tool["function"]["name"] for tool in normalize_tools(tools)]
+    if not isinstance(tool_choice, str) or tool_choice not in names:
+        raise ValueError(f"tool_choice must be 'auto', 'none', 'required' (or 'any', True) or the name of one of "
+                         f"the tools {names}; got {tool_choice!r}")
+    return tool_choice
 
 
 def render_chat_with_tools(tokenizer, conversation: list[dict], tools: list | None,

@@ -1,4 +1,16 @@
-"""The chat layer below the integrations: conversations in, rendered prompts out."""
-from .prompt import ChatPrompt, render_chat_prompt
+"""The chat layer below the integrations: a :class:`ChatRequest` in, :class:`ChatDelta`s and a
+:class:`ChatResult` out, through :class:`ChatService`; conversations reach the engine as
+:class:`ChatPrompt`s, which it renders with the model's chat template.
 
-__all__ = ["ChatPrompt", "render_chat_prompt"]
+>>> from hearth_llm.engine.chat import ChatRequest, ChatService, SamplingOptions
+>>> service = ChatService(get_engine("default"))
+>>> service.chat(ChatRequest([{"role": "user", "content": "Hi!"}], sampling=SamplingOptions(max_tokens=8))).content
+"""
+from .prompt import ChatPrompt, render_chat_prompt
+from .request import ChatRequest, SamplingOptions
+from .result import ChatDelta, ChatResult, logprob_entry
+from .service import ChatService
+from .stream import ChatStream
+
+__all__ = ["ChatPrompt", "render_chat_prompt", "ChatRequest", "SamplingOptions", "ChatDelta", "ChatResult",
+           "ChatService", "ChatStream", "logprob_entry"]

@@ -1,0 +1,90 @@
+"""What a caller asks of the chat service: a conversation, the tools on offer, how to sample.
+
+Every field but ``messages`` is keyword-only with a default, so later options (reasoning, a LoRA
+adapter) are new fields that no existing caller has to pass.
+"""
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass, field
+
+from ..sampling_params import SamplingParams
+from ..structured_output import StructuredOutput
+from ..tool_parsers import get_tool_parser
+
+# The SamplingParams fields a chat request may set; None leaves the engine's default.
+_PASSED_THROUGH = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """How to sample a chat answer; None means the engine's default.
+
+    Unlike :class:`SamplingParams`, ``max_tokens=None`` generates until EOS, a stop string or the
+    end of the context, and log-probabilities are asked for the OpenAI way (``logprobs=True``,
+    ``top_logprobs=N``).
+
+    >>> SamplingOptions(temperature=0, max_tokens=64, stop=["\\n\\n"]).to_sampling_params().max_tokens
+    64
+    """
+
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: list[str] | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def to_sampling_params(self, structured_output: StructuredOutput | dict | None = None) -> SamplingParams:
+        """The engine's parameters; invalid values raise ``ValueError`` naming the field."""
+        values = {name: getattr(self, name) for name in _PASSED_THROUGH if getattr(self, name) is not None}
+        if self.logprobs or self.top_logprobs:
+            values["logprobs"] = self.top_logprobs or 0
+        return SamplingParams(**values, max_tokens=self.max_tokens, stop=self.stop or None,
+                              structured_output=structured_output)
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """One chat turn to generate.
+
+    >>> ChatRequest([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
+    ...             tool_choice="required", sampling=SamplingOptions(temperature=0))
+
+    ``messages``: ``{"role", "content", ...}`` dicts (OpenAI's form; assistant ``tool_calls`` and
+    tool results included), or a string that is already formatted for the model, sent without the
+    chat template. ``tools``: OpenAI-style function tools. ``tool_choice``: ``"auto"`` (default),
+    ``"none"`` (tools are not offered), ``"required"``/``"any"``/True (a call, forced by grammar) or
+    a tool's name / ``{"type": "function", "function": {"name": ...}}``. ``structured_output``:
+    the answer's grammar (a :class:`StructuredOutput` or its fields as a dict); not with a forced
+    ``tool_choice``. ``tool_parser``: the tool-call format; None reads it from the chat template.
+    ``timeout``: seconds; past it the request is aborted and the stream raises ``TimeoutError``.
+    """
+
+    messages: list[dict] | str
+    _: KW_ONLY
+    tools: list[dict] | None = None
+    tool_choice: str | dict | bool | None = None
+    structured_output: StructuredOutput | dict | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    tool_parser: str | None = None
+    chat_template_kwargs: dict | None = None
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.messages, str) and (self.tools or self.chat_template_kwargs):
+            raise ValueError("messages: a preformatted prompt (a str) takes no tools or chat_template_kwargs; "
+                             "send the conversation as message dicts")
+        if not isinstance(self.sampling, SamplingOptions):
+            raise ValueError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
+        if self.tool_parser is not None:
+            get_tool_parser(self.tool_parser)  # ValueError naming tool_parser and the known formats
+
+    @property
+    def is_preformatted(self) -> bool:
+        return isinstance(self.messages, str)
