@@ -37,6 +37,7 @@ from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from .checkpoint import LoadedCheckpoint
+from .gguf_spec import GGUFArchitecture
 
 # Bump when the conversion changes, so caches written by an older loader are not reused.
 # 2: config.json holds every field (not only those that differ from the defaults).
@@ -47,34 +48,9 @@ _WEIGHTS_FILE = "model.safetensors"
 _GGUF_MAGIC = b"GGUF"
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# GGUF architecture -> the transformers config class that fills in its defaults (imported lazily).
-_CONFIG_CLASSES = {
-    "llama": "LlamaConfig",
-    "mistral": "MistralConfig",
-    "qwen2": "Qwen2Config",
-    "qwen3": "Qwen3Config",
-}
-# llama.cpp's converter reorders the q/k rows of these architectures for its interleaved rotary.
-_ARCHITECTURES_WITH_PERMUTED_QK = frozenset({"llama", "mistral"})
-
-_GLOBAL_TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_TENSOR_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# Which llama.cpp architectures load, and how, is declared by the model files
+# (GGUFArchitecture in gguf_spec.py, registered with engine/models/registry.py).
+_LLAMA_SPEC = GGUFArchitecture(config_class="LlamaConfig", permuted_qk=True)
 _GLOBAL_TENSOR = re.compile(r"(?P<name>\w+)\.(?P<kind>weight|bias)")
 _LAYER_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)")
 
@@ -99,7 +75,8 @@ def load_gguf(
     under `cache_dir` (default ``~/.cache/hearth_llm/gguf``), one sub-directory per file version and
     dtype, so the next load skips the conversion.
 
-    Supported architectures: llama, mistral, qwen2, qwen3.
+    Supported architectures: those the model files register (``engine/models/registry.py``;
+    llama, mistral, qwen2, qwen3 and more).
 
     Example:
         >>> checkpoint = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", torch.bfloat16)
@@ -144,17 +121,18 @@ def unpermute_llama_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return interleaved.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a llama.cpp tensor name, or None if it has none.
+def hf_tensor_name(gguf_name: str, spec: GGUFArchitecture = _LLAMA_SPEC) -> str | None:
+    """The Hugging Face parameter name for a llama.cpp tensor name in architecture ``spec``
+    (default Llama's), or None if it has none.
 
     Example:
         >>> hf_tensor_name("blk.3.attn_output.weight")
         'model.layers.3.self_attn.o_proj.weight'
     """
     if match := _LAYER_TENSOR.fullmatch(gguf_name):
-        module, prefix = _LAYER_TENSOR_NAMES.get(match["name"]), f"model.layers.{match['layer']}."
+        module, prefix = spec.layer_tensor_names.get(match["name"]), f"model.layers.{match['layer']}."
     elif match := _GLOBAL_TENSOR.fullmatch(gguf_name):
-        module, prefix = _GLOBAL_TENSOR_NAMES.get(match["name"]), ""
+        module, prefix = spec.all_global_tensor_names.get(match["name"]), ""
     else:
         return None
     return None if module is None else f"{prefix}{module}.{match['kind']}"
@@ -220,7 +198,7 @@ def _config_class(model_type: str) -> type[PretrainedConfig]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Metadata:
+class GGUFMetadata:
     """The key/value metadata of one GGUF file, with errors that name the file."""
 
     values: dict[str, Any]
@@ -229,11 +207,15 @@ class _Metadata:
     @property
     def architecture(self) -> str:
         architecture = self.values.get("general.architecture")
-        if architecture not in _CONFIG_CLASSES:
+        if _spec_for(architecture) is None:
             raise ValueError(
-                f"{self.path}: architecture {architecture!r} is not supported; supported: {sorted(_CONFIG_CLASSES)}"
+                f"{self.path}: architecture {architecture!r} is not supported; supported: {sorted(_registered())}"
             )
         return architecture
+
+    @property
+    def spec(self) -> GGUFArchitecture:
+        return _spec_for(self.architecture)
 
     def model_value(self, key: str, default: Any = _MISSING) -> Any:
         """The value of ``<architecture>.<key>``, e.g. ``llama.block_count``."""
@@ -249,9 +231,21 @@ class _Metadata:
         return None if token_id is None else self.values["tokenizer.ggml.tokens"][token_id]
 
 
+def _registered() -> dict[str, GGUFArchitecture]:
+    from ..models.registry import GGUF_ARCHITECTURES, import_model_files
+
+    if not GGUF_ARCHITECTURES:
+        import_model_files()
+    return GGUF_ARCHITECTURES
+
+
+def _spec_for(architecture) -> GGUFArchitecture | None:
+    return _registered().get(architecture) if isinstance(architecture, str) else None
+
+
 def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> LoadedCheckpoint:
     reader = _open_gguf(gguf_path)
-    metadata = _Metadata(values=_read_metadata(reader), path=gguf_path)
+    metadata = GGUFMetadata(values=_read_metadata(reader), path=gguf_path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     try:
         config = _build_config(metadata, tensors)
@@ -298,7 +292,7 @@ def _scalar_value(part: np.ndarray, value_type: GGUFValueType) -> Any:
 # --- config ------------------------------------------------------------------------------------
 
 
-def _build_config(metadata: _Metadata, tensors: dict[str, ReaderTensor]) -> PretrainedConfig:
+def _build_config(metadata: GGUFMetadata, tensors: dict[str, ReaderTensor]) -> PretrainedConfig:
     num_heads = metadata.model_value("attention.head_count")
     hidden_size = metadata.model_value("embedding_length")
     head_dim = metadata.model_value("attention.key_length", hidden_size // num_heads)
@@ -322,14 +316,17 @@ def _build_config(metadata: _Metadata, tensors: dict[str, ReaderTensor]) -> Pret
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
     )
+    spec = metadata.spec
+    if spec.config_fields is not None:
+        config_kwargs.update(spec.config_fields(metadata))
     import transformers
 
-    config = getattr(transformers, _CONFIG_CLASSES[metadata.architecture])(**config_kwargs)
+    config = getattr(transformers, spec.config_class)(**config_kwargs)
     # The architecture's class only fills in its defaults; what we return is what a cached load returns.
     return _config_class(config.model_type).from_dict(config.to_dict())
 
 
-def _rope_scaling(metadata: _Metadata, tensors: dict[str, ReaderTensor], rope_dim: int) -> dict | None:
+def _rope_scaling(metadata: GGUFMetadata, tensors: dict[str, ReaderTensor], rope_dim: int) -> dict | None:
     if _ROPE_FACTORS_TENSOR in tensors:
         rope_factors = dequantize(tensors[_ROPE_FACTORS_TENSOR].data, tensors[_ROPE_FACTORS_TENSOR].tensor_type)
         return _llama3_rope_scaling(metadata, rope_factors, rope_dim)
@@ -348,7 +345,7 @@ def _rope_scaling(metadata: _Metadata, tensors: dict[str, ReaderTensor], rope_di
     return scaling
 
 
-def _llama3_rope_scaling(metadata: _Metadata, rope_factors: np.ndarray, rope_dim: int) -> dict:
+def _llama3_rope_scaling(metadata: GGUFMetadata, rope_factors: np.ndarray, rope_dim: int) -> dict:
     """Recover Llama 3 rope scaling parameters from the per-frequency factors llama.cpp stored.
 
     Only `factor` can be read off directly (it is the largest one); the other parameters are
@@ -381,7 +378,7 @@ def _llama3_rope_factors(scaling: dict, rope_dim: int, rope_theta: float) -> np.
 # --- tokenizer ---------------------------------------------------------------------------------
 
 
-def _build_tokenizer(metadata: _Metadata) -> PreTrainedTokenizerFast:
+def _build_tokenizer(metadata: GGUFMetadata) -> PreTrainedTokenizerFast:
     tokenizer_model = metadata.values.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in metadata.values:
         raise ValueError(f"{metadata.path}: metadata key 'tokenizer.ggml.tokens' is missing, so there is no tokenizer")
@@ -411,7 +408,7 @@ def _build_tokenizer(metadata: _Metadata) -> PreTrainedTokenizerFast:
     )
 
 
-def _renamed(metadata: _Metadata, key_names: dict[str, str]) -> dict[str, Any]:
+def _renamed(metadata: GGUFMetadata, key_names: dict[str, str]) -> dict[str, Any]:
     """The tokenizer metadata under the names transformers' converter expects (``tokens``, ``merges``...)."""
     return {
         name: metadata.values[f"tokenizer.{key}"]
@@ -433,20 +430,21 @@ def _transformers_tokenizer_converter():
 
 
 def _convert_tensors(
-    metadata: _Metadata,
+    metadata: GGUFMetadata,
     config: PretrainedConfig,
     tensors: dict[str, ReaderTensor],
     dtype: torch.dtype,
     progress: bool,
 ) -> dict[str, torch.Tensor]:
-    permuted_heads = _permuted_heads(metadata.architecture, config)
+    spec = metadata.spec
+    permuted_heads = _permuted_heads(spec, config)
     state_dict = {}
     description = f"Converting {metadata.path.name}"
     progress_bar = tqdm(tensors.values(), desc=description, unit="tensor", disable=not progress)
     for tensor in progress_bar:
-        if tensor.name == _ROPE_FACTORS_TENSOR:
-            continue  # already folded into config.rope_scaling
-        hf_name = hf_tensor_name(tensor.name)
+        if tensor.name == _ROPE_FACTORS_TENSOR or tensor.name in spec.ignored_tensors:
+            continue  # rope factors: already folded into config.rope_scaling
+        hf_name = hf_tensor_name(tensor.name, spec)
         if hf_name is None:
             raise ValueError(
                 f"{metadata.path}: tensor {tensor.name!r} has no Hugging Face {metadata.architecture} name"
@@ -455,13 +453,15 @@ def _convert_tensors(
         num_heads = permuted_heads.get(hf_name.rsplit(".", 2)[-2])
         if num_heads is not None:
             weight = unpermute_llama_qk(weight, num_heads)
+        if spec.transform_tensor is not None:
+            weight = spec.transform_tensor(hf_name, weight, config)
         state_dict[hf_name] = weight.to(dtype)
     return state_dict
 
 
-def _permuted_heads(architecture: str, config: PretrainedConfig) -> dict[str, int]:
+def _permuted_heads(spec: GGUFArchitecture, config: PretrainedConfig) -> dict[str, int]:
     """Projection name -> head count for the tensors llama.cpp permuted in this architecture."""
-    if architecture not in _ARCHITECTURES_WITH_PERMUTED_QK:
+    if not spec.permuted_qk:
         return {}
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 

@@ -1,30 +1,18 @@
-"""Our model implementations, chosen by the checkpoint's ``architectures`` entry."""
+"""Our model implementations, chosen by the checkpoint's ``architectures`` entry.
+
+Each model file registers its class with :func:`registry.register_model`; every module of this
+package is imported here so that registration happens. See :mod:`.decoder` for how to add one.
+"""
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from .registry import GGUF_ARCHITECTURES, MODEL_CLASSES, MODEL_TYPES, gguf_architecture, import_model_files, \
+    model_class_for
 
-from .llama import LlamaForCausalLM
-from .qwen2 import Qwen2ForCausalLM
-from .qwen3 import Qwen3ForCausalLM
+import_model_files()
 
-# Mistral is Llama plus a sliding window, which ArchConfig reads from the config.
-MODEL_CLASSES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+from .llama import LlamaForCausalLM  # noqa: E402
+from .qwen2 import Qwen2ForCausalLM  # noqa: E402
+from .qwen3 import Qwen3ForCausalLM  # noqa: E402
 
-
-def model_class_for(config: PretrainedConfig):
-    """The model class for a config; ``ValueError`` naming the architecture when unsupported."""
-    declared = config.architectures or []
-    if not isinstance(declared, (list, tuple)) or not all(isinstance(name, str) for name in declared):
-        raise ValueError(f"config.json: architectures must be a list of class names, got {declared!r:.80}")
-    architectures = list(declared) or [MODEL_TYPES.get(config.model_type, config.model_type)]
-    for name in architectures:
-        if name in MODEL_CLASSES:
-            return MODEL_CLASSES[name]
-    raise ValueError(f"model architecture {architectures} is not supported; supported: {sorted(MODEL_CLASSES)}")
+__all__ = ["GGUF_ARCHITECTURES", "MODEL_CLASSES", "MODEL_TYPES", "gguf_architecture", "model_class_for",
+           "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]

@@ -1,13 +1,19 @@
-"""Qwen2 / Qwen2.5: Llama with biases on q, k and v, and a window only on the upper layers."""
+"""Qwen2 / Qwen2.5: Llama with biases on q, k and v, and a sliding window on the layers
+``layer_types`` marks (by default those from ``max_window_layers`` on, when ``use_sliding_window``)."""
 from __future__ import annotations
 
-from .arch import ArchConfig
+from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
+
 from .llama import LlamaForCausalLM
+from .registry import register_model
 
 
+@register_model("Qwen2ForCausalLM", model_types=("qwen2",), gguf={"qwen2": GGUFArchitecture(config_class="Qwen2Config")})
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def arch_from_hf_config(cls, config) -> ArchConfig:
-        return ArchConfig.from_hf_config(
-            config, attention_bias=True, max_window_layers=getattr(config, "max_window_layers", None)
-        )
+    def check_config(cls, config) -> None:
+        super(LlamaForCausalLM, cls).check_config(config)
+
+    @classmethod
+    def arch_fields(cls, config) -> dict:
+        return dict(attention_bias=True, max_window_layers=getattr(config, "max_window_layers", None))

@@ -1,13 +1,21 @@
-"""Qwen3: Llama with RMSNorm on each head's queries and keys before rotary."""
+"""Qwen3: Llama with RMSNorm on each head's queries and keys before rotary, no q/k/v biases
+unless ``attention_bias``, windows as Qwen2."""
 from __future__ import annotations
 
-from .arch import ArchConfig
+from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
+
 from .llama import LlamaForCausalLM
+from .registry import register_model
 
 
+@register_model("Qwen3ForCausalLM", model_types=("qwen3",), gguf={"qwen3": GGUFArchitecture(config_class="Qwen3Config")})
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def arch_from_hf_config(cls, config) -> ArchConfig:
-        return ArchConfig.from_hf_config(
-            config, has_qk_norm=True, max_window_layers=getattr(config, "max_window_layers", None)
-        )
+    def check_config(cls, config) -> None:
+        super(LlamaForCausalLM, cls).check_config(config)
+
+    @classmethod
+    def arch_fields(cls, config) -> dict:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return dict(has_qk_norm=True, o_proj_bias=attention_bias,
+                    max_window_layers=getattr(config, "max_window_layers", None))

@@ -1,0 +1,87 @@
+"""Attention over the paged KV cache, with the knobs architectures differ in: biases, q/k norm,
+sliding window per layer, attention logit soft-capping, a custom scale, partial or GPT-J rotary.
+
+>>> attn = Attention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rotary=rotary)
+>>> out = attn(positions, hidden, (key_cache, value_cache), meta)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hearth_llm import kernels
+
+from .linear import QKVLinear, RowLinear
+from .norms import RMSNorm
+from .rotary import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged KV cache; built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor      # [T] flat cache slot of each new token
+    block_tables: torch.Tensor      # [B, max_blocks] block ids of each sequence
+    context_lens: torch.Tensor      # [B] tokens in cache after this step
+    query_start_loc: torch.Tensor   # [B + 1] where each sequence's new tokens start in the flat batch
+    max_query_len: int
+    max_context_len: int
+
+
+class Attention(nn.Module):
+    """``o_proj(attention(rotary(q), rotary(k), v))`` with keys and values written to the cache.
+
+    ``q_norm``/``k_norm`` are per-head norms applied before rotary (Qwen3, Gemma 3, OLMo 2 use
+    their own shapes of them; pass RMSNorm modules over ``head_dim`` here, or None). ``scale``
+    defaults to ``head_dim ** -0.5``; ``soft_cap`` caps attention logits as ``c * tanh(s / c)``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding, *, qkv_bias: bool = False, o_bias: bool = False,
+                 sliding_window: int | None = None, soft_cap: float | None = None, scale: float | None = None,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
+        self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias,
+                                  prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj")
+        self.rotary = rotary
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    @classmethod
+    def from_arch(cls, arch, layer_index: int, rotary: RotaryEmbedding, prefix: str = "", **overrides) -> "Attention":
+        """The attention layer ``arch`` describes for layer ``layer_index``; keyword overrides win."""
+        kwargs = dict(
+            qkv_bias=arch.attention_bias, o_bias=arch.o_proj_bias, sliding_window=arch.sliding_window_for(layer_index),
+            soft_cap=arch.attn_logit_softcap, scale=arch.scale,
+        )
+        if arch.has_qk_norm:
+            kwargs.update(q_norm=RMSNorm(arch.head_dim, arch.rms_norm_eps), k_norm=RMSNorm(arch.head_dim, arch.rms_norm_eps))
+        kwargs.update(overrides)
+        return cls(arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, rotary,
+                   prefix=prefix, **kwargs)
+
+    def forward(self, positions, hidden, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        num_tokens = hidden.shape[0]
+        num_heads, num_kv_heads = self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank
+        qkv = self.qkv_proj(hidden)
+        key_cache, value_cache = kv_cache
+        has_qk_norm = self.q_norm is not None
+        # Split heads, q/k norm, rotary and the cache write: one kernel on CUDA.
+        query = kernels.qk_norm_rope_and_cache(
+            qkv, positions, self.rotary.cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
+            num_heads, num_kv_heads, self.q_norm.weight if has_qk_norm else None,
+            self.k_norm.weight if has_qk_norm else None, self.q_norm.eps if has_qk_norm else 1e-6,
+            **({} if self.rotary.is_neox_style else {"is_neox_style": False}),
+        )
+        out = kernels.paged_attention(
+            query, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+            meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window,
+            **({} if self.soft_cap is None else {"soft_cap": self.soft_cap}),
+        )
+        return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))

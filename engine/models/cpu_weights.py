@@ -1,0 +1,74 @@
+"""CPU copies of a bf16 weight laid out for fast matmuls: a linear layer's (:class:`CpuLinear`)
+and the vocabulary projection's (:class:`CpuLogitsHead`)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hearth_llm.kernels import cpu_ops
+
+
+class CpuLinear(nn.Module):
+    """A linear layer's weight for CPU matmuls, made by its linear method after loading.
+
+    Batches use a copy in oneDNN's blocked layout. Steps of a few rows (decoding a few sequences)
+    are bound by reading the weight from memory, so where a 4-bit copy holds the same values
+    (``int4``: from a Q4 GGUF file) they read that: a quarter of the bytes.
+
+    >>> cpu = CpuLinear(cpu_ops.pack_dense_weight(w), None)
+    >>> cpu(x, bias=None)      # == F.linear(x, w)
+    """
+
+    # Above this many rows the 4-bit kernel's unpacking costs more than its smaller reads save.
+    INT4_MAX_ROWS = 4
+
+    def __init__(self, packed_weight: torch.Tensor | None, int4: tuple | None) -> None:
+        super().__init__()
+        self.packed_weight = packed_weight
+        self.int4 = int4
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int4 is not None and (x.shape[0] <= self.INT4_MAX_ROWS or self.packed_weight is None):
+            return cpu_ops.int4_linear(x, *self.int4, bias=bias)
+        return cpu_ops.dense_linear(x, self.packed_weight, bias)
+
+
+class CpuLogitsHead(nn.Module):
+    """The vocabulary projection of a bf16 model on the CPU, with float32 logits.
+
+    Logits rounded to bf16 lie 1/16 apart near typical top values, so greedy choices between close
+    tokens would follow the rounding. A step of a few rows reads the weight from fbgemm's fp16 copy,
+    which is both faster and more exact. Larger batches use the bf16 copy and then recompute their
+    ``NUM_EXACT_TOP`` best logits in float32, where every choice is made.
+
+    Made by :func:`cpu_logits_head` once the head's weight is loaded.
+    """
+
+    FP16_MAX_ROWS = 4
+    NUM_EXACT_TOP = 8
+
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor, fp16_weight) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # tied models share it with the embedding: no copy
+        self.packed_weight = packed_weight
+        self.fp16_weight = fp16_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp16_weight is not None and x.shape[0] <= self.FP16_MAX_ROWS:
+            return cpu_ops.fp16_linear(x, self.fp16_weight)
+        logits = cpu_ops.dense_linear(x, self.packed_weight).float()
+        top = cpu_ops.topk_indices(logits, min(self.NUM_EXACT_TOP, logits.shape[-1]))
+        exact = torch.linalg.vecdot(self.weight[top].float(), x.float()[:, None, :])
+        return logits.scatter_(1, top, exact)
+
+
+def cpu_logits_head(head: nn.Module) -> nn.Module:
+    """The logits-head method: ``head`` (a loaded ``nn.Linear``) as a :class:`CpuLogitsHead` where
+    that is faster (a bf16 weight on a CPU with bf16 oneDNN, no bias), else ``head`` itself."""
+    if type(head) is not nn.Linear or head.bias is not None or head.weight.device.type != "cpu":
+        return head
+    packed = cpu_ops.pack_dense_weight(head.weight)
+    if packed is None:
+        return head
+    return CpuLogitsHead(head, packed, cpu_ops.pack_fp16_weight(head.weight))

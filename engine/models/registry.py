@@ -1,0 +1,64 @@
+"""Which model class runs a checkpoint: filled by each model file's :func:`register_model`.
+
+Every module of this package is imported once (:func:`import_model_files`), so a new
+architecture is one new file here; nothing else lists it.
+
+>>> @register_model("StarCoder2ForCausalLM", model_types=("starcoder2",),
+...                 gguf={"starcoder2": GGUFArchitecture(config_class="Starcoder2Config")})
+... class Starcoder2ForCausalLM(DecoderModel):
+...     ...
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Mapping
+
+from transformers import PretrainedConfig
+
+from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
+
+MODEL_CLASSES: dict[str, type] = {}
+MODEL_TYPES: dict[str, str] = {}
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {}
+
+
+def register_model(*architectures: str, model_types: tuple[str, ...] = (),
+                   gguf: Mapping[str, GGUFArchitecture] | None = None):
+    """Class decorator: ``architectures`` are the HF ``config.architectures`` names the class runs,
+    ``model_types`` the ``config.model_type`` values (checkpoints without ``architectures``, as
+    GGUF-built configs), ``gguf`` its llama.cpp architecture names. The i-th model type maps to
+    the i-th architecture name (or the first when there are fewer)."""
+    def register(model_class):
+        for name in architectures:
+            MODEL_CLASSES[name] = model_class
+        for index, model_type in enumerate(model_types):
+            MODEL_TYPES[model_type] = architectures[min(index, len(architectures) - 1)]
+        GGUF_ARCHITECTURES.update(gguf or {})
+        return model_class
+
+    return register
+
+
+def model_class_for(config: PretrainedConfig):
+    """The model class for a config; ``ValueError`` naming the architecture when unsupported."""
+    declared = config.architectures or []
+    if not isinstance(declared, (list, tuple)) or not all(isinstance(name, str) for name in declared):
+        raise ValueError(f"config.json: architectures must be a list of class names, got {declared!r:.80}")
+    architectures = list(declared) or [MODEL_TYPES.get(config.model_type, config.model_type)]
+    for name in architectures:
+        if name in MODEL_CLASSES:
+            return MODEL_CLASSES[name]
+    raise ValueError(f"model architecture {architectures} is not supported; supported: {sorted(MODEL_CLASSES)}")
+
+
+def gguf_architecture(name) -> GGUFArchitecture | None:
+    """The registered entry for a llama.cpp ``general.architecture`` value, or None."""
+    return GGUF_ARCHITECTURES.get(name) if isinstance(name, str) else None
+
+
+def import_model_files() -> None:
+    """Import every module of this package, so each model file registers itself."""
+    package = importlib.import_module(__package__)
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{__package__}.{module.name}")
