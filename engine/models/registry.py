@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import warnings
 from typing import Mapping
 
 from transformers import PretrainedConfig
@@ -49,7 +50,8 @@ def model_class_for(config: PretrainedConfig):
     for name in architectures:
         if name in MODEL_CLASSES:
             return MODEL_CLASSES[name]
-    raise ValueError(f"model architecture {architectures} is not supported; supported: {sorted(MODEL_CLASSES)}")
+    broken = f" (model files that failed to import: {sorted(BROKEN_MODEL_FILES)})" if BROKEN_MODEL_FILES else ""
+    raise ValueError(f"model architecture {architectures} is not supported; supported: {sorted(MODEL_CLASSES)}{broken}")
 
 
 def gguf_architecture(name) -> GGUFArchitecture | None:
@@ -57,8 +59,22 @@ def gguf_architecture(name) -> GGUFArchitecture | None:
     return GGUF_ARCHITECTURES.get(name) if isinstance(name, str) else None
 
 
+# Model files that failed to import: module name -> the error, named when their architecture is asked for.
+BROKEN_MODEL_FILES: dict[str, Exception] = {}
+
+
 def import_model_files() -> None:
-    """Import every module of this package, so each model file registers itself."""
+    """Import every module of this package, so each model file registers itself.
+
+    A model file that fails to import is reported (a warning now, and in the error of
+    :func:`model_class_for`) instead of breaking every other architecture.
+    """
     package = importlib.import_module(__package__)
     for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{__package__}.{module.name}")
+        name = f"{__package__}.{module.name}"
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001 - one broken model file must not break the others
+            BROKEN_MODEL_FILES[module.name] = error
+            warnings.warn(f"model file {module.name}.py failed to import and is skipped: {error!r}", RuntimeWarning,
+                          stacklevel=2)
