@@ -7,7 +7,8 @@ from tqdm.auto import tqdm
 
 from .errors import RequestFailedError
 from .outputs import CompletionOutput, RequestOutput
-from .registry import ChatPrompt, RequestStream, get_engine, render_chat_prompt
+from .chat.prompt import ChatPrompt
+from .registry import RequestStream, get_engine
 from .sampling_params import SamplingParams
 
 
@@ -55,8 +56,7 @@ class LLM:
         """Outputs in the order of ``prompts``. Invalid input raises before anything is queued; a
         request that fails later (say, its grammar does not compile) comes back with
         ``finish_reason="abort"`` and the error in ``stop_reason``, the others unharmed."""
-        prompt_list = _as_prompt_list(prompts)
-        return self._run(prompt_list, prompt_list, sampling_params, use_tqdm, priority)
+        return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -67,14 +67,17 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        The engine renders each conversation on its thread (the same place as every other prompt);
+        ``RequestOutput.prompt`` is the rendered text. A conversation the template rejects raises
+        ``ValueError`` and none of the batch is generated."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages must not be empty")
         prompts = [ChatPrompt(conversation, add_generation_prompt, chat_template_kwargs, tools)
                    for conversation in conversations]
-        texts = [render_chat_prompt(self.tokenizer, prompt) for prompt in prompts]
-        return self._run(texts, texts, sampling_params, use_tqdm, None)
+        return self._run(prompts, sampling_params, use_tqdm, None)
 
     def stats(self) -> dict:
         """Scheduler and KV cache counters: running/waiting, free/total blocks, preemptions, prefix hits."""
@@ -92,7 +95,7 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _run(self, prompts, shown_prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         params_list = _params_for(prompts, sampling_params)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
@@ -101,7 +104,7 @@ class LLM:
         try:
             with tqdm(total=len(streams), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 outputs = []
-                for prompt, params, stream in zip(shown_prompts, params_list, streams):
+                for prompt, params, stream in zip(prompts, params_list, streams):
                     outputs.append(_collect(prompt, params, stream))
                     bar.update()
             return outputs
@@ -138,20 +141,13 @@ def _collect(prompt, params: SamplingParams, stream: RequestStream) -> RequestOu
     ]
     return RequestOutput(
         request_id=stream.request_id,
-        prompt=prompt if isinstance(prompt, str) else None,
+        prompt=last.prompt,  # the text as given, or as the chat template rendered it; None for token ids
         prompt_token_ids=list(last.prompt_token_ids or []),
         outputs=outputs,
         num_cached_tokens=last.usage.cached_tokens if last.usage else 0,
         prompt_logprobs=last.prompt_logprobs,
         finished=True,
     )
-
-
-def render_chat(tokenizer, conversation, add_generation_prompt=True, chat_template_kwargs=None) -> str:
-    """The conversation as the model's chat template renders it (a string prompt)."""
-    if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
-        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts (or a list of such lists)")
-    return render_chat_prompt(tokenizer, ChatPrompt(conversation, add_generation_prompt, chat_template_kwargs))
 
 
 def _params_for(prompts, sampling_params) -> list[SamplingParams]:
