@@ -1,7 +1,12 @@
-"""Kernels, with one dispatch point: Triton on CUDA tensors, faster CPU routines (``cpu_ops``,
-checked against the reference) on CPU tensors, the torch reference for anything else.
+"""Kernels, with one dispatch point.
 
-Model code calls these names and never asks which device it is on.
+Each op is a package holding its plain-torch reference (``reference.py``), a faster CPU routine
+checked against it (``cpu.py``) and, where the GPU needs one, a Triton kernel
+(``triton_<op>.py``): ``attention``, ``kv_cache``, ``attention_inputs``, ``norm``, ``rotary``,
+``activation``, ``sampling`` and ``matmul`` (the linear op). The functions here pick the routine:
+Triton for CUDA tensors, the CPU routine for CPU tensors, the reference for anything else; and for
+:func:`linear`, by the weight's format too. Model code calls these names and never asks which
+device it is on. (``kernels/moe`` dispatches itself.)
 
 >>> from hearth_llm.kernels import silu_and_mul
 >>> silu_and_mul(torch.ones(2, 8)).shape
@@ -9,77 +14,90 @@ torch.Size([2, 4])
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from . import cpu_ops, reference
+from . import activation, attention, attention_inputs, kv_cache, matmul, norm, rotary, sampling
+from .matmul.formats import DenseWeight, Fp16Weight, Int4Weight, OnednnBf16Weight
 
 __all__ = ["argmax", "write_kv_cache", "paged_attention", "qk_norm_rope_and_cache", "rms_norm", "layer_norm",
-           "rotary_embedding", "silu_and_mul", "gelu_and_mul", "gelu"]
+           "rotary_embedding", "silu_and_mul", "gelu_and_mul", "gelu", "linear", "register_linear_routine",
+           "DenseWeight", "OnednnBf16Weight", "Fp16Weight", "Int4Weight"]
 
 
-def _triton_module():
-    """The Triton implementations, or None where Triton or CUDA is unavailable."""
-    global _TRITON
-    if _TRITON is _UNSET:
-        try:
-            from . import triton_ops
-        except ImportError:
-            triton_ops = None
-        _TRITON = triton_ops
-    return _TRITON
-
+# ------------------------------------------------------------------------------------------
+# Choosing a routine by device
+# ------------------------------------------------------------------------------------------
 
 _UNSET = object()
-_TRITON = _UNSET
+_TRITON_MODULES: dict[str, object] = {}
 
 
-def _implementation(name: str, tensor: torch.Tensor):
+def _triton_module(op):
+    """The op's Triton module (``<op>/triton_<op>.py``), or None where Triton is unavailable."""
+    module = _TRITON_MODULES.get(op.__name__, _UNSET)
+    if module is _UNSET:
+        try:
+            module = importlib.import_module(f"{op.__name__}.triton_{op.__name__.rsplit('.', 1)[1]}")
+        except ImportError:
+            module = None
+        _TRITON_MODULES[op.__name__] = module
+    return module
+
+
+def _implementation(op, name: str, tensor: torch.Tensor):
     if tensor.is_cuda:
-        triton_ops = _triton_module()
-        if triton_ops is not None and hasattr(triton_ops, name):
-            return getattr(triton_ops, name)
+        triton_module = _triton_module(op)
+        if triton_module is not None and hasattr(triton_module, name):
+            return getattr(triton_module, name)
     elif tensor.device.type == "cpu":
-        return getattr(cpu_ops, name)
-    return getattr(reference, name)
+        return getattr(op.cpu, name)
+    return getattr(op.reference, name)
+
+
+# ------------------------------------------------------------------------------------------
+# The ops
+# ------------------------------------------------------------------------------------------
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
-    return _implementation("write_kv_cache", key)(key, value, key_cache, value_cache, slot_mapping)
+    return _implementation(kv_cache, "write_kv_cache", key)(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                     max_query_len, max_context_len, scale, sliding_window=None, soft_cap=None):
-    return _implementation("paged_attention", query)(
+    return _implementation(attention, "paged_attention", query)(
         query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
         max_query_len, max_context_len, scale, sliding_window, soft_cap)
 
 
 def rms_norm(x, weight, eps, residual=None):
-    return _implementation("rms_norm", x)(x, weight, eps, residual)
+    return _implementation(norm, "rms_norm", x)(x, weight, eps, residual)
 
 
 def layer_norm(x, weight, bias, eps, residual=None):
-    return _implementation("layer_norm", x)(x, weight, bias, eps, residual)
+    return _implementation(norm, "layer_norm", x)(x, weight, bias, eps, residual)
 
 
 def rotary_embedding(query, key, positions, cos_sin_cache, is_neox_style=True):
-    return _implementation("rotary_embedding", query)(query, key, positions, cos_sin_cache, is_neox_style)
+    return _implementation(rotary, "rotary_embedding", query)(query, key, positions, cos_sin_cache, is_neox_style)
 
 
 def silu_and_mul(x):
-    return _implementation("silu_and_mul", x)(x)
+    return _implementation(activation, "silu_and_mul", x)(x)
 
 
 def gelu_and_mul(x, approximate="tanh"):
-    return _implementation("gelu_and_mul", x)(x, approximate)
+    return _implementation(activation, "gelu_and_mul", x)(x, approximate)
 
 
 def gelu(x, approximate="tanh"):
-    return _implementation("gelu", x)(x, approximate)
+    return _implementation(activation, "gelu", x)(x, approximate)
 
 
 def argmax(x):
-    return _implementation("argmax", x)(x)
+    return _implementation(sampling, "argmax", x)(x)
 
 
 def qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
@@ -100,12 +118,12 @@ def qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache
     torch.Size([3, 2, 8])
     """
     if qkv.is_cuda:
-        triton_ops = _triton_module()
-        if triton_ops is not None and triton_ops.supports_fused_rotary(key_cache.shape[-1], cos_sin_cache.shape[-1],
-                                                                         is_neox_style):
-            return triton_ops.qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache,
-                                                     slot_mapping, num_heads, num_kv_heads, q_norm_weight,
-                                                     k_norm_weight, eps)
+        triton_module = _triton_module(attention_inputs)
+        if triton_module is not None and triton_module.supports_fused_rotary(
+                key_cache.shape[-1], cos_sin_cache.shape[-1], is_neox_style):
+            return triton_module.qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache,
+                                                        slot_mapping, num_heads, num_kv_heads, q_norm_weight,
+                                                        k_norm_weight, eps)
     return qk_norm_rope_and_cache_unfused(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
                                           num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, is_neox_style)
 
@@ -113,15 +131,57 @@ def qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache
 def qk_norm_rope_and_cache_unfused(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
                                    num_kv_heads, q_norm_weight=None, k_norm_weight=None, eps=1e-6,
                                    is_neox_style=True):
-    head_dim = key_cache.shape[-1]
-    num_tokens = qkv.shape[0]
-    query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    query = query.view(num_tokens, num_heads, head_dim)
-    key = key.view(num_tokens, num_kv_heads, head_dim)
-    value = value.view(num_tokens, num_kv_heads, head_dim)
-    if q_norm_weight is not None:
-        query, _ = rms_norm(query, q_norm_weight, eps)
-        key, _ = rms_norm(key, k_norm_weight, eps)
-    query, key = rotary_embedding(query, key, positions, cos_sin_cache, is_neox_style)
-    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-    return query
+    """The reference composition, run with the dispatched single ops (fast CPU routines on the CPU)."""
+    return attention_inputs.reference.qk_norm_rope_and_cache(
+        qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads,
+        q_norm_weight, k_norm_weight, eps, is_neox_style,
+        rms_norm=rms_norm, rotary_embedding=rotary_embedding, write_kv_cache=write_kv_cache)
+
+
+# ------------------------------------------------------------------------------------------
+# linear: by the weight's format and the input's device
+# ------------------------------------------------------------------------------------------
+
+
+def _fp16_linear(x, weight: Fp16Weight, bias):
+    out = matmul.cpu.fp16_linear(x, weight.packed)
+    return out if bias is None else out.add_(bias)
+
+
+# (format, device type or None for any device) -> routine(x, weight, bias)
+_LINEAR_ROUTINES = {
+    (DenseWeight, None): lambda x, weight, bias: matmul.reference.dense_linear(x, weight.weight, bias),
+    (OnednnBf16Weight, "cpu"): lambda x, weight, bias: matmul.cpu.dense_linear(x, weight.packed, bias),
+    (Fp16Weight, "cpu"): _fp16_linear,
+    (Int4Weight, "cpu"): lambda x, weight, bias: matmul.cpu.int4_linear(
+        x, weight.packed, weight.scales_and_zeros, weight.group_size, bias),
+}
+
+
+def register_linear_routine(weight_format: type, device_type: str | None, routine) -> None:
+    """Make :func:`linear` multiply weights of ``weight_format`` on ``device_type`` ("cpu",
+    "cuda", or None for any) with ``routine(x, weight, bias)``; how a quantization method plugs in.
+
+    >>> class Doubled(DenseWeight): ...
+    >>> register_linear_routine(Doubled, None, lambda x, w, b: 2 * torch.nn.functional.linear(x, w.weight, b))
+    >>> linear(torch.ones(1, 2), Doubled(torch.ones(3, 2))).tolist()
+    [[4.0, 4.0, 4.0]]
+    """
+    _LINEAR_ROUTINES[(weight_format, device_type)] = routine
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``x`` ``[M, K]`` and a weight in one of the formats of
+    ``kernels.matmul.formats`` (``DenseWeight``, ``OnednnBf16Weight``, ``Fp16Weight`` (float32
+    out), ``Int4Weight``), by the routine registered for that format on ``x``'s device.
+
+    >>> linear(torch.ones(1, 2), DenseWeight(torch.ones(3, 2)), torch.ones(3)).tolist()
+    [[3.0, 3.0, 3.0]]
+    """
+    routine = _LINEAR_ROUTINES.get((type(weight), x.device.type)) or _LINEAR_ROUTINES.get((type(weight), None))
+    if routine is None:
+        registered = sorted(f"{weight_format.__name__} on {device or 'any device'}"
+                            for weight_format, device in _LINEAR_ROUTINES)
+        raise ValueError(f"no linear routine for weight format {type(weight).__name__} on {x.device.type} "
+                         f"tensors; registered: {registered}")
+    return routine(x, weight, bias)

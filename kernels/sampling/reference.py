@@ -1,4 +1,5 @@
-"""Token sampling from a batch of logits, in plain torch: the reference and the CPU path.
+"""Token sampling from a batch of logits, in plain torch: the reference and the CPU path, and
+``argmax``, the greedy choice.
 
 ``sample_from_logits`` draws one token per row under per-row temperature, top-k, top-p and min-p,
 and sorts the vocabulary only when it has to:
@@ -12,7 +13,7 @@ and sorts the vocabulary only when it has to:
   on their renormalized probabilities. Only a row with top-p and no top-k needs the whole
   vocabulary sorted.
 
-``triton_ops.sample_from_logits`` has the same signature and semantics; it draws greedy and
+``triton_sampling.sample_from_logits`` has the same signature and semantics; it draws greedy and
 plain rows in one fused Triton kernel and sends only filtered rows here.
 
 >>> logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
@@ -127,3 +128,8 @@ def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None) ->
     # An exponential draw of exactly 0 would make 0 / 0 = NaN, which argmax would pick.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of the first maximum of each row of ``[R, V]`` (NaN counts as the largest)."""
+    return x.argmax(dim=-1)

@@ -1,0 +1,93 @@
+"""Plain torch: causal attention over the paged KV cache, the semantics the CPU and Triton
+versions are tested against. No function here loops over sequences in Python: batches are padded
+and masked instead."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of variable-length queries over a paged KV cache (prefill, extend and decode).
+
+    query: ``[T, Hq, D]``, the new tokens of B sequences laid end to end (``query_start_loc``, ``[B+1]``).
+    Each sequence's keys are its first ``context_lens[b]`` cache slots, found through
+    ``block_tables[b]``; its queries are the last ``q_len`` of those positions. GQA when Hq > Hkv.
+    ``sliding_window`` w lets a query see only the last w positions up to its own.
+    ``soft_cap`` c (Gemma 2) squashes the scaled scores to ``c * tanh(scores / c)`` before the mask
+    and the softmax. Returns ``[T, Hq, D]``.
+    """
+    check_soft_cap(soft_cap)
+    num_seqs = context_lens.shape[0]
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_context_blocks = -(-max_context_len // block_size)
+    tables = block_tables[:, :num_context_blocks]
+    padded_len = num_context_blocks * block_size
+    keys = key_cache[tables].reshape(num_seqs, padded_len, num_kv_heads, head_dim)
+    values = value_cache[tables].reshape(num_seqs, padded_len, num_kv_heads, head_dim)
+
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), query_lens, output_size=num_tokens)
+    token_row = torch.arange(num_tokens, device=query.device) - query_start_loc[token_seq]
+    padded_query = query.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
+    padded_query[token_seq, token_row] = query
+
+    query_pos = (context_lens - query_lens)[:, None] + torch.arange(max_query_len, device=query.device)[None]
+    key_pos = torch.arange(padded_len, device=query.device)
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+
+    out = scaled_dot_product_attention(
+        padded_query.transpose(1, 2),
+        keys.transpose(1, 2).to(query.dtype),
+        values.transpose(1, 2).to(query.dtype),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+        soft_cap=soft_cap,
+    )
+    return out.transpose(1, 2)[token_seq, token_row]
+
+
+def check_soft_cap(soft_cap: float | None) -> None:
+    """ValueError unless ``soft_cap`` is None or a positive number."""
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be None or > 0, got {soft_cap}")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                                 soft_cap=None):
+    """``F.scaled_dot_product_attention`` (``[B, H, L, D]`` inputs), plus logit soft-capping.
+
+    SDPA has no soft cap, so with one the attention is written out: scores in float32, capped to
+    ``soft_cap * tanh(scores / soft_cap)``, then masked (a boolean mask hides False, a float mask
+    adds) and soft-maxed, as HF's eager Gemma 2 attention does.
+    """
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    if key.shape[-3] != query.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1), value.float()).to(query.dtype)

@@ -1,0 +1,119 @@
+"""Triton: a Gumbel-max sampler for greedy and plain-temperature rows; see ``reference.py``."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_utils import next_power_of_2
+from . import reference
+
+
+@triton.jit
+def _gumbel_max_sample_kernel(
+    best_score_ptr, best_index_ptr, logits_ptr, temperatures_ptr, seed_ptr,
+    num_rows, vocab_size, logits_stride_row, split_size, num_splits, greedy_temperature,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Best of ``logits / T + Gumbel noise`` over one vocabulary split of BLOCK_R rows.
+
+    argmax over the whole vocabulary of that score is a draw from softmax(logits / T) (the
+    Gumbel-max trick), found in one streaming pass with no softmax, sort or cumsum. Greedy rows
+    add no noise. Splitting the vocabulary gives a small batch enough programs to fill the GPU.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(1)
+    is_real_row = rows < num_rows
+    rows = rows.to(tl.int64)
+    temperatures = tl.load(temperatures_ptr + rows, mask=is_real_row, other=1.0).to(tl.float32)
+    is_greedy = temperatures < greedy_temperature
+    inverse_temperatures = 1.0 / tl.where(is_greedy, 1.0, temperatures)
+    seed = tl.load(seed_ptr)
+
+    # Each lane keeps its own best; strict '>' keeps the lowest index among equal scores.
+    best_score = tl.full([BLOCK_R, BLOCK_V], float("-inf"), dtype=tl.float32)
+    best_index = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.int32)
+    split_start = split * split_size
+    split_end = tl.minimum(split_start + split_size, vocab_size)
+    for first in range(split_start, split_end, BLOCK_V):
+        cols = first + tl.arange(0, BLOCK_V)
+        mask = is_real_row[:, None] & (cols < split_end)[None, :]
+        logits = tl.load(logits_ptr + rows[:, None] * logits_stride_row + cols[None, :], mask=mask,
+                         other=float("-inf"))
+        uniform = tl.rand(seed, rows[:, None] * vocab_size + cols[None, :])
+        gumbel = -tl.log(-tl.log(uniform))
+        score = logits.to(tl.float32) * inverse_temperatures[:, None] + tl.where(is_greedy[:, None], 0.0, gumbel)
+        score = tl.where(mask, score, float("-inf"))
+        is_better = score > best_score
+        best_score = tl.where(is_better, score, best_score)
+        best_index = tl.where(is_better, cols[None, :], best_index)
+    top = tl.max(best_score, 1)
+    index = tl.min(tl.where(best_score == top[:, None], best_index, vocab_size), 1)
+    # A split of all -inf logits has no best lane; answer its first index, as torch.argmax would.
+    index = tl.where(index == vocab_size, split_start, index)
+    out = rows * num_splits + split
+    tl.store(best_score_ptr + out, top, mask=is_real_row)
+    tl.store(best_index_ptr + out, index.to(tl.int64), mask=is_real_row)
+
+
+# Enough vocabulary splits that a decode batch's sampling has about this many programs.
+SAMPLER_TARGET_PROGRAMS = 1024
+
+
+def sample_from_logits(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    generator: torch.Generator | None = None,
+    min_ps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Draw one token per row; the semantics of ``reference.sample_from_logits``, but a fused
+    Gumbel-max kernel draws greedy and plain-temperature rows.
+
+    Only rows with top-k, top-p or min-p go through the torch path (``torch.topk``, then top-p
+    within the top k). The kernel's noise is Triton's Philox stream, seeded from ``generator``, so
+    draws are reproducible for a given generator state but differ from the reference's draws.
+    Deciding which rows need the torch path reads one flag on the host.
+    """
+    num_rows, vocab_size = logits.shape
+    if num_rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    needs_filtering = reference.rows_needing_filtering(temperatures, top_ks, top_ps, vocab_size, min_ps)
+    num_filtered = int(needs_filtering.sum())
+    if num_filtered == num_rows:
+        return reference.sample_from_logits(logits, temperatures, top_ks, top_ps, generator, min_ps)
+    tokens = _gumbel_max_sample(logits, temperatures, generator)
+    if num_filtered:
+        rows = needs_filtering.nonzero().squeeze(1)
+        tokens[rows] = reference.sample_from_logits(
+            logits[rows], temperatures[rows], top_ks[rows], top_ps[rows], generator,
+            None if min_ps is None else min_ps[rows],
+        )
+    return tokens
+
+
+def _gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, generator) -> torch.Tensor:
+    num_rows, vocab_size = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    # The seed stays on the device: no host sync, and the launch can be captured in a CUDA graph.
+    seed_device = generator.device if generator is not None else logits.device
+    seed = torch.randint(2**31 - 1, (1,), generator=generator, device=seed_device).to(logits.device)
+    # Tiles of about 4096 logits: a slice of one row, or many whole rows of a tiny vocabulary.
+    block_v = min(4096, next_power_of_2(vocab_size))
+    block_r = min(4096 // block_v, next_power_of_2(num_rows))
+    num_row_blocks = triton.cdiv(num_rows, block_r)
+    num_splits = max(1, min(triton.cdiv(vocab_size, block_v), SAMPLER_TARGET_PROGRAMS // num_row_blocks))
+    split_size = triton.cdiv(triton.cdiv(vocab_size, num_splits), block_v) * block_v
+    num_splits = triton.cdiv(vocab_size, split_size)
+    best_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    best_index = torch.empty(num_rows, num_splits, dtype=torch.int64, device=logits.device)
+    _gumbel_max_sample_kernel[(num_row_blocks, num_splits)](
+        best_score, best_index, logits, temperatures, seed,
+        num_rows, vocab_size, logits.stride(0), split_size, num_splits, reference.GREEDY_TEMPERATURE,
+        BLOCK_R=block_r, BLOCK_V=block_v, num_warps=8,
+    )
+    # torch.argmax takes the first of equal maxima: the lowest split, whose index is the lowest.
+    best_split = best_score.argmax(dim=1, keepdim=True)
+    return best_index.gather(1, best_split).squeeze(1)
