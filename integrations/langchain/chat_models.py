@@ -1,7 +1,6 @@
 """``ChatHearth``: a LangChain chat model served by the in-process hearth engine."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -27,11 +26,11 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field, field_validator
 
-from hearth_llm.engine import (ChatPrompt, EngineCore, RequestStream, SamplingParams, StreamOutput, Usage,
-                               get_engine)
-from hearth_llm.engine.tool_calling import template_supports_tools, tool_choice_constraint
-from hearth_llm.engine.tool_parsers import (ContentDelta, InvalidToolCallDelta, ParsedOutput, ToolCallDelta,
-                                            ToolCallStreamer, ToolParser, get_tool_parser, select_tool_parser)
+from hearth_llm.engine import EngineCore, Usage, get_engine
+from hearth_llm.engine.chat import ChatDelta, ChatRequest, ChatService, ChatStream, SamplingOptions
+from hearth_llm.engine.chat import ChatResult as HearthChatResult
+from hearth_llm.engine.tool_calling import normalize_tool_choice, tool_parser_for
+from hearth_llm.engine.tool_parsers import InvalidToolCallDelta, ToolCallDelta, get_tool_parser
 
 PROVIDER = "hearth"
 # Per-call keyword arguments (``invoke(..., temperature=0)``) that map to sampling parameters.
@@ -42,7 +41,6 @@ _CALL_OPTIONS = ("tools", "tool_choice", "structured_output")
 # Content blocks that carry no text for the model to read again (tool calls travel in ``tool_calls``).
 _SKIPPED_BLOCK_TYPES = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "tool_use", "reasoning",
                                   "thinking"})
-_TOOL_CHOICE_KEYWORDS = ("auto", "none", "any", "required")
 _STRUCTURED_OUTPUT_METHODS = ("json_schema", "function_calling", "json_mode")
 
 
@@ -245,31 +243,29 @@ class ChatHearth(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self._prepare(messages, stop, kwargs)
-        outputs = []
-        with call.submit() as stream:
-            for output in stream:
-                outputs.append(output)
-                if run_manager is not None and run_manager.handlers and output.delta_text:
-                    run_manager.on_llm_new_token(output.delta_text, chunk=call.chunk(output))
-        return call.result(outputs)
+        wants_tokens = run_manager is not None and bool(run_manager.handlers)
+        with call.stream() as stream:
+            for delta in stream:
+                if wants_tokens and delta.text:
+                    run_manager.on_llm_new_token(delta.text, chunk=call.chunk(delta))
+        return call.result(stream.result)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        call = await self._aprepare(messages, stop, kwargs)
-        outputs = []
-        with call.submit() as stream:
-            async for output in stream:
-                outputs.append(output)
-                if run_manager is not None and run_manager.handlers and output.delta_text:
-                    await run_manager.on_llm_new_token(output.delta_text, chunk=call.chunk(output))
-        return call.result(outputs)
+        call = self._prepare(messages, stop, kwargs)
+        wants_tokens = run_manager is not None and bool(run_manager.handlers)
+        with await call.astream() as stream:
+            async for delta in stream:
+                if wants_tokens and delta.text:
+                    await run_manager.on_llm_new_token(delta.text, chunk=call.chunk(delta))
+        return call.result(stream.result)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, kwargs)
-        with call.submit() as stream:  # leaving early aborts the request at once
-            for output in stream:
-                chunk = call.chunk(output)
+        with call.stream() as stream:  # leaving early aborts the request at once
+            for delta in stream:
+                chunk = call.chunk(delta)
                 if run_manager is not None:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
@@ -277,10 +273,10 @@ class ChatHearth(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        call = await self._aprepare(messages, stop, kwargs)
-        with call.submit() as stream:
-            async for output in stream:
-                chunk = call.chunk(output)
+        call = self._prepare(messages, stop, kwargs)
+        with await call.astream() as stream:
+            async for delta in stream:
+                chunk = call.chunk(delta)
                 if run_manager is not None:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
@@ -302,12 +298,6 @@ class ChatHearth(BaseChatModel):
             options["stop"] = stop
         return options
 
-    async def _aprepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
-        if kwargs.get("tools") and self.tool_parser is None:
-            # Choosing the parser reads the chat template, which waits for the model to load: off the loop.
-            return await asyncio.to_thread(self._prepare, messages, stop, kwargs)
-        return self._prepare(messages, stop, kwargs)
-
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
         kwargs = dict(kwargs)
         kwargs.pop("stream", None)  # LangChain's own switch, already acted on
@@ -319,98 +309,65 @@ class ChatHearth(BaseChatModel):
         tools = [convert_to_openai_tool(tool) for tool in kwargs.pop("tools", None) or []]
         tool_choice = kwargs.pop("tool_choice", None)
         tool_choice = _normalize_tool_choice(self.tool_choice if tool_choice is None else tool_choice, tools)
-        structured_output = kwargs.pop("structured_output", None)
-        options = self._options(stop, kwargs)
+        request = ChatRequest(to_chat_messages(messages), tools=tools or None,
+                              tool_choice=tool_choice if tools else None,  # the field applies to calls with tools
+                              structured_output=kwargs.pop("structured_output", None),
+                              sampling=SamplingOptions(**self._options(stop, kwargs)),
+                              tool_parser=self.tool_parser, timeout=self.timeout)
         core = get_engine(model, **{"show_progress": False, **self.engine_kwargs})
-        parser = None
-        if tools and tool_choice != "none":
-            parser_name = self.tool_parser or _tool_parser_for(core)
-            parser = get_tool_parser(parser_name)()
-            forced_call = tool_choice_constraint(tools, tool_choice, parser_name)
-            if forced_call is not None and structured_output is not None:
-                raise ValueError("structured_output cannot be combined with a forced tool_choice")
-            structured_output = forced_call or structured_output
-        prompt = ChatPrompt(to_chat_messages(messages), tools=tools if parser is not None else None)
-        return _Call(core, prompt, _sampling_params(options, structured_output), model, options["top_logprobs"] or 0,
-                     self.timeout, parser)
+        return _Call(ChatService(core), request, model)
 
 
 def _tool_parser_for(core: EngineCore) -> str:
-    """The tool-call format this model writes. A template that never mentions tools gets the hermes
-    system prompt (see ``engine.tool_calling``), so the model is asked for, and read in, hermes."""
-    tokenizer = core.tokenizer  # waits for the model to load
-    if not template_supports_tools(tokenizer):
-        return "hermes"
-    return select_tool_parser(tokenizer.chat_template, getattr(core.engine.hf_config, "model_type", None))
+    """The tool-call format read for ``core``'s model (see ``engine.tool_calling.tool_parser_for``)."""
+    model_info = getattr(core, "model_info", None)  # waits for the model to load
+    if model_info is not None:
+        return tool_parser_for(model_info.chat_template, model_info.model_type)
+    # The stand-in of tests/test_chat_hearth_tools.py has only a tokenizer and an HF config.
+    return tool_parser_for(core.tokenizer.chat_template, getattr(core.engine.hf_config, "model_type", None))
 
 
 def _normalize_tool_choice(tool_choice: str | dict | bool | None, tools: list[dict]) -> str:
-    """``"auto"``, ``"none"``, ``"any"`` or the name of one of ``tools``."""
-    if tool_choice is None:
-        return "auto"
-    if isinstance(tool_choice, bool):
-        return "any" if tool_choice else "auto"
-    if tool_choice == "required":
-        return "any"
-    if isinstance(tool_choice, dict):
-        tool_choice = tool_choice.get("function", tool_choice).get("name")
-    if tool_choice in _TOOL_CHOICE_KEYWORDS:
-        return tool_choice
-    names = [tool["function"]["name"] for tool in tools]
-    if not isinstance(tool_choice, str) or tool_choice not in names:
-        raise ValueError(f"tool_choice must be one of {list(_TOOL_CHOICE_KEYWORDS)}, True, or the name of a bound "
-                         f"tool {names}; got {tool_choice!r}")
-    return tool_choice
+    """``"auto"``, ``"none"``, ``"any"`` (LangChain's word for a required call) or the name of one of ``tools``."""
+    tool_choice = normalize_tool_choice(tool_choice, tools)
+    return "any" if tool_choice == "required" else tool_choice
 
 
 @dataclass(slots=True)
 class _Call:
-    """One request: what to send to the engine, and how to turn its outputs into LangChain's types."""
+    """One request: what to ask the chat service, and how its answer reads in LangChain's types."""
 
-    core: EngineCore
-    prompt: ChatPrompt
-    params: SamplingParams
+    service: ChatService
+    request: ChatRequest
     model_name: str
-    num_top_logprobs: int
-    timeout: float | None
-    parser: ToolParser | None = None
-    streamer: ToolCallStreamer | None = None
     streamed_arguments: dict[int, str] = field(default_factory=dict)  # per tool call index, for chunks
 
-    def __post_init__(self) -> None:
-        if self.parser is not None:
-            self.streamer = self.parser.streamer()
+    def stream(self) -> ChatStream:
+        return self.service.stream(self.request)
 
-    def submit(self) -> RequestStream:
-        return self.core.add_request(self.prompt, self.params, timeout=self.timeout)
+    async def astream(self) -> ChatStream:
+        return await self.service.astream(self.request)
 
-    def chunk(self, output: StreamOutput) -> ChatGenerationChunk:
-        text, tool_call_chunks = output.delta_text, []
-        if self.streamer is not None:
-            events = self.streamer.feed(output.delta_text) + (self.streamer.finish() if output.finished else [])
-            text = "".join(event.text for event in events if isinstance(event, ContentDelta))
-            tool_call_chunks = [self._tool_call_chunk(event) for event in events if not isinstance(event, ContentDelta)]
-        metadata = self._logprobs_metadata([output])
-        if not output.finished:
-            return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=tool_call_chunks,
+    def chunk(self, delta: ChatDelta) -> ChatGenerationChunk:
+        tool_call_chunks = [self._tool_call_chunk(event) for event in delta.tool_calls]
+        metadata = _logprobs_metadata(delta.logprobs)
+        if delta.result is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=delta.content, tool_call_chunks=tool_call_chunks,
                                                               response_metadata=metadata))
-        message = AIMessageChunk(content=text, tool_call_chunks=tool_call_chunks,
-                                 usage_metadata=_usage_metadata(output.usage),
-                                 response_metadata={**metadata, **self._final_metadata(output)},
+        message = AIMessageChunk(content=delta.content, tool_call_chunks=tool_call_chunks,
+                                 usage_metadata=_usage_metadata(delta.result.usage),
+                                 response_metadata={**metadata, **self._final_metadata(delta.result)},
                                  chunk_position="last")
         return ChatGenerationChunk(message=message)
 
-    def result(self, outputs: list[StreamOutput]) -> ChatResult:
-        last = outputs[-1]
-        text = "".join(output.delta_text for output in outputs)
-        parsed = self.parser.parse(text) if self.parser is not None else ParsedOutput(content=text)
+    def result(self, result: HearthChatResult) -> ChatResult:
         message = AIMessage(
-            content=parsed.content,
-            tool_calls=[tool_call(name=call.name, args=call.arguments, id=call.id) for call in parsed.tool_calls],
+            content=result.content,
+            tool_calls=[tool_call(name=call.name, args=call.arguments, id=call.id) for call in result.tool_calls],
             invalid_tool_calls=[invalid_tool_call(name=call.name, args=call.raw_arguments, id=call.id,
-                                                  error=call.error) for call in parsed.invalid_tool_calls],
-            usage_metadata=_usage_metadata(last.usage),
-            response_metadata={**self._logprobs_metadata(outputs), **self._final_metadata(last)})
+                                                  error=call.error) for call in result.invalid_tool_calls],
+            usage_metadata=_usage_metadata(result.usage),
+            response_metadata={**_logprobs_metadata(result.logprobs), **self._final_metadata(result)})
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _tool_call_chunk(self, event: ToolCallDelta | InvalidToolCallDelta) -> ToolCallChunk:
@@ -424,18 +381,9 @@ class _Call:
         raw = call.raw_arguments or ""
         return tool_call_chunk(name=call.name, args=raw + _unreadable_tail(raw), id=call.id, index=index)
 
-    def _final_metadata(self, last: StreamOutput) -> dict[str, Any]:
-        return {"model_name": self.model_name, "model_provider": PROVIDER, "finish_reason": last.finish_reason,
-                "stop_reason": last.stop_reason}
-
-    def _logprobs_metadata(self, outputs: list[StreamOutput]) -> dict[str, Any]:
-        if self.params.logprobs is None:
-            return {}
-        content = []
-        for output in outputs:
-            for token_id, entries in zip(output.delta_token_ids, output.logprobs or []):
-                content.append(_token_logprob(token_id, entries, self.num_top_logprobs))
-        return {"logprobs": {"content": content}}
+    def _final_metadata(self, result: HearthChatResult) -> dict[str, Any]:
+        return {"model_name": self.model_name, "model_provider": PROVIDER, "finish_reason": result.finish_reason,
+                "stop_reason": result.stop_reason}
 
 
 def _unreadable_tail(arguments: str) -> str:
@@ -455,15 +403,8 @@ def _unreadable_tail(arguments: str) -> str:
     return ""
 
 
-def _sampling_params(options: dict[str, Any], structured_output: Any = None) -> SamplingParams:
-    values = {"structured_output": structured_output}
-    values |= {name: options[name] for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                                "frequency_penalty", "repetition_penalty") if options[name] is not None}
-    values["max_tokens"] = options["max_tokens"]  # None: until EOS, a stop or the end of the context
-    values["stop"] = list(options["stop"]) if options["stop"] else None
-    if options["logprobs"] or options["top_logprobs"]:
-        values["logprobs"] = options["top_logprobs"] or 0
-    return SamplingParams(**values)
+def _logprobs_metadata(logprobs: list[dict] | None) -> dict[str, Any]:
+    return {} if logprobs is None else {"logprobs": {"content": logprobs}}
 
 
 def _usage_metadata(usage: Usage | None) -> UsageMetadata | None:
@@ -471,15 +412,6 @@ def _usage_metadata(usage: Usage | None) -> UsageMetadata | None:
         return None
     return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                          total_tokens=usage.total_tokens, input_token_details={"cache_read": usage.cached_tokens})
-
-
-def _token_logprob(token_id: int, entries: dict, num_top: int) -> dict[str, Any]:
-    chosen = entries[token_id]
-    top = sorted((entry for entry in entries.values() if entry.rank <= num_top), key=lambda entry: entry.rank)
-    return {"token": chosen.decoded_token, "bytes": list((chosen.decoded_token or "").encode()),
-            "logprob": chosen.logprob,
-            "top_logprobs": [{"token": e.decoded_token, "bytes": list((e.decoded_token or "").encode()),
-                              "logprob": e.logprob} for e in top]}
 
 
 def to_chat_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:
