@@ -3,11 +3,18 @@
     python -m hearth_llm.benchmarks.throughput --shape qwen3-0.6b
     python -m hearth_llm.benchmarks.throughput --shape llama3-8b --hf-num-seqs 64
     python -m hearth_llm.benchmarks.throughput --shape qwen3-0.6b --no-hf --compare-sync   # ours only
+    python -m hearth_llm.benchmarks.throughput --shape qwen3-30b-a3b --no-hf   # MoE: no HF model at all
+    python -m hearth_llm.benchmarks.throughput --shape tiny-qwen3-moe --device cpu --no-hf --num-seqs 4 \
+        --lengths 8 16 --kv-cache-memory 64MiB   # a dry run of the whole path on CPU, in seconds
 
 Workload (as nano-vllm's): 256 sequences, input and output lengths uniform in [100, 1024], random
 token ids, EOS ignored, seed 0, greedy. The same weights run through HF transformers' continuous
 batching (``continuous_batching_context_manager``) in the same process. Also batch-size-1 decode
 ms/token for both, against the weight-read floor (weight bytes / copy bandwidth measured here).
+
+Checkpoints carry hub names (one tensor per expert for MoE), as real checkpoints do. With ``--no-hf``
+no HF model is built: each weight is made on the device as our loader reads it
+(:mod:`.random_weights`), so the device holds one copy of the weights, not two.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import time
 
 import torch
 
+from .random_weights import RandomWeights, checkpoint_shapes, hub_state_dict
+
 SHAPES = {
     "qwen3-0.6b": dict(architecture="Qwen3ForCausalLM", num_hidden_layers=28, hidden_size=1024,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
@@ -27,17 +36,52 @@ SHAPES = {
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
                       vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192,
                       rope_theta=500000.0, rms_norm_eps=1e-5),
+    # bf16: 30.53B parameters, 56.9 GiB; KV 96 KiB per token (48 layers x K and V x 4 heads x 128 x 2 B).
+    "qwen3-30b-a3b": dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=48, hidden_size=2048,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # bf16: 46.70B parameters, 87.0 GiB; KV 128 KiB per token. With the default 40 GiB of KV, ~127 GiB
+    # of the H200's ~139 GiB before activations.
+    "mixtral-8x7b": dict(architecture="MixtralForCausalLM", num_hidden_layers=32, hidden_size=4096,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                         sliding_window=None),
+    # Not benchmarks: the same code path on CPU in seconds (tests/test_bench_throughput.py). The
+    # vocabulary covers the workload's token ids (0..10000).
+    "tiny-qwen3": dict(architecture="Qwen3ForCausalLM", num_hidden_layers=2, hidden_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                       vocab_size=10240, tie_word_embeddings=True, max_position_embeddings=4096,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "tiny-qwen3-moe": dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=2, hidden_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                           decoder_sparse_step=1, mlp_only_layers=[], vocab_size=10240, tie_word_embeddings=False,
+                           max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "tiny-mixtral": dict(architecture="MixtralForCausalLM", num_hidden_layers=2, hidden_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                         num_local_experts=4, num_experts_per_tok=2, vocab_size=10240, tie_word_embeddings=False,
+                         max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                         sliding_window=None),
 }
+# By exact architecture: a family prefix would build a dense Qwen3 for Qwen3Moe, dropping the experts.
+CONFIG_CLASSES = {"Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+                  "LlamaForCausalLM": "LlamaConfig", "MixtralForCausalLM": "MixtralConfig"}
 
 
 def hf_config(shape: str, num_layers: int | None = None):
-    from transformers import LlamaConfig, Qwen3Config
+    import transformers
 
     fields = dict(SHAPES[shape])
     architecture = fields.pop("architecture")
+    if architecture not in CONFIG_CLASSES:
+        raise ValueError(f"shape {shape!r}: architecture {architecture!r} has no config class here; "
+                         f"known: {sorted(CONFIG_CLASSES)}")
     if num_layers is not None:
         fields["num_hidden_layers"] = num_layers
-    config_class = Qwen3Config if architecture.startswith("Qwen3") else LlamaConfig
+    config_class = getattr(transformers, CONFIG_CLASSES[architecture])
     return config_class(**fields, architectures=[architecture], bos_token_id=0, eos_token_id=1, pad_token_id=0)
 
 
@@ -51,7 +95,8 @@ def placeholder_tokenizer(vocab_size: int):
 
 
 def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None):
-    """An HF model with random weights of the given shape, and the same weights as our checkpoint."""
+    """An HF model with random weights of the given shape, and the same weights as our checkpoint
+    (hub names; fused experts split into views, so the checkpoint itself copies nothing)."""
     from transformers import AutoModelForCausalLM
 
     from hearth_llm.engine.loader.checkpoint import LoadedCheckpoint
@@ -60,17 +105,33 @@ def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    checkpoint = LoadedCheckpoint(config=config, state_dict=dict(model.state_dict()),
+    checkpoint = LoadedCheckpoint(config=config, state_dict=hub_state_dict(model.state_dict(), config),
                                   tokenizer=placeholder_tokenizer(config.vocab_size), source=shape)
     return model, checkpoint
 
 
+def random_checkpoint(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None):
+    """Our checkpoint alone, no HF model: each weight is made on ``device`` when the loader reads it.
+
+    >>> checkpoint = random_checkpoint("tiny-qwen3-moe", torch.float32, "cpu")
+    >>> checkpoint.state_dict["model.layers.0.mlp.experts.7.down_proj.weight"].shape
+    torch.Size([64, 32])
+    """
+    from hearth_llm.engine.loader.checkpoint import LoadedCheckpoint
+
+    config = hf_config(shape, num_layers)
+    weights = RandomWeights(checkpoint_shapes(config, dtype), dtype, device, std=config.initializer_range)
+    return LoadedCheckpoint(config=config, state_dict=weights, tokenizer=placeholder_tokenizer(config.vocab_size),
+                            source=shape)
+
+
 def our_engine(checkpoint, dtype: str, max_num_seqs: int = 256, kv_cache_memory: str = "40GiB",
-               max_model_len: int = 4096, max_num_batched_tokens: int = 16384, async_scheduling: bool | None = None):
+               max_model_len: int = 4096, max_num_batched_tokens: int = 16384, async_scheduling: bool | None = None,
+               device: str = "cuda"):
     from hearth_llm.engine.config import EngineConfig
     from hearth_llm.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=checkpoint.source, dtype=dtype, device="cuda", max_num_seqs=max_num_seqs,
+    config = EngineConfig(model=checkpoint.source, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                           max_model_len=max_model_len, show_progress=False, async_scheduling=async_scheduling)
     return LLMEngine(config, checkpoint=checkpoint)
@@ -85,22 +146,29 @@ def workload(num_seqs: int = 256, seed: int = 0, low: int = 100, high: int = 102
     return requests
 
 
-def run_ours(engine, requests, kernel_profile: str | None = None) -> dict:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_ours(engine, requests, kernel_profile: str | None = None, lengths: tuple[int, int] = (100, 1024)) -> dict:
     """Our engine on the workload; ``kernel_profile`` names a file for a torch.profiler table of
-    20 steps in the middle of the run (the steps run a little slower while profiled)."""
+    20 steps in the middle of the run (the steps run a little slower while profiled); ``lengths``
+    bound the warm-up prompts as the workload's."""
     from hearth_llm.engine.sampling_params import SamplingParams
 
     def params(max_tokens):
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
+    device = engine.runner.device
     # Warm-up on other prompts (no prefix hits later): batches of 1, 16 and 17 prompts compile
     # every specialization of the Triton kernels the workload meets.
     for count in (1, 16, 17):
-        for prompt, _ in workload(count, seed=count):
+        for prompt, _ in workload(count, seed=count, low=lengths[0], high=lengths[1]):
             engine.add_request(prompt, params(4))
         while engine.has_unfinished_requests():
             engine.step()
-    torch.cuda.synchronize()
+    synchronize(device)
     started = time.perf_counter()
     for prompt, max_tokens in requests:
         engine.add_request(prompt, params(max_tokens))
@@ -115,13 +183,13 @@ def run_ours(engine, requests, kernel_profile: str | None = None) -> dict:
         num_steps += 1
         step_ends.append(time.perf_counter())
         if profiler is not None and num_steps == 320:
-            torch.cuda.synchronize()
+            synchronize(device)
             profiler.__exit__(None, None, None)
             with open(kernel_profile, "w") as sink:
                 sink.write(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30))
                 sink.write("\n\n" + profiler.key_averages().table(sort_by="cpu_time_total", row_limit=30))
             profiler = None
-    torch.cuda.synchronize()
+    synchronize(device)
     elapsed = time.perf_counter() - started
     for request_id in list(engine.groups):
         engine.release(request_id)
@@ -154,19 +222,19 @@ def run_hf_continuous_batching(model, requests) -> dict:
     return {"seconds": elapsed, "output_tokens": num_output, "tok_per_s": num_output / elapsed}
 
 
-def copy_bandwidth_bytes_per_s() -> float:
-    source = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth_bytes_per_s(device: torch.device = torch.device("cuda"), num_bytes: int = 2 * 2**30) -> float:
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     for _ in range(3):
         target.copy_(source)
-    torch.cuda.synchronize()
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(10):
         target.copy_(source)
-    torch.cuda.synchronize()
+    synchronize(device)
     seconds = (time.perf_counter() - started) / 10
     del source, target
-    return 2 * 2 * 2**30 / seconds  # read + write
+    return 2 * num_bytes / seconds  # read + write
 
 
 def ours_bs1_ms_per_token(engine, num_tokens: int = 128) -> float:
@@ -178,11 +246,11 @@ def ours_bs1_ms_per_token(engine, num_tokens: int = 128) -> float:
     engine.add_request(list(range(100, 132)), SamplingParams(
         temperature=0, max_tokens=num_tokens + 1, ignore_eos=True, detokenize=False))
     engine.step()
-    torch.cuda.synchronize()
+    synchronize(engine.runner.device)
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    torch.cuda.synchronize()
+    synchronize(engine.runner.device)
     for rid in list(engine.groups):
         engine.release(rid)
     return (time.perf_counter() - started) * 1000 / num_tokens
@@ -230,16 +298,31 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--profile", help="write a cProfile summary of our run here")
     parser.add_argument("--kernel-profile", help="write a torch.profiler table of 20 mid-run steps here")
-    parser.add_argument("--no-hf", action="store_true", help="skip HF entirely (throughput and bs1)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="skip HF entirely (throughput and bs1); no HF model is built, so the device holds "
+                             "one copy of the weights (the MoE shapes need this on one H200)")
     parser.add_argument("--compare-sync", action="store_true",
                         help="also run ours with async scheduling off, on the same engine settings")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a dry run of the bench path on a tiny shape (needs --no-hf)")
+    parser.add_argument("--lengths", type=int, nargs=2, default=(100, 1024), metavar=("LOW", "HIGH"),
+                        help="input and output lengths are uniform in [LOW, HIGH]")
     args = parser.parse_args(argv)
+    if args.device == "cpu" and not args.no_hf:
+        parser.error("--device cpu runs ours only; add --no-hf")
+    if not 1 <= args.lengths[0] <= args.lengths[1]:
+        parser.error(f"--lengths {args.lengths[0]} {args.lengths[1]}: need 1 <= LOW <= HIGH")
+    device = torch.device(args.device)
 
-    model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    engine = our_engine(checkpoint, "bfloat16", kv_cache_memory=args.kv_cache_memory)
+    if args.no_hf:
+        model, checkpoint = None, random_checkpoint(args.shape, torch.bfloat16, args.device)
+        weight_bytes = checkpoint.state_dict.num_bytes
+    else:
+        model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = our_engine(checkpoint, "bfloat16", kv_cache_memory=args.kv_cache_memory, device=args.device)
     del checkpoint
-    requests = workload(args.num_seqs)
+    requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "weight_bytes": weight_bytes}
     if args.profile:
         import cProfile
@@ -247,13 +330,13 @@ def main(argv=None) -> None:
         import pstats
 
         profiler = cProfile.Profile()
-        results["ours"] = profiler.runcall(run_ours, engine, requests)
+        results["ours"] = profiler.runcall(run_ours, engine, requests, None, args.lengths)
         summary = io.StringIO()
         pstats.Stats(profiler, stream=summary).sort_stats("tottime").print_stats(30)
         with open(args.profile, "w") as sink:
             sink.write(summary.getvalue())
     else:
-        results["ours"] = run_ours(engine, requests, args.kernel_profile)
+        results["ours"] = run_ours(engine, requests, args.kernel_profile, args.lengths)
     print(json.dumps(results["ours"]), flush=True)
     results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine)
     results["ours_bs1_decode_graph_ms"] = decode_graph_bs1_ms(engine)
@@ -261,14 +344,15 @@ def main(argv=None) -> None:
         engine.async_scheduling = False
         # The same lengths, other ids: the first run's prompts sit in the prefix cache.
         shifted = [([(t + 1) % 10000 for t in prompt], max_tokens) for prompt, max_tokens in requests]
-        results["ours_sync"] = run_ours(engine, shifted)
+        results["ours_sync"] = run_ours(engine, shifted, lengths=args.lengths)
         results["ours_sync_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine)
         print(json.dumps(results["ours_sync"]), flush=True)
-    bandwidth = copy_bandwidth_bytes_per_s()
+    bandwidth = copy_bandwidth_bytes_per_s(device, 2 * 2**30 if device.type == "cuda" else 2**26)
     results["copy_bandwidth_TBps"] = bandwidth / 1e12
     results["weight_read_floor_ms"] = weight_bytes / bandwidth * 1000
     del engine
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if not args.no_hf:
         results["hf_bs1_ms_per_token"] = hf_bs1_ms_per_token(model)
     if args.hf_num_seqs and not args.no_hf:
