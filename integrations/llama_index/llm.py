@@ -1,14 +1,15 @@
 """``HearthLLM``: a LlamaIndex function-calling LLM served by the in-process hearth engine."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
                                               CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
                                               LLMMetadata, MessageRole, TextBlock, ThinkingBlock, ToolCallBlock)
+from llama_index.core.base.llms.generic_utils import (astream_chat_response_to_completion_response,
+                                                      chat_response_to_completion_response,
+                                                      stream_chat_response_to_completion_response)
 from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -16,10 +17,9 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.tools.types import BaseTool
 from pydantic import Field
 
-from hearth_llm.engine import ChatPrompt, EngineCore, RequestStream, SamplingParams, StreamOutput, get_engine
-from hearth_llm.engine.structured_output import StructuredOutput
-from hearth_llm.engine.tool_calling import template_supports_tools, tool_choice_constraint
-from hearth_llm.engine.tool_parsers import ContentDelta, ToolParser, get_tool_parser, select_tool_parser
+from hearth_llm.engine import EngineCore, get_engine
+from hearth_llm.engine.chat import ChatDelta, ChatRequest, ChatService, SamplingOptions
+from hearth_llm.engine.chat import ChatResult as HearthChatResult
 
 # Per-call keyword arguments (``chat(messages, temperature=0)``) that map to sampling parameters.
 _SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "stop", "seed", "presence_penalty",
@@ -86,7 +86,7 @@ class HearthLLM(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         """Reads the context window from the engine, so the first access loads the model."""
-        return LLMMetadata(context_window=self.context_window or self.core.engine.max_model_len,
+        return LLMMetadata(context_window=self.context_window or self.core.model_info.max_model_len,
                            num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS, is_chat_model=True,
                            is_function_calling_model=True, model_name=self.model)
 
@@ -94,84 +94,39 @@ class HearthLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        call = self._prepare_chat(messages, kwargs)
-        if call.needs_tool_parser:
-            call.resolve_tool_parser()
-        with call.submit() as stream:
-            return call.chat_response(list(stream))
+        return self._chat(messages, kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        call = self._prepare_chat(messages, kwargs)
-        if call.needs_tool_parser:
-            await call.aresolve_tool_parser()
-        with call.submit() as stream:
-            return call.chat_response([output async for output in stream])
+        return await self._achat(messages, kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        call = self._prepare_chat(messages, kwargs)
-
-        def chunks() -> Iterator[ChatResponse]:
-            if call.needs_tool_parser:
-                call.resolve_tool_parser()
-            chunker = call.chat_chunker()
-            with call.submit() as stream:  # leaving early aborts the request at once
-                for output in stream:
-                    yield chunker.next(output)
-        return chunks()
+        return self._stream_chat(messages, kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        call = self._prepare_chat(messages, kwargs)
+        return self._astream_chat(messages, kwargs)
 
-        async def chunks() -> AsyncIterator[ChatResponse]:
-            if call.needs_tool_parser:
-                await call.aresolve_tool_parser()
-            chunker = call.chat_chunker()
-            with call.submit() as stream:
-                async for output in stream:
-                    yield chunker.next(output)
-        return chunks()
-
-    # ---- complete -----------------------------------------------------------------------------
+    # ---- complete: chat on one user turn (or on the raw prompt), converted by llama-index -----
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        call = self._prepare_completion(prompt, formatted, kwargs)
-        with call.submit() as stream:
-            return call.completion_response(list(stream))
+        return chat_response_to_completion_response(self._chat(_chat_input(prompt, formatted), kwargs))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        call = self._prepare_completion(prompt, formatted, kwargs)
-        with call.submit() as stream:
-            return call.completion_response([output async for output in stream])
+        return chat_response_to_completion_response(await self._achat(_chat_input(prompt, formatted), kwargs))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        call = self._prepare_completion(prompt, formatted, kwargs)
-
-        def chunks() -> Iterator[CompletionResponse]:
-            text = ""
-            with call.submit() as stream:
-                for output in stream:
-                    text += output.delta_text
-                    yield call.completion_chunk(text, output)
-        return chunks()
+        return stream_chat_response_to_completion_response(self._stream_chat(_chat_input(prompt, formatted), kwargs))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        call = self._prepare_completion(prompt, formatted, kwargs)
-
-        async def chunks() -> AsyncIterator[CompletionResponse]:
-            text = ""
-            with call.submit() as stream:
-                async for output in stream:
-                    text += output.delta_text
-                    yield call.completion_chunk(text, output)
-        return chunks()
+        return astream_chat_response_to_completion_response(
+            self._astream_chat(_chat_input(prompt, formatted), kwargs))
 
     # ---- tools --------------------------------------------------------------------------------
 
@@ -223,136 +178,87 @@ class HearthLLM(FunctionCallingLLM):
 
     # ---- mapping ------------------------------------------------------------------------------
 
-    def _prepare_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> _Call:
+    def _chat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponse:
+        request = self._request(messages, kwargs)
+        return _chat_response(self._service().stream(request).collect(), self.model)
+
+    async def _achat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponse:
+        request = self._request(messages, kwargs)
+        return _chat_response(await (await self._service().astream(request)).acollect(), self.model)
+
+    def _stream_chat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponseGen:
+        request = self._request(messages, kwargs)  # bad options raise now; the request is queued on first next()
+
+        def chunks() -> Iterator[ChatResponse]:
+            content = ""
+            with self._service().stream(request) as stream:  # leaving early aborts the request at once
+                for delta in stream:
+                    content += delta.content
+                    yield _chat_chunk(delta, content, self.model)
+        return chunks()
+
+    def _astream_chat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponseAsyncGen:
+        request = self._request(messages, kwargs)
+
+        async def chunks() -> AsyncIterator[ChatResponse]:
+            content = ""
+            with await self._service().astream(request) as stream:
+                async for delta in stream:
+                    content += delta.content
+                    yield _chat_chunk(delta, content, self.model)
+        return chunks()
+
+    def _service(self) -> ChatService:
+        return ChatService(self.core)
+
+    def _request(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatRequest:
         kwargs = dict(kwargs)
-        tools, tool_choice = kwargs.pop("tools", None) or None, kwargs.pop("tool_choice", "auto")
-        if tool_choice == "none":
-            tools = None
-        elif not tools and tool_choice != "auto":
-            raise ValueError(f"tool_choice={tool_choice!r} needs at least one tool in tools")
-        return self._new_call(ChatPrompt(to_chat_messages(messages), tools=tools), kwargs, tools, tool_choice)
-
-    def _prepare_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> _Call:
-        engine_prompt = prompt if formatted else ChatPrompt([{"role": "user", "content": prompt}])
-        return self._new_call(engine_prompt, kwargs)
-
-    def _new_call(self, prompt: ChatPrompt | str, kwargs: dict[str, Any], tools: list[dict] | None = None,
-                  tool_choice: str | dict = "auto") -> _Call:
+        tools, tool_choice = kwargs.pop("tools", None) or None, kwargs.pop("tool_choice", None)
         unknown = sorted(set(kwargs) - set(_SAMPLING_OPTIONS))
         if unknown:
             raise TypeError(f"HearthLLM got unknown call option(s) {unknown}; known: "
                             f"{['tools', 'tool_choice', *_SAMPLING_OPTIONS]}")
         options = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_OPTIONS}
-        return _Call(self.core, prompt, options, self.model, self.timeout, tools, tool_choice, self.tool_parser)
+        return ChatRequest(messages if isinstance(messages, str) else to_chat_messages(messages), tools=tools,
+                           tool_choice=tool_choice, sampling=SamplingOptions(**options),
+                           tool_parser=self.tool_parser, timeout=self.timeout)
 
 
-@dataclass(slots=True)
-class _Call:
-    """One request: what to send to the engine, and how to turn its outputs into LlamaIndex's types."""
-
-    core: EngineCore
-    prompt: ChatPrompt | str
-    options: dict[str, Any]
-    model_name: str
-    timeout: float | None
-    tools: list[dict] | None
-    tool_choice: str | dict
-    tool_parser_name: str | None           # None: chosen from the chat template once the model is loaded
-    tool_parser: ToolParser | None = None  # set when tools are offered
-
-    @property
-    def needs_tool_parser(self) -> bool:
-        return bool(self.tools)
-
-    def resolve_tool_parser(self) -> None:
-        """Pick the tool-call format; unless named, it comes from the loaded tokenizer's template."""
-        name = self.tool_parser_name
-        if name is None:
-            tokenizer = self.core.tokenizer  # waits for the model to load
-            # A template that knows nothing of tools gets the hermes system prompt (see tool_calling).
-            name = "hermes" if not template_supports_tools(tokenizer) else select_tool_parser(
-                tokenizer.chat_template, getattr(self.core.engine.hf_config, "model_type", None))
-        self.tool_parser = get_tool_parser(name)()
-        self.tool_parser_name = name
-
-    async def aresolve_tool_parser(self) -> None:
-        if self.tool_parser_name is None:
-            # Loading the model takes seconds; wait for it off the event loop.
-            await asyncio.to_thread(self.core.wait_until_started)
-        self.resolve_tool_parser()
-
-    def submit(self) -> RequestStream:
-        constraint = tool_choice_constraint(self.tools, self.tool_choice, self.tool_parser_name) if self.tools else None
-        return self.core.add_request(self.prompt, _sampling_params(self.options, constraint), timeout=self.timeout)
-
-    def chat_response(self, outputs: list[StreamOutput]) -> ChatResponse:
-        last = outputs[-1]
-        return ChatResponse(message=self._message("".join(output.delta_text for output in outputs)),
-                            raw=self._raw(last), additional_kwargs=_usage_kwargs(last))
-
-    def chat_chunker(self) -> _ChatChunker:
-        return _ChatChunker(self)
-
-    def completion_response(self, outputs: list[StreamOutput]) -> CompletionResponse:
-        last = outputs[-1]
-        return CompletionResponse(text="".join(output.delta_text for output in outputs), raw=self._raw(last),
-                                  additional_kwargs=_usage_kwargs(last))
-
-    def completion_chunk(self, text: str, output: StreamOutput) -> CompletionResponse:
-        if not output.finished:
-            return CompletionResponse(text=text, delta=output.delta_text)
-        return CompletionResponse(text=text, delta=output.delta_text, raw=self._raw(output),
-                                  additional_kwargs=_usage_kwargs(output))
-
-    def _message(self, text: str) -> ChatMessage:
-        if self.tool_parser is None:
-            return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-        parsed = self.tool_parser.parse(text)
-        blocks = [TextBlock(text=parsed.content)]
-        blocks += [ToolCallBlock(tool_call_id=call.id, tool_name=call.name, tool_kwargs=call.arguments)
-                   for call in parsed.tool_calls]
-        extra = {"invalid_tool_calls": [{"id": bad.id, "name": bad.name, "raw": bad.raw_arguments, "error": bad.error}
-                                        for bad in parsed.invalid_tool_calls]} if parsed.invalid_tool_calls else {}
-        return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
-
-    def _raw(self, last: StreamOutput) -> dict[str, Any]:
-        return {"model": self.model_name, "finish_reason": last.finish_reason, "stop_reason": last.stop_reason,
-                "usage": _usage_kwargs(last)}
+def _chat_input(prompt: str, formatted: bool) -> list[ChatMessage] | str:
+    """What ``complete`` sends: the prompt as one user turn of the chat template, or as is."""
+    return prompt if formatted else [ChatMessage(role=MessageRole.USER, content=prompt)]
 
 
-class _ChatChunker:
-    """Streamed chat responses: ``delta`` is the new user-facing text, ``message`` all of it so far;
-    with tools offered, call markup is held out of the text and the calls arrive on the last chunk."""
-
-    def __init__(self, call: _Call):
-        self._call = call
-        self._streamer = call.tool_parser.streamer() if call.tool_parser is not None else None
-        self._text = ""
-        self._content = ""
-
-    def next(self, output: StreamOutput) -> ChatResponse:
-        self._text += output.delta_text
-        delta = output.delta_text
-        if self._streamer is not None:
-            events = self._streamer.feed(output.delta_text) + (self._streamer.finish() if output.finished else [])
-            delta = "".join(event.text for event in events if isinstance(event, ContentDelta))
-        self._content += delta
-        if not output.finished:
-            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=self._content), delta=delta)
-        return ChatResponse(message=self._call._message(self._text), delta=delta, raw=self._call._raw(output),
-                            additional_kwargs=_usage_kwargs(output))
+def _chat_response(result: HearthChatResult, model_name: str) -> ChatResponse:
+    return ChatResponse(message=_message(result), raw=_raw(result, model_name), additional_kwargs=_usage_kwargs(result))
 
 
-def _sampling_params(options: dict[str, Any], structured_output: StructuredOutput | None) -> SamplingParams:
-    values = {name: options[name] for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                               "frequency_penalty") if options[name] is not None}
-    values["max_tokens"] = options["max_tokens"]  # None: until EOS, a stop or the end of the context
-    values["stop"] = list(options["stop"]) if options["stop"] else None
-    return SamplingParams(**values, structured_output=structured_output)
+def _chat_chunk(delta: ChatDelta, content: str, model_name: str) -> ChatResponse:
+    """A streamed response: ``delta`` is the new user-facing text, ``message`` all of it so far;
+    tool calls (their markup held out of the text) arrive whole on the last chunk."""
+    if delta.result is None:
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content), delta=delta.content)
+    response = _chat_response(delta.result, model_name)
+    response.delta = delta.content
+    return response
 
 
-def _usage_kwargs(last: StreamOutput) -> dict[str, int]:
-    usage = last.usage
+def _message(result: HearthChatResult) -> ChatMessage:
+    blocks = [TextBlock(text=result.content)]
+    blocks += [ToolCallBlock(tool_call_id=call.id, tool_name=call.name, tool_kwargs=call.arguments)
+               for call in result.tool_calls]
+    extra = {"invalid_tool_calls": [{"id": bad.id, "name": bad.name, "raw": bad.raw_arguments, "error": bad.error}
+                                    for bad in result.invalid_tool_calls]} if result.invalid_tool_calls else {}
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
+
+
+def _raw(result: HearthChatResult, model_name: str) -> dict[str, Any]:
+    return {"model": model_name, "finish_reason": result.finish_reason, "stop_reason": result.stop_reason,
+            "usage": _usage_kwargs(result)}
+
+
+def _usage_kwargs(result: HearthChatResult) -> dict[str, int]:
+    usage = result.usage
     if usage is None:
         return {}
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
