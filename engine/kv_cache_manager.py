@@ -1,6 +1,8 @@
 """Gives requests KV blocks: prefix-cache lookups on admission, new blocks as they grow, frees on exit."""
 from __future__ import annotations
 
+import json
+
 from .block_pool import BlockPool, hash_block_tokens
 from .request import Request
 
@@ -89,4 +91,12 @@ class KVCacheManager:
             start = len(hashes) * self.block_size
             parent = hashes[-1] if hashes else None
             tokens = request.token_ids[start:start + self.block_size]
-            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))
+            hashes.append(hash_block_tokens(parent, tokens, _extra_key(request)))
+
+
+def _extra_key(request: Request) -> str | None:
+    """What besides the tokens a block's KV depends on: the caller's salt and the model's KV regime
+    (encoded together, so no salt a caller picks can stand for another salt plus a regime)."""
+    if request.kv_regime is None and request.cache_salt is None:
+        return None
+    return json.dumps([request.cache_salt, request.kv_regime])

@@ -72,7 +72,8 @@ class LLMEngine:
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(min(config.max_num_seqs, 512), self.max_model_len)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   kv_regime_of=getattr(self.runner.model, "kv_regime", None))
         self.sampler = Sampler(config.seed)
         self.guided_decoder = GuidedDecoder(self.tokenizer, self.vocab_size, config.grammar_compile_timeout)
         self.eos_token_ids = self._eos_token_ids()

@@ -78,7 +78,9 @@ class ModelRunner:
         if inputs.num_pending:
             inputs.input_ids[inputs.pending_positions] = pending_token_ids[inputs.pending_rows]
         graphs = self.decode_graphs
-        if graphs is not None and meta.max_query_len == 1 and graphs.supports(len(batch.requests)):
+        # Graphs replay decode rows only: their seq_lens equal context_lens, which is all a graph's metadata has.
+        is_decode = meta.max_query_len == 1 and len(inputs.sampling_rows) == len(batch.requests)
+        if graphs is not None and is_decode and graphs.supports(len(batch.requests)):
             hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.block_tables,
                                 meta.context_lens)
         else:
@@ -98,7 +100,7 @@ class ModelRunner:
         requests, num_new_tokens = batch.requests, batch.num_new_tokens
         num_seqs = len(requests)
         token_ids, tables = [], []
-        starts, context_lens, sampling_rows, logits_ends = [], [], [], []
+        starts, context_lens, seq_lens, sampling_rows, logits_ends = [], [], [], [], []
         prompt_logprob_rows, pending_positions, pending_rows = [], [], []
         num_tokens = 0
         for index, (request, num_new) in enumerate(zip(requests, num_new_tokens)):
@@ -115,6 +117,7 @@ class ModelRunner:
             num_tokens += num_new
             starts.append(start)
             context_lens.append(end)
+            seq_lens.append(num_known + request.num_pending_tokens)
             tables.append(request.block_ids)
             if end == num_known + request.num_pending_tokens:
                 sampling_rows.append(index)
@@ -130,7 +133,7 @@ class ModelRunner:
         slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
         logits_indices = np.array(logits_ends, dtype=np.int64) - 1
         on_device = self._copy_to_device([token_ids, positions, slots, context_lens, query_start_loc, logits_indices,
-                                          pending_positions, pending_rows, table.reshape(-1)])
+                                          pending_positions, pending_rows, table.reshape(-1), seq_lens])
         meta = AttentionMetadata(
             slot_mapping=on_device[2],
             block_tables=on_device[8].view(table.shape),
@@ -138,6 +141,7 @@ class ModelRunner:
             query_start_loc=on_device[4],
             max_query_len=max(num_new_tokens),
             max_context_len=max(context_lens),
+            seq_lens=on_device[9],
         )
         return StepInputs(input_ids=on_device[0], positions=on_device[1], meta=meta, logits_indices=on_device[5],
                           sampling_rows=sampling_rows, num_pending=len(pending_rows),

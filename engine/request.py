@@ -34,6 +34,9 @@ class Request:
     group_id: str | None = None
     sample_index: int = 0
     cache_salt: str | None = None
+    # The model's name for how this request's KV was computed (Phi-3 longrope: short or long
+    # factors, by its length); part of its block hashes. Set by the scheduler on admission.
+    kv_regime: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 
+from typing import Callable
+
 from .batch import ScheduledBatch
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
@@ -14,10 +16,17 @@ def _queue_key(request: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    """Priority-ordered (lower value first, then arrival) with preemption by recompute."""
+    """Priority-ordered (lower value first, then arrival) with preemption by recompute.
 
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    ``kv_regime_of(num_tokens)`` is the model's name for how it computes the keys of a sequence
+    of that length (Phi-3 longrope: short or long factors; None for most models). A request keeps
+    all its KV in the regime of its current length: when it grows into a new one it is recomputed.
+    """
+
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 kv_regime_of: Callable[[int], str | None] | None = None):
         self.kv_cache = kv_cache
+        self.kv_regime_of = kv_regime_of
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -45,6 +54,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if request.num_pending_tokens and request.is_at_length_limit(self.max_model_len, request.num_pending_tokens):
                 continue  # its pending token is its last: nothing more to compute
+            if self._kv_regime_changed(request):
+                self._requeue_for_recompute(request)  # its KV is in the old regime
+                continue
             # A pending token (sampled by the step in flight) is fed from the device's copy of it.
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
@@ -82,6 +94,9 @@ class Scheduler:
             if request.waits_for is not None and not _prompt_is_cached(request.waits_for):
                 continue
             request.waits_for = None
+            if self._kv_regime_changed(request):
+                request.kv_regime = self.kv_regime_of(request.num_tokens)
+                request.block_hashes.clear()  # hashed in the old regime
             cached = self.kv_cache.find_cached_prefix(request)
             num_new = min(request.num_tokens - len(cached) * self.kv_cache.block_size, budget)
             if not self.kv_cache.allocate_slots(request, num_new, cached):
@@ -99,10 +114,18 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it; it recomputes (often from the prefix cache)."""
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._requeue_for_recompute(request)
+
+    def _kv_regime_changed(self, request: Request) -> bool:
+        if self.kv_regime_of is None:
+            return False
+        return self.kv_regime_of(request.num_tokens + request.num_pending_tokens) != request.kv_regime
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, request, key=_queue_key)

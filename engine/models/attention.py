@@ -28,6 +28,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [B + 1] where each sequence's new tokens start in the flat batch
     max_query_len: int
     max_context_len: int
+    # [B] tokens each sequence has in all (prompt, output, one in flight), when the runner knows:
+    # Phi-3's longrope picks its factors by it. None (decode graphs): read context_lens.
+    seq_lens: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
