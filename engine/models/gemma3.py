@@ -17,17 +17,27 @@ from .gemma2 import GEMMA2_GGUF_NORMS, Gemma2DecoderLayer, gguf_query_pre_attn_s
 from .registry import register_model
 from .rotary import rope_frequencies
 
-# llama.cpp hard-codes what Gemma 3 GGUF files do not say: every 6th layer global, local base 10k.
+# What llama.cpp assumes when a Gemma 3 GGUF file does not say: every 6th layer global, local base 10k.
 _GGUF_SLIDING_WINDOW_PATTERN = 6
 _GGUF_LOCAL_ROPE_BASE = 10000.0
 
 
-def _gemma3_gguf_fields(metadata) -> dict:
+def _gguf_layer_types(metadata) -> list[str]:
+    """``attention.sliding_window_pattern``: a period (every n-th layer global) or one flag per
+    layer (True: sliding)."""
     num_layers = metadata.model_value("block_count")
     pattern = metadata.model_value("attention.sliding_window_pattern", _GGUF_SLIDING_WINDOW_PATTERN)
+    is_sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
+    if len(is_sliding) != num_layers:
+        raise ValueError(f"{metadata.path}: attention.sliding_window_pattern has {len(is_sliding)} entries for "
+                         f"{num_layers} layers")
+    return [SLIDING_ATTENTION if sliding else FULL_ATTENTION for sliding in is_sliding]
+
+
+def _gemma3_gguf_fields(metadata) -> dict:
     return dict(sliding_window=metadata.model_value("attention.sliding_window"),
-                rope_local_base_freq=_GGUF_LOCAL_ROPE_BASE,
-                layer_types=[SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)],
+                rope_local_base_freq=metadata.model_value("rope.freq_base_swa", _GGUF_LOCAL_ROPE_BASE),
+                layer_types=_gguf_layer_types(metadata),
                 final_logit_softcapping=metadata.model_value("final_logit_softcapping", None),
                 query_pre_attn_scalar=gguf_query_pre_attn_scalar(metadata, num_layers_of_27b=62))
 
