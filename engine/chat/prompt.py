@@ -14,6 +14,9 @@ class ChatPrompt:
     """A conversation that the engine renders with the model's chat template, then tokenizes.
 
     >>> ChatPrompt([{"role": "user", "content": "Hi!"}])
+
+    Callers send it as the prompt of ``EngineCore.add_request``; the engine renders it on its
+    thread (see ``input_processor``), so no caller renders a template or waits for the model.
     """
 
     messages: list[dict]
@@ -26,7 +29,8 @@ class ChatPrompt:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         self.messages = [_text_message(index, message) for index, message in enumerate(self.messages)]
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
-            raise ValueError(f"chat_template_kwargs must be a dict or None, got {type(self.chat_template_kwargs).__name__}")
+            raise ValueError(f"chat_template_kwargs must be a dict or None, "
+                             f"got {type(self.chat_template_kwargs).__name__}")
         if self.tools is not None and not isinstance(self.tools, list):
             raise ValueError(f"tools must be a list or None, got {type(self.tools).__name__}")
 
