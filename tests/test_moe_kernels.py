@@ -7,6 +7,8 @@ from hearth_llm.kernels import moe
 from hearth_llm.kernels.moe import align, cpu, reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The Triton tests run on CUDA where there is one, else on CPU tensors under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (num_tokens, num_experts, top_k, hidden, intermediate): odd sizes exercise the masks.
 TINY_SHAPES = [(5, 4, 2, 64, 32), (33, 8, 3, 48, 40), (1, 16, 4, 32, 16), (70, 6, 1, 32, 24)]
@@ -56,7 +58,7 @@ def test_select_experts_refuses_a_top_k_out_of_range(top_k):
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("num_experts,top_k", [(4, 2), (10, 3), (128, 8), (6, 1)])
 def test_triton_select_experts_matches_reference(num_experts, top_k, renormalize):
-    logits = torch.randn(37, num_experts, generator=torch.Generator().manual_seed(num_experts))
+    logits = torch.randn(37, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(DEVICE)
     weights, ids = triton_moe().select_experts(logits, top_k, renormalize)
     expected_weights, expected_ids = reference.select_experts(logits, top_k, renormalize)
     assert torch.equal(ids.long(), expected_ids)
@@ -144,11 +146,11 @@ def assert_layout_equal_up_to_order_within_experts(layout, expected, block_m):
 def test_align_groups_entries_by_expert_in_padded_blocks(num_tokens, num_experts, top_k, block_m):
     triton_moe()
     ids = distinct_random_ids(num_tokens, num_experts, top_k)
+    layout = align.align_block_size(ids.to(DEVICE), num_experts, block_m)
     # One expert per row of a block: the reference keeps batch order within an expert, the
     # kernels any order, so blocks are compared as sets.
     expected = align.align_reference(ids, num_experts, block_m)
-    assert_layout_equal_up_to_order_within_experts(align.align_block_size(ids, num_experts, block_m), expected,
-                                                   block_m)
+    assert_layout_equal_up_to_order_within_experts([part.cpu() for part in layout], expected, block_m)
 
 
 def test_align_reference_pads_each_group_with_the_sentinel():
@@ -164,7 +166,7 @@ def test_align_reference_pads_each_group_with_the_sentinel():
 
 @pytest.mark.parametrize("shape", TINY_SHAPES)
 def test_triton_fused_moe_matches_reference(shape):
-    hidden, w13, w2, weights, ids = routed_problem(*shape)
+    hidden, w13, w2, weights, ids = routed_problem(*shape, device=DEVICE)
     out = triton_moe().fused_moe(hidden, w13, w2, weights, ids)
     torch.testing.assert_close(out, reference.fused_moe(hidden, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
 
@@ -172,14 +174,14 @@ def test_triton_fused_moe_matches_reference(shape):
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_triton_fused_moe_matches_reference_for_each_block_m(block_m):
     module = triton_moe()
-    hidden, w13, w2, weights, ids = routed_problem(21, 5, 2, 32, 32)
+    hidden, w13, w2, weights, ids = routed_problem(21, 5, 2, 32, 32, device=DEVICE)
     gemm = module.GemmConfig(block_n=32, block_k=16, num_warps=4, num_stages=2)
     out = module.fused_moe(hidden, w13, w2, weights, ids, config=module.MoeConfig(block_m, gemm, gemm))
     torch.testing.assert_close(out, reference.fused_moe(hidden, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_triton_fused_moe_with_no_tokens_is_empty():
-    hidden, w13, w2, weights, ids = routed_problem(0, 4, 2, 16, 8)
+    hidden, w13, w2, weights, ids = routed_problem(0, 4, 2, 16, 8, device=DEVICE)
     assert triton_moe().fused_moe(hidden, w13, w2, weights, ids).shape == (0, 16)
 
 

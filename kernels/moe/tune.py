@@ -173,8 +173,12 @@ def tune(tokens, shape, quick: bool, num_workers: int) -> dict:
         total, config = min(results, key=lambda item: item[0])
         whole = time_ms(problem.whole_block(config))
         default = time_ms(problem.whole_block(None))
+        align_ms = time_ms(lambda layer: align_block_size(problem.topk_ids, num_experts, config.block_m))
+        logits = problem.hidden[:, :num_experts].contiguous()
+        select_ms = time_ms(lambda layer: triton_moe.select_experts(logits, top_k, True))
         best[num_tokens] = config
-        print(json.dumps({"tokens": num_tokens, "gemms_ms": round(total, 4), "block_ms": round(whole, 4),
+        print(json.dumps({"tokens": num_tokens, "gemms_ms": round(total, 4), "align_ms": round(align_ms, 4),
+                          "select_experts_ms": round(select_ms, 4), "block_ms": round(whole, 4),
                           "block_ms_with_current_table": round(default, 4),
                           "weight_read_floor_ms": round(problem.weight_read_seconds(bandwidth) * 1e3, 4),
                           "config": repr(config)}), flush=True)
