@@ -52,12 +52,20 @@ class GemmaModelBase(DecoderModel):
         return dict(embedding_multiplier=config.hidden_size**0.5,
                     o_proj_bias=bool(getattr(config, "attention_bias", False)))
 
+    def __init__(self, arch) -> None:
+        super().__init__(arch)
+        self.embed_scale = arch.embedding_multiplier
+
     def make_norm(self) -> RMSNorm:
         return gemma_norm(self.arch.hidden_size, self.arch.rms_norm_eps)
 
+    def materialize_buffers(self, dtype: torch.dtype) -> None:
+        super().materialize_buffers(dtype)
+        # HF multiplies by the scale as a tensor of the model dtype: rounded to it first.
+        self.embed_scale = torch.tensor(self.arch.embedding_multiplier, dtype=dtype).item()
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        return hidden * torch.tensor(self.arch.embedding_multiplier, dtype=hidden.dtype)
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
 @register_model("GemmaForCausalLM", model_types=("gemma",), gguf={"gemma": GGUFArchitecture(

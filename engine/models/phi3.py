@@ -66,9 +66,10 @@ class LongRopeRotary(RotaryEmbedding):
     def rope_positions(self, positions: torch.Tensor, meta) -> torch.Tensor:
         """Each token's row: ``p`` in a sequence of at most L tokens, ``L + p`` in a longer one."""
         seq_lens = meta.seq_lens if meta.seq_lens is not None else meta.context_lens
-        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        token_seq_lens = torch.repeat_interleave(seq_lens, query_lens, output_size=positions.shape[0])
-        return positions + (token_seq_lens > self.original_length) * self.original_length
+        if meta.max_query_len > 1:  # else one token per sequence (decode graphs rely on it)
+            query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+            seq_lens = torch.repeat_interleave(seq_lens, query_lens, output_size=positions.shape[0])
+        return positions + (seq_lens > self.original_length) * self.original_length
 
 
 @register_model("Phi3ForCausalLM", model_types=("phi3",), gguf={"phi3": GGUFArchitecture(
