@@ -164,3 +164,13 @@ def test_unsupported_config_field_is_refused_by_name(case, tmp_path, make_llm):
     path = save_tiny_model(make_config(name, **overrides), tmp_path / case)
     with pytest.raises(ValueError, match=field):
         make_llm(path)
+
+
+def test_longrope_recompute_past_the_original_context_under_async_scheduling(model_dirs, make_llm):
+    """With async scheduling (CUDA's default) a sequence outgrows L while its next token is still
+    in flight; it is recomputed once that token is known, and the tokens stay HF's."""
+    path = model_dirs["phi3-longrope"]
+    llm = make_llm(path, block_size=8, async_scheduling=True)
+    prompts = random_prompts(4, [29, 31, 12, 40], seed=27)
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert output.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
