@@ -16,7 +16,7 @@ from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig, Phi3Config
 from hearth_llm.engine import SamplingParams
 
 from conftest import TINY_COMMON, hf_greedy, hf_model, random_prompts
-from model_equality import CHECKS, GREEDY, MAX_TOKENS, save_tiny_model
+from model_equality import CHECKS, GREEDY, MAX_TOKENS, check_alone_and_batched, save_tiny_model
 
 THREE_LAYERS = {**TINY_COMMON, "num_hidden_layers": 3, "head_dim": 16}
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -86,6 +86,12 @@ def test_each_special_field_changes_hf_tokens(name, plain, tmp_path):
     without = save_tiny_model(make_config(name, **plain), tmp_path / "plain")
     prompts = random_prompts(3, [70, 40, 29], seed=16)
     assert any(hf_greedy(special, p, MAX_TOKENS) != hf_greedy(without, p, MAX_TOKENS) for p in prompts)
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma3"])
+def test_attention_bias_matches_hf(name, tmp_path, make_llm):
+    """Gemma's ``attention_bias`` puts biases on q, k, v and o (no released checkpoint sets it)."""
+    check_alone_and_batched(save_tiny_model(make_config(name, attention_bias=True), tmp_path / name), make_llm)
 
 
 def test_gemma2_logprobs_follow_the_final_soft_cap(model_dirs, make_llm):

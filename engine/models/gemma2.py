@@ -2,8 +2,9 @@
 scaled by ``query_pre_attn_scalar ** -0.5``, a norm after attention and on both sides of the
 feed-forward block, and a sliding window on the layers ``layer_types`` marks (every other one).
 
-HF applies the final soft cap to logits in the model dtype; ours come out of the head in float32 on
-CPU bf16 runs (see ``CpuLogitsHead``), so bf16 logits are, if anything, closer to the fp32 ones.
+In bf16, HF's eager attention caps scores computed in bf16 and its final cap works on bf16 logits;
+our attention kernels cap float32 scores, and on the CPU the logits head returns float32 logits
+(``CpuLogitsHead``): closer to the fp32 model than HF's bf16 run, not bit-equal to it.
 """
 from __future__ import annotations
 
