@@ -1,9 +1,9 @@
-"""OLMo 2, Granite, Command-R and StarCoder2 load from GGUF files and give HF transformers' greedy
+"""OLMo 2, Granite, Command-R and StarCoder2 (and the extras GLM-4 and SmolLM3) load from GGUF files and give HF transformers' greedy
 tokens for the model the file was converted from.
 
 Each tiny HF model is written as GGUF the way llama.cpp's convert_hf_to_gguf.py writes it: tensor
-names from the gguf package's own name map, Granite's q/k rows permuted for llama.cpp's
-interleaved rotary (it converts through LlamaModel), the family's scalars under llama.cpp's keys
+names from the gguf package's own name map, Granite's and SmolLM3's q/k rows permuted for
+llama.cpp's interleaved rotary (both convert through LlamaModel), GLM-4's rotary width, the family's scalars under llama.cpp's keys
 (Granite's four ``*_scale`` keys, Command-R's ``logit_scale``), F32 tensors so the comparison is
 exact.
 """
@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Starcoder2Config
+from transformers import SmolLM3Config, Starcoder2Config
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from hearth_llm.engine import SamplingParams
 
 from conftest import TINY_COMMON, TINY_VOCAB, hf_greedy, random_prompts
 from test_models_olmo_granite_cohere_starcoder import CONFIGS
+from test_models_smollm3_glm4_ministral import CONFIGS as EXTRA_CONFIGS
 from model_equality import save_tiny_model
 
 # A tiny config -> llama.cpp's architecture.
@@ -33,7 +34,12 @@ GGUF_CASES = {
     # llama.cpp keeps no sliding window for StarCoder2, so the HF model has none either.
     "starcoder2": (lambda: Starcoder2Config(**TINY_COMMON, norm_epsilon=1e-5, architectures=["Starcoder2ForCausalLM"]),
                    gguf.MODEL_ARCH.STARCODER2),
+    "glm4": (EXTRA_CONFIGS["glm4"], gguf.MODEL_ARCH.GLM4),
+    # llama.cpp's fixed NoPE step of 4: layer 4 of 4 runs without rotary.
+    "smollm3": (lambda: SmolLM3Config(**{**TINY_COMMON, "num_hidden_layers": 4}, architectures=["SmolLM3ForCausalLM"]),
+                gguf.MODEL_ARCH.SMOLLM3),
 }
+PERMUTED_QK = (gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.SMOLLM3)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -50,9 +56,9 @@ def write_gguf(hf_dir, path, architecture: gguf.MODEL_ARCH):
     _write_tokenizer(writer)
     name_map = gguf.get_tensor_name_map(architecture, config["num_hidden_layers"])
     for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
-        if architecture == gguf.MODEL_ARCH.GRANITE and hf_name.endswith("q_proj.weight"):
+        if architecture in PERMUTED_QK and hf_name.endswith("q_proj.weight"):
             tensor = llama_cpp_permute(tensor, config["num_attention_heads"])
-        elif architecture == gguf.MODEL_ARCH.GRANITE and hf_name.endswith("k_proj.weight"):
+        elif architecture in PERMUTED_QK and hf_name.endswith("k_proj.weight"):
             tensor = llama_cpp_permute(tensor, config["num_key_value_heads"])
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
@@ -85,6 +91,11 @@ def _write_hyperparameters(writer, config: dict, architecture) -> None:
         writer.add_logit_scale(config["logits_scaling"])
     if architecture == gguf.MODEL_ARCH.COMMAND_R:
         writer.add_logit_scale(config["logit_scale"])
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if architecture == gguf.MODEL_ARCH.GLM4:
+        writer.add_rope_dimension_count(int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"]))
 
 
 def _write_tokenizer(writer) -> None:

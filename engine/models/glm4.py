@@ -3,6 +3,8 @@ GPT-J style (interleaved) rotary on the first ``partial_rotary_factor`` (0.5) of
 biases on q, k and v only, and a checkpoint that stores gate/up fused (``mlp.gate_up_proj``)."""
 from __future__ import annotations
 
+from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
+
 from .decoder import DecoderLayer, DecoderModel
 from .norms import RMSNorm
 from .registry import register_model
@@ -24,7 +26,19 @@ class Glm4DecoderLayer(DecoderLayer):
         return self.post_mlp_layernorm(self.mlp(hidden)), residual
 
 
-@register_model("Glm4ForCausalLM", model_types=("glm4",))
+def _gguf_config_fields(metadata) -> dict:
+    # llama.cpp stores the rotary width; HF the fraction of the head it covers.
+    head_dim = metadata.model_value("attention.key_length", None) or (
+        metadata.model_value("embedding_length") // metadata.model_value("attention.head_count"))
+    return {"partial_rotary_factor": metadata.model_value("rope.dimension_count", head_dim // 2) / head_dim}
+
+
+_GLM4_GGUF = GGUFArchitecture(config_class="Glm4Config", config_fields=_gguf_config_fields, tensor_names={
+    "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
+    "ffn_up": "mlp.gate_up_proj"})
+
+
+@register_model("Glm4ForCausalLM", model_types=("glm4",), gguf={"glm4": _GLM4_GGUF})
 class Glm4ForCausalLM(DecoderModel):
     layer_class = Glm4DecoderLayer
 

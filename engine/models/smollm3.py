@@ -1,6 +1,9 @@
 """SmolLM3: Llama where the layers ``no_rope_layers`` marks 0 use no rotary at all (NoPE), and,
 with ``use_sliding_window``, a window on the layers ``layer_types`` marks ``sliding_attention``.
 
+llama.cpp converts SmolLM3 as Llama (q/k rows permuted) and hard-codes NoPE on every 4th layer
+(no GGUF key says so), which is also HF's default ``no_rope_layer_interval``.
+
 A NoPE layer gets a rotary table of zero frequencies: cos 1, sin 0, so the rotation returns its
 input exactly and the shared attention path (one fused kernel on CUDA) needs no special case.
 """
@@ -9,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
 
 from .arch import ArchConfig
 from .decoder import DecoderModel
@@ -21,7 +26,11 @@ class SmolLM3Arch(ArchConfig):
     rope_layers: tuple[bool, ...] = ()
 
 
-@register_model("SmolLM3ForCausalLM", model_types=("smollm3",))
+_SMOLLM3_GGUF = GGUFArchitecture(config_class="SmolLM3Config", permuted_qk=True,
+                                 config_fields=lambda metadata: {"no_rope_layer_interval": 4})
+
+
+@register_model("SmolLM3ForCausalLM", model_types=("smollm3",), gguf={"smollm3": _SMOLLM3_GGUF})
 class SmolLM3ForCausalLM(DecoderModel):
     arch_class = SmolLM3Arch
 
