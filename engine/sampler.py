@@ -1,4 +1,9 @@
-"""Turns logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs."""
+"""Turns logits into next tokens: penalties, grammar masks, seeded draws, logprobs.
+
+The per-request bookkeeping lives here; the sampling math (temperature, top-k/top-p/min-p, the
+exponential race) is the kernels' ``sample_rows``, which never reads the device, so the engine can
+schedule the next step while this one runs.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -111,8 +116,8 @@ class Sampler:
         return sampled
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list) -> torch.Tensor:
-        """One Exp(1) draw per token; seeded rows draw on the CPU from their own generator so the
-        numbers don't depend on the device or the batch."""
+        """One Exp(1) draw per token of ``probs``' rows; seeded rows draw on the CPU from their own
+        generator so the numbers don't depend on the device or the batch."""
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
@@ -162,45 +167,46 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         chosen = kernels.argmax(logits)
+        vocab_size = logits.shape[-1]
         sampled_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if sampled_rows:
-            rows = to_device(sampled_rows, torch.long, logits.device)
-            probs = _filtered_probs(logits.index_select(0, rows), [requests[i] for i in sampled_rows])
-            noise = self._exponential_noise(probs, [requests[i].generator for i in sampled_rows])
-            # Exponential race: argmax(p / E) draws from p with one random number per token, no cumsum.
-            chosen[rows] = kernels.argmax(probs / noise)
+        # Rows with top-k/top-p race over their candidates, the others over the whole vocabulary:
+        # two calls, each told on the host what applies.
+        is_filtered = {i: _top_k_of(requests[i].sampling_params, vocab_size) is not None for i in sampled_rows}
+        plain = [i for i in sampled_rows if not is_filtered[i]]
+        filtered = [i for i in sampled_rows if is_filtered[i]]
+        for rows in (plain, filtered):
+            if rows:
+                index = to_device(rows, torch.long, logits.device)
+                chosen[index] = self._sample(logits.index_select(0, index), [requests[i] for i in rows])
         return chosen
 
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        device, vocab_size = logits.device, logits.shape[-1]
+        options = {}
+        top_ks = [_top_k_of(p, vocab_size) for p in params]
+        if top_ks[0] is not None:
+            options.update(top_ks=to_device([p.top_k for p in params], torch.long, device),
+                           top_ps=to_device([p.top_p for p in params], logits.dtype, device),
+                           num_candidates=max(top_ks))
+        if any(p.min_p > 0 for p in params):
+            options["min_ps"] = to_device([p.min_p for p in params], logits.dtype, device)
+        generators = [r.generator for r in requests]
+        if any(g is not None for g in generators):
+            options["noise"] = self._exponential_noise(logits, generators)
+        else:
+            options["generator"] = self._device_generator(device)
+        temperatures = to_device([p.temperature for p in params], logits.dtype, device)
+        return kernels.sample_rows(logits, temperatures, **options)
 
-def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    params = [r.sampling_params for r in requests]
-    temperatures = to_device([p.temperature for p in params], logits.dtype, logits.device)
-    logits = logits / temperatures[:, None]
-    top_ks = [p.top_k for p in params]
-    top_ps = [p.top_p for p in params]
-    min_ps = [p.min_p for p in params]
-    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-        logits = _top_k_top_p(logits, top_ks, top_ps)
-    probs = torch.softmax(logits, dim=-1)
-    if any(m > 0 for m in min_ps):
-        min_p = to_device(min_ps, probs.dtype, probs.device)[:, None]
-        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return probs
 
-
-def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = to_device([k if k > 0 else vocab for k in top_ks], torch.long, logits.device)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    remove = ranks >= ks[:, None]
-    sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
-    remove |= mass_before >= to_device(top_ps, logits.dtype, logits.device)[:, None]
-    remove[:, 0] = False
-    filtered = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, filtered)
+def _top_k_of(params, vocab_size: int) -> int | None:
+    """How many candidates a row with top-k or top-p samples from (the vocabulary for top-p
+    alone); None for a row with neither."""
+    has_top_k = 0 < params.top_k < vocab_size
+    if not has_top_k and params.top_p >= 1.0:
+        return None
+    return params.top_k if has_top_k else vocab_size
 
 
 def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

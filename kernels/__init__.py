@@ -21,9 +21,9 @@ import torch
 from . import activation, attention, attention_inputs, kv_cache, matmul, norm, rotary, sampling
 from .matmul.formats import DenseWeight, Fp16Weight, Int4Weight, OnednnBf16Weight
 
-__all__ = ["argmax", "write_kv_cache", "paged_attention", "qk_norm_rope_and_cache", "rms_norm", "layer_norm",
-           "rotary_embedding", "silu_and_mul", "gelu_and_mul", "gelu", "linear", "register_linear_routine",
-           "DenseWeight", "OnednnBf16Weight", "Fp16Weight", "Int4Weight"]
+__all__ = ["argmax", "sample_rows", "write_kv_cache", "paged_attention", "qk_norm_rope_and_cache", "rms_norm",
+           "layer_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul", "gelu", "linear",
+           "register_linear_routine", "DenseWeight", "OnednnBf16Weight", "Fp16Weight", "Int4Weight"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -98,6 +98,11 @@ def gelu(x, approximate="tanh"):
 
 def argmax(x):
     return _implementation(sampling, "argmax", x)(x)
+
+
+def sample_rows(logits, temperatures, **options):
+    """One token per (sampled) row, nothing read back from the device; see ``sampling.reference.sample_rows``."""
+    return _implementation(sampling, "sample_rows", logits)(logits, temperatures, **options)
 
 
 def qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,

@@ -3,7 +3,8 @@
 - attention logit soft-capping (Gemma 2),
 - partial rotary (Phi-3/4-mini) and GPT-J style interleaved rotary (Cohere),
 - GeGLU and plain GELU (Gemma, StarCoder2),
-- LayerNorm with and without bias (Cohere, StarCoder2).
+- LayerNorm with and without bias (Cohere, StarCoder2),
+- ``sample_rows``, the engine's sampling math, which never reads the device.
 
 Each reference is first checked against HF transformers' own formula for it (float32), then the
 CPU routines and the Triton kernels against the reference. Without a GPU the Triton kernels run on
@@ -22,8 +23,11 @@ from test_kernels import DEVICE, assert_close, make_paged_batch, needs_cuda, ran
 
 from hearth_llm import kernels  # noqa: E402
 from hearth_llm.kernels import cpu_ops, reference, triton_ops  # noqa: E402
+from hearth_llm.kernels.sampling import cpu as cpu_sampling, reference as reference_sampling  # noqa: E402
+from hearth_llm.kernels.sampling import triton_sampling as triton_ops_sampling  # noqa: E402
 
 IMPLEMENTATIONS = {"cpu": cpu_ops, "triton": triton_ops}
+LOGITS_ROW = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 
 
 def on_cpu(batch: dict) -> dict:
@@ -417,3 +421,82 @@ def test_activations_and_layer_norm_full_size(approximate):
         for got, want in zip(triton_ops.layer_norm(x, weight, bias if has_bias else None, 1e-5, residual),
                              reference.layer_norm(x, weight, bias if has_bias else None, 1e-5, residual)):
             assert_close(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# sample_rows: the engine's sampling math, told on the host which filters apply
+# --------------------------------------------------------------------------------------------
+
+
+def sorted_filter_probs(logits, temperatures, top_ks, top_ps, min_ps):
+    """Top-k/top-p/min-p probabilities in vocabulary order by sorting the whole vocabulary: an
+    independent formulation (the engine's before sampling moved into the kernels)."""
+    logits = logits / temperatures[:, None]
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.where(top_ks > 0, top_ks, vocab)
+    remove = torch.arange(vocab, device=logits.device)[None, :] >= ks[:, None]
+    sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]
+    remove[:, 0] = False
+    probs = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf"))).softmax(-1)
+    return probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "cpu", "triton"])
+def test_sample_rows_with_caller_noise_races_the_filtered_probabilities(implementation):
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 300, generator=generator) * 3).to(DEVICE)
+    temperatures = torch.tensor([0.7, 1.0, 1.3, 0.9, 1.0, 0.5], device=DEVICE)
+    top_ks = torch.tensor([5, 0, 40, 300, 1, 12], device=DEVICE)
+    top_ps = torch.tensor([1.0, 0.8, 0.95, 0.5, 1.0, 0.9], device=DEVICE)
+    min_ps = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.3], device=DEVICE)
+    noise = torch.empty(6, 300).exponential_(generator=generator).to(DEVICE)
+    expected = (sorted_filter_probs(logits, temperatures, top_ks, top_ps, min_ps) / noise).argmax(dim=-1)
+    sample_rows = {"reference": reference_sampling.sample_rows, "cpu": cpu_sampling.sample_rows,
+                   "triton": triton_ops_sampling.sample_rows}[implementation]
+
+    tokens = sample_rows(logits, temperatures, top_ks=top_ks, top_ps=top_ps, min_ps=min_ps, num_candidates=300,
+                         noise=noise)
+
+    assert tokens.tolist() == expected.tolist()
+    # Narrower candidates give the same draws when they cover every row's k (top-p rows need all).
+    narrow = sample_rows(logits[[0, 2, 5]], temperatures[[0, 2, 5]], top_ks=top_ks[[0, 2, 5]],
+                         top_ps=top_ps[[0, 2, 5]], min_ps=min_ps[[0, 2, 5]], num_candidates=40, noise=noise[[0, 2, 5]])
+    assert narrow.tolist() == expected[[0, 2, 5]].tolist()
+
+
+@pytest.mark.parametrize("implementation", ["cpu", "triton"])
+def test_sample_rows_plain_temperature_follows_the_softmax(implementation):
+    logits = LOGITS_ROW.to(DEVICE).expand(4000, -1).contiguous()
+    temperatures = torch.full((4000,), 1.5, device=DEVICE)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    sample_rows = cpu_sampling.sample_rows if implementation == "cpu" else triton_ops_sampling.sample_rows
+    if implementation == "cpu":
+        logits, temperatures, generator = logits.cpu(), temperatures.cpu(), torch.Generator().manual_seed(0)
+
+    tokens = sample_rows(logits, temperatures, generator=generator)
+
+    frequencies = torch.bincount(tokens.cpu(), minlength=6).float() / 4000
+    torch.testing.assert_close(frequencies, torch.softmax(LOGITS_ROW / 1.5, -1), atol=0.03, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("options", [dict(), dict(num_candidates=50), dict(num_candidates=151_936),
+                                     dict(num_candidates=50, noise=True)])
+def test_sample_rows_never_waits_for_the_device(options):
+    logits = randn(64, 151_936)
+    options = dict(options, top_ks=torch.full((64,), 50, device=DEVICE), top_ps=torch.full((64,), 0.9, device=DEVICE))
+    if options.pop("noise", False):
+        options["noise"] = torch.empty_like(logits).exponential_()
+    else:
+        options["generator"] = torch.Generator(DEVICE).manual_seed(0)
+    temperatures = torch.full((64,), 0.8, device=DEVICE)
+    kernels.sample_rows(logits, temperatures, **options)  # compiles the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = kernels.sample_rows(logits, temperatures, **options)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (64,)

@@ -13,8 +13,12 @@ and sorts the vocabulary only when it has to:
   on their renormalized probabilities. Only a row with top-p and no top-k needs the whole
   vocabulary sorted.
 
-``triton_sampling.sample_from_logits`` has the same signature and semantics; it draws greedy and
-plain rows in one fused Triton kernel and sends only filtered rows here.
+``sample_rows`` is the same math for the engine: the caller says on the host which filters apply
+(so nothing is read back from the device) and may pass each row's noise (drawn from the row's own
+seeded generator), which it races in vocabulary order.
+
+``triton_sampling`` has both with the same semantics; it draws greedy and plain rows in one fused
+Triton kernel and sends only filtered rows here.
 
 >>> logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
 >>> sample_from_logits(logits, temperatures=torch.tensor([0.0, 1.0]),
@@ -24,6 +28,12 @@ tensor([1, 1])
 from __future__ import annotations
 
 import torch
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of the first maximum of each row of ``[R, V]`` (NaN counts as the largest)."""
+    return x.argmax(dim=-1)
+
 
 # Temperatures below this are greedy: dividing logits by them would overflow to inf.
 GREEDY_TEMPERATURE = 1e-5
@@ -95,14 +105,29 @@ def _needs_top_k_top_p(top_ks: torch.Tensor, top_ps: torch.Tensor, vocab_size: i
     return ((top_ks > 0) & (top_ks < vocab_size)) | (top_ps < 1.0)
 
 
+def _effective_top_ks(top_ks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.where((top_ks > 0) & (top_ks < vocab_size), top_ks, vocab_size)
+
+
 def _sample_top_k_top_p(
     scaled_logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
     min_ps: torch.Tensor | None, generator: torch.Generator | None,
 ) -> torch.Tensor:
-    vocab_size = scaled_logits.shape[-1]
-    ks = torch.where((top_ks > 0) & (top_ks < vocab_size), top_ks, vocab_size)
     # One topk for the batch, as wide as its widest row; rows with top-p alone make it the vocabulary.
-    candidate_logits, candidate_ids = scaled_logits.topk(int(ks.max()), dim=-1)
+    num_candidates = int(_effective_top_ks(top_ks, scaled_logits.shape[-1]).max())
+    probs, candidate_ids = _top_k_top_p_candidates(scaled_logits, top_ks, top_ps, num_candidates)
+    if min_ps is not None:
+        probs = _apply_min_p(probs, min_ps)
+    choice = _exponential_race(probs, generator)
+    return candidate_ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def _top_k_top_p_candidates(scaled_logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                            num_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``num_candidates`` most likely tokens of each row, as (probabilities renormalized over the
+    row's top k, zero where top-k or top-p drops them; their token ids)."""
+    ks = _effective_top_ks(top_ks, scaled_logits.shape[-1])
+    candidate_logits, candidate_ids = scaled_logits.topk(num_candidates, dim=-1)
     ranks = torch.arange(candidate_logits.shape[-1], device=scaled_logits.device)
     is_in_top_k = ranks[None, :] < ks[:, None]
     probs = torch.softmax(candidate_logits.masked_fill(~is_in_top_k, float("-inf")), dim=-1)
@@ -110,11 +135,7 @@ def _sample_top_k_top_p(
     # top_p = 1 must keep every candidate even where a rounded cumsum reaches 1 early.
     is_kept = is_in_top_k & ((mass_before < top_ps[:, None]) | (top_ps[:, None] >= 1.0))
     is_kept[:, 0] = True
-    probs = probs * is_kept
-    if min_ps is not None:
-        probs = _apply_min_p(probs, min_ps)
-    choice = _exponential_race(probs, generator)
-    return candidate_ids.gather(1, choice[:, None]).squeeze(1)
+    return probs * is_kept, candidate_ids
 
 
 def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -122,14 +143,57 @@ def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Index of ``argmax(p / E)``, ``E ~ Exp(1)`` per entry: a sample of each row's (unnormalized) p."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None, noise: torch.Tensor | None = None,
+                      argmax=argmax) -> torch.Tensor:
+    """Index of ``argmax(p / E)``, ``E ~ Exp(1)`` per entry: a sample of each row's (unnormalized) p.
+    ``noise`` is E when the caller drew it; otherwise it is drawn from ``generator``."""
     # An exponential draw of exactly 0 would make 0 / 0 = NaN, which argmax would pick.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+    else:
+        noise = noise.clamp(min=torch.finfo(noise.dtype).tiny)
+    return argmax(probs / noise)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """The index of the first maximum of each row of ``[R, V]`` (NaN counts as the largest)."""
-    return x.argmax(dim=-1)
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    *,
+    top_ks: torch.Tensor | None = None,
+    top_ps: torch.Tensor | None = None,
+    min_ps: torch.Tensor | None = None,
+    num_candidates: int | None = None,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    argmax=argmax,
+) -> torch.Tensor:
+    """Draw one token per row of ``logits`` ``[B, V]``, every row sampled (none greedy), without
+    reading anything back from the device: which filters apply is the caller's host-side
+    knowledge, so an engine can queue the next step before this one's tokens exist.
+
+    - ``num_candidates`` None: temperature (and min-p) only. An int: top-k (``top_ks``, 0 = all)
+      then top-p (``top_ps``) over each row's ``num_candidates`` most likely tokens, which must be
+      at least every row's k (V for a row with top-p and no top-k).
+    - ``noise``: the rows' Exp(1) draws ``[B, V]``, one per vocabulary token, for callers that
+      draw each row from its own seeded generator; a row's token then depends on its logits and
+      its noise alone (not on the batch). Without it, ``generator`` draws.
+
+    Semantics as :func:`sample_from_logits`; ``argmax`` is the routine for ``[B, V]`` rows.
+
+    >>> logits = torch.tensor([[0.0, 9.0, 0.0]])
+    >>> sample_rows(logits, torch.tensor([1.0]), top_ks=torch.tensor([1]), top_ps=torch.tensor([1.0]),
+    ...             num_candidates=1).tolist()
+    [1]
+    """
+    scaled = logits.float() / temperatures.float()[:, None]
+    if num_candidates is None:
+        probs, candidate_ids = torch.softmax(scaled, dim=-1), None
+    else:
+        probs, candidate_ids = _top_k_top_p_candidates(scaled, top_ks, top_ps, num_candidates)
+        if noise is not None:
+            # Race in vocabulary order, so each token meets the noise drawn for it.
+            probs, candidate_ids = torch.zeros_like(scaled).scatter_(1, candidate_ids, probs), None
+    if min_ps is not None:
+        probs = _apply_min_p(probs, min_ps)
+    choice = _exponential_race(probs, generator, noise, argmax)
+    return choice if candidate_ids is None else candidate_ids.gather(1, choice[:, None]).squeeze(1)

@@ -93,6 +93,17 @@ def sample_from_logits(
     return tokens
 
 
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, *, top_ks=None, top_ps=None, min_ps=None,
+                num_candidates=None, noise=None, generator=None) -> torch.Tensor:
+    """As ``reference.sample_rows``; rows with temperature alone and no caller noise are drawn by
+    the fused Gumbel-max kernel (one pass over the logits, nothing read back), the rest by the
+    reference."""
+    if noise is None and num_candidates is None and min_ps is None and logits.shape[0]:
+        return _gumbel_max_sample(logits, temperatures, generator)
+    return reference.sample_rows(logits, temperatures, top_ks=top_ks, top_ps=top_ps, min_ps=min_ps,
+                                 num_candidates=num_candidates, noise=noise, generator=generator)
+
+
 def _gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, generator) -> torch.Tensor:
     num_rows, vocab_size = logits.shape
     if logits.stride(-1) != 1:
