@@ -18,6 +18,7 @@ torch.Size([5, 16])
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -219,9 +220,44 @@ class MoeDecoderModel(DecoderModel):
         if len(parts) == 3 and parts[0].isdigit() and parts[1] in self.expert_names and parts[2] == "weight":
             kind = self.expert_names[parts[1]]
             return f"{experts}.{'w2_weight' if kind == 'down' else 'w13_weight'}", ExpertShard(kind, int(parts[0]))
+        if len(parts) == 2 and parts[0] in self.expert_names and parts[1] == "weight":  # GGUF: [E, ...]
+            kind = self.expert_names[parts[0]]
+            return f"{experts}.{'w2_weight' if kind == 'down' else 'w13_weight'}", ExpertShard(kind, None)
         if len(parts) == 1 and parts[0] in self.fused_expert_names:
             return f"{experts}.{self.fused_expert_names[parts[0]]}", None
         return f"{experts}.{rest}", None  # not a weight we have: the loader names it
+
+    def _is_stacked(self, name: str) -> bool:
+        """Whether a checkpoint tensor stacks one part of every expert (``experts.gate_proj.weight``,
+        from llama.cpp's ``ffn_gate_exps``), rather than holding one expert's."""
+        target = self.param_for_checkpoint_name(name)
+        return target is not None and isinstance(target[1], ExpertShard) and target[1].expert is None
+
+    def _per_expert_names(self, name: str, num_experts: int) -> list[str]:
+        stem, _, rest = name.partition(".experts.")
+        return [f"{stem}.experts.{expert}.{rest}" for expert in range(num_experts)]
+
+    def check_checkpoint(self, shapes, source: str) -> None:
+        per_expert = {}
+        for name, (shape, file) in shapes.items():
+            if self._is_stacked(name):
+                per_expert.update((split, (tuple(shape[1:]), file)) for split in self._per_expert_names(name, shape[0]))
+            else:
+                per_expert[name] = (shape, file)
+        super().check_checkpoint(per_expert, source)
+
+    def load_weights(self, weights) -> None:
+        """As :meth:`DecoderModel.load_weights`; tensors stacking every expert's gate, up or down
+        (GGUF) are split into per-expert views as they stream past."""
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        super().load_weights(self._split_stacked(items))
+
+    def _split_stacked(self, items):
+        for name, tensor in items:
+            if self._is_stacked(name):
+                yield from zip(self._per_expert_names(name, tensor.shape[0]), tensor.unbind(0))
+            else:
+                yield name, tensor
 
     def expected_checkpoint_shards(self) -> dict[str, list]:
         shards = super().expected_checkpoint_shards()
@@ -230,6 +266,33 @@ class MoeDecoderModel(DecoderModel):
                 for param_name, ids in module.shard_ids.items():
                     shards[f"{module_name}.{param_name}"] = ids
         return shards
+
+
+# llama.cpp's tensor names of an MoE block (``blk.N.<name>``), and the HF modules they hold.
+GGUF_EXPERT_TENSOR_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                            "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+GGUF_SHARED_EXPERT_TENSOR_NAMES = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                                   "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                                   "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                                   "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_GGUF_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def gguf_moe_config_fields(metadata, renormalize_by_default: bool) -> dict:
+    """Config fields of a llama.cpp MoE file: expert counts and sizes, and whether the top-k
+    weights are renormalised (``expert_weights_norm``, else what llama.cpp does for the architecture)."""
+    gating = metadata.model_value("expert_gating_func", _GGUF_SOFTMAX_GATING)
+    if gating != _GGUF_SOFTMAX_GATING:
+        raise ValueError(f"{metadata.path}: {metadata.architecture}.expert_gating_func={gating!r} is not supported "
+                         f"here; only softmax routing ({_GGUF_SOFTMAX_GATING})")
+    fields = dict(num_experts=metadata.model_value("expert_count"),
+                  num_experts_per_tok=metadata.model_value("expert_used_count"),
+                  moe_intermediate_size=metadata.model_value("expert_feed_forward_length"),
+                  norm_topk_prob=bool(metadata.model_value("expert_weights_norm", renormalize_by_default)))
+    shared = metadata.model_value("expert_shared_feed_forward_length", None)
+    if shared is not None:
+        fields["shared_expert_intermediate_size"] = shared
+    return fields
 
 
 def sparse_layer_pattern(num_layers: int, num_experts: int, decoder_sparse_step, mlp_only_layers) -> tuple[bool, ...]:
@@ -260,6 +323,13 @@ def _check_moe_fields(fields: dict, num_layers: int) -> None:
             raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
 
 
+def config_num_experts(config) -> int:
+    """Qwen MoE's expert count: ``num_experts``, which transformers 5 stores as ``num_local_experts``
+    (an attribute alias a plain config, e.g. one built from GGUF metadata, does not have)."""
+    value = getattr(config, "num_experts", None)
+    return value if value is not None else getattr(config, "num_local_experts", 0)
+
+
 def checked_sparse_step(config) -> int:
     step = getattr(config, "decoder_sparse_step", 1)
     if not _is_positive_int(step):
@@ -275,5 +345,5 @@ def checked_mlp_only_layers(config) -> list[int]:
     return list(layers)
 
 
-__all__ = ["ExpertShard", "FusedMoE", "MoeArch", "MoeDecoderLayer", "MoeDecoderModel", "SparseMoeBlock",
-           "checked_mlp_only_layers", "checked_sparse_step", "sparse_layer_pattern"]
+__all__ = ["GGUF_EXPERT_TENSOR_NAMES", "GGUF_SHARED_EXPERT_TENSOR_NAMES", "ExpertShard", "FusedMoE", "MoeArch", "MoeDecoderLayer", "MoeDecoderModel", "SparseMoeBlock",
+           "checked_mlp_only_layers", "checked_sparse_step", "config_num_experts", "gguf_moe_config_fields", "sparse_layer_pattern"]

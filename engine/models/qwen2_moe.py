@@ -10,15 +10,24 @@ Windows follow ``layer_types``. Ignored because they only matter in training:
 """
 from __future__ import annotations
 
-from .moe import MoeDecoderModel, checked_mlp_only_layers, checked_sparse_step, sparse_layer_pattern
+from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
+
+from .moe import (GGUF_EXPERT_TENSOR_NAMES, GGUF_SHARED_EXPERT_TENSOR_NAMES, MoeDecoderModel,
+                  checked_mlp_only_layers, checked_sparse_step, config_num_experts, gguf_moe_config_fields,
+                  sparse_layer_pattern)
 from .registry import register_model
 
+# llama.cpp runs every layer sparse, with the shared expert, and does not renormalise by default.
+_GGUF = GGUFArchitecture(config_class="Qwen2MoeConfig",
+                         tensor_names={**GGUF_EXPERT_TENSOR_NAMES, **GGUF_SHARED_EXPERT_TENSOR_NAMES},
+                         config_fields=lambda metadata: gguf_moe_config_fields(metadata, renormalize_by_default=False))
 
-@register_model("Qwen2MoeForCausalLM", model_types=("qwen2_moe",))
+
+@register_model("Qwen2MoeForCausalLM", model_types=("qwen2_moe",), gguf={"qwen2moe": _GGUF})
 class Qwen2MoeForCausalLM(MoeDecoderModel):
     @classmethod
     def moe_fields(cls, config) -> dict:
-        num_experts = getattr(config, "num_experts", 0)
+        num_experts = config_num_experts(config)
         return dict(
             attention_bias=bool(getattr(config, "qkv_bias", True)), o_proj_bias=False,
             num_experts=num_experts, num_experts_per_tok=config.num_experts_per_tok,

@@ -9,14 +9,22 @@ Qwen3-MoE ignores ``max_window_layers``). Ignored because they only matter in tr
 """
 from __future__ import annotations
 
-from .moe import MoeDecoderModel, checked_mlp_only_layers, checked_sparse_step, sparse_layer_pattern
+from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
+
+from .moe import (GGUF_EXPERT_TENSOR_NAMES, MoeDecoderModel, checked_mlp_only_layers, checked_sparse_step,
+                  config_num_experts, gguf_moe_config_fields, sparse_layer_pattern)
 from .registry import register_model
 
-@register_model("Qwen3MoeForCausalLM", model_types=("qwen3_moe",))
+# llama.cpp runs every layer sparse and renormalises the top-k weights unless the file says otherwise.
+_GGUF = GGUFArchitecture(config_class="Qwen3MoeConfig", tensor_names=GGUF_EXPERT_TENSOR_NAMES,
+                         config_fields=lambda metadata: gguf_moe_config_fields(metadata, renormalize_by_default=True))
+
+
+@register_model("Qwen3MoeForCausalLM", model_types=("qwen3_moe",), gguf={"qwen3moe": _GGUF})
 class Qwen3MoeForCausalLM(MoeDecoderModel):
     @classmethod
     def moe_fields(cls, config) -> dict:
-        num_experts = getattr(config, "num_experts", 0)
+        num_experts = config_num_experts(config)
         return dict(
             has_qk_norm=True, o_proj_bias=bool(getattr(config, "attention_bias", False)), max_window_layers=None,
             layer_types=None, num_experts=num_experts, num_experts_per_tok=config.num_experts_per_tok,
