@@ -30,6 +30,10 @@ CONFIGS = {
                                         architectures=["Qwen2MoeForCausalLM"]),
     "mixtral": lambda: MixtralConfig(**{**TINY_COMMON, "intermediate_size": 48}, num_local_experts=4,
                                      num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
+    # Mistral's window on every layer; top-1 routing (renormalised to weight 1).
+    "mixtral_window_top1": lambda: MixtralConfig(**{**TINY_COMMON, "intermediate_size": 48}, num_local_experts=3,
+                                                 num_experts_per_tok=1, sliding_window=20,
+                                                 architectures=["MixtralForCausalLM"]),
 }
 
 
