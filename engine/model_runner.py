@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .batch import ForwardOutput, ScheduledBatch
-from .models import model_class_for
+from .loader.model_loader import load_model
 from .models.layers import AttentionMetadata
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -22,15 +22,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        model_class = model_class_for(checkpoint.config)
-        self.arch = model_class.arch_from_hf_config(checkpoint.config)
-        with torch.device("meta"):
-            model = model_class(self.arch)
-        # Cast on the meta device: casting after to_empty would convert ~0.5 GB of uninitialised float32.
-        model = model.to(dtype).to_empty(device=device)
-        model.materialize_buffers(dtype)
-        model.load_weights(checkpoint.state_dict)
-        self.model = model.eval()
+        # Config and weight names/shapes checked before anything is read; weights streamed in.
+        self.model, self.arch = load_model(checkpoint, device, dtype)
         self.num_blocks = self._num_kv_blocks(kv_cache_memory)
         cache_shape = (self.arch.num_hidden_layers, 2, self.num_blocks, block_size,
                        self.arch.num_key_value_heads, self.arch.head_dim)

@@ -1,9 +1,12 @@
 """Load a llama.cpp GGUF file as a Hugging Face-style checkpoint, cached as safetensors.
 
 The first load reads the file's metadata, builds a transformers config and tokenizer from it,
-dequantizes every tensor to the compute dtype under its Hugging Face name, and writes all of that
-to a cache directory. Later loads of the same file read only the cache, which takes well under a
-second for a small model instead of seconds of parsing and dequantizing.
+converts every tensor under its Hugging Face name, and writes all of that to a cache directory.
+Q4_0 and Q4_1 tensors stay in their llama.cpp blocks (:class:`GGUFBlocks`, the q/k row order
+undone row-wise, which is exact), so a model can run them as 4-bit weights; every other tensor is
+dequantized to the compute dtype. Later loads of the same file read only the cache, which takes
+well under a second for a small model instead of seconds of parsing and dequantizing. Weights
+stream out of the cache file tensor by tensor.
 
 A cached load does not import transformers' per-architecture config classes: in
 transformers 5 importing ``LlamaConfig`` pulls in ``torch.distributed.tensor`` and sympy, about a
@@ -32,16 +35,20 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from .checkpoint import LoadedCheckpoint
+from .gguf_blocks import KEPT_TYPES, GGUFBlocks
 from .gguf_spec import GGUFArchitecture
 
 # Bump when the conversion changes, so caches written by an older loader are not reused.
 # 2: config.json holds every field (not only those that differ from the defaults).
-_CACHE_FORMAT_VERSION = 2
+# 3: Q4_0/Q4_1 tensors kept as uint8 blocks, their types in the weights file's metadata.
+_CACHE_FORMAT_VERSION = 3
+_BLOCKS_METADATA_KEY = "hearth_gguf_blocks"
 _CONFIG_FILE = "config.json"
 _DEFAULT_CACHE_ROOT = Path("~/.cache/hearth_llm/gguf")
 _WEIGHTS_FILE = "model.safetensors"
@@ -70,8 +77,10 @@ def load_gguf(
 ) -> LoadedCheckpoint:
     """Load a llama.cpp GGUF file as Hugging Face config, weights and tokenizer.
 
-    Quantized tensors are dequantized to `dtype` and renamed to Hugging Face Llama names; llama.cpp's
-    q/k row permutation is undone so the weights work with rotate-half rotary. The result is cached
+    Tensors are renamed to Hugging Face names; Q4_0/Q4_1 ones stay in their blocks
+    (:class:`GGUFBlocks`), the others are dequantized to `dtype`; llama.cpp's q/k row permutation
+    is undone so the weights work with rotate-half rotary. Weights are not read until
+    ``checkpoint.weights()`` streams them. The result is cached
     under `cache_dir` (default ``~/.cache/hearth_llm/gguf``), one sub-directory per file version and
     dtype, so the next load skips the conversion.
 
@@ -94,10 +103,12 @@ def load_gguf(
     gguf_path = Path(path)
     cache_path = _cache_root(cache_dir) / _cache_key(gguf_path, dtype)
     if cache_path.is_dir():
-        return _load_from_cache(cache_path, source=str(gguf_path))
-    checkpoint = _convert_gguf(gguf_path, dtype, progress)
-    _write_cache(checkpoint, cache_path)
-    return checkpoint
+        return _load_from_cache(cache_path, source=str(gguf_path), dtype=dtype)
+    converted = _convert_gguf(gguf_path, dtype, progress)
+    if _write_cache(converted, cache_path):
+        # Stream from the cache file: the converted tensors need not stay in memory.
+        return _load_from_cache(cache_path, source=str(gguf_path), dtype=dtype)
+    return converted.checkpoint(str(gguf_path), dtype)
 
 
 def unpermute_llama_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -157,32 +168,72 @@ def _cache_key(gguf_path: Path, dtype: torch.dtype) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
-def _load_from_cache(cache_path: Path, source: str) -> LoadedCheckpoint:
+@dataclass(slots=True)
+class _Converted:
+    """A converted file in memory: dense tensors, and Q4 blocks under ``blocks``' names."""
+
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerFast
+    tensors: dict[str, torch.Tensor]      # blocks as their uint8 data
+    blocks: dict[str, str]                # name -> "Q4_0" / "Q4_1"
+
+    def value(self, name: str):
+        quant_type = self.blocks.get(name)
+        return self.tensors[name] if quant_type is None else GGUFBlocks(quant_type, self.tensors[name])
+
+    def checkpoint(self, source: str, dtype: torch.dtype) -> LoadedCheckpoint:
+        shapes = {name: (tuple(self.value(name).shape), source) for name in self.tensors}
+        return LoadedCheckpoint(self.config, self.tokenizer, source, dtype=dtype, weight_shapes=shapes,
+                                weight_formats=dict(self.blocks),
+                                weight_stream=lambda: ((name, self.value(name)) for name in self.tensors))
+
+
+def _load_from_cache(cache_path: Path, source: str, dtype: torch.dtype) -> LoadedCheckpoint:
     config_dict = json.loads((cache_path / _CONFIG_FILE).read_text(encoding="utf-8"))
     config = _config_class(config_dict["model_type"]).from_dict(config_dict)
-    state_dict = load_file(cache_path / _WEIGHTS_FILE)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(cache_path, local_files_only=True)
-    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, source=source)
+    weights_file = cache_path / _WEIGHTS_FILE
+    with safe_open(weights_file, framework="pt") as reader:
+        blocks = json.loads((reader.metadata() or {}).get(_BLOCKS_METADATA_KEY, "{}"))
+        shapes = {}
+        for name in reader.keys():
+            shape = tuple(reader.get_slice(name).get_shape())
+            if name in blocks:  # stored as bytes: the logical shape has 32 values per block
+                shape = (shape[0], GGUFBlocks.logical_columns(blocks[name], shape[1]))
+            shapes[name] = (shape, source)
+    return LoadedCheckpoint(config, tokenizer, source, dtype=dtype, weight_shapes=shapes, weight_formats=blocks,
+                            weight_stream=lambda: _stream_cache(weights_file, blocks))
 
 
-def _write_cache(checkpoint: LoadedCheckpoint, cache_path: Path) -> None:
+def _stream_cache(weights_file: Path, blocks: dict[str, str]):
+    with safe_open(weights_file, framework="pt") as reader:
+        for name in reader.keys():
+            tensor = reader.get_tensor(name)
+            yield name, (GGUFBlocks(blocks[name], tensor) if name in blocks else tensor)
+
+
+def _write_cache(converted: _Converted, cache_path: Path) -> bool:
+    """Whether the cache now holds this conversion."""
     try:
-        _write_cache_atomically(checkpoint, cache_path)
+        _write_cache_atomically(converted, cache_path)
     except OSError as error:
         # A concurrent load of the same file may have renamed its identical cache into place first.
         if not cache_path.is_dir():
             # The cache only saves time, so a full or read-only disk should not fail the load.
             warnings.warn(f"Not caching the converted GGUF at {cache_path}: {error}", RuntimeWarning, stacklevel=3)
+            return False
+    return True
 
 
-def _write_cache_atomically(checkpoint: LoadedCheckpoint, cache_path: Path) -> None:
+def _write_cache_atomically(converted: _Converted, cache_path: Path) -> None:
     """Write into a staging directory and rename it, so a crash never leaves a half-written cache."""
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{cache_path.name}.", suffix=".partial", dir=cache_path.parent))
     try:
-        save_file(checkpoint.state_dict, staging / _WEIGHTS_FILE, metadata={"format": "pt"})
-        (staging / _CONFIG_FILE).write_text(checkpoint.config.to_json_string(use_diff=False), encoding="utf-8")
-        checkpoint.tokenizer.save_pretrained(staging)
+        metadata = {"format": "pt", _BLOCKS_METADATA_KEY: json.dumps(converted.blocks)}
+        save_file(converted.tensors, staging / _WEIGHTS_FILE, metadata=metadata)
+        (staging / _CONFIG_FILE).write_text(converted.config.to_json_string(use_diff=False), encoding="utf-8")
+        converted.tokenizer.save_pretrained(staging)
         os.rename(staging, cache_path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -243,19 +294,19 @@ def _spec_for(architecture) -> GGUFArchitecture | None:
     return _registered().get(architecture) if isinstance(architecture, str) else None
 
 
-def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> LoadedCheckpoint:
+def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> _Converted:
     reader = _open_gguf(gguf_path)
     metadata = GGUFMetadata(values=_read_metadata(reader), path=gguf_path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     try:
         config = _build_config(metadata, tensors)
         tokenizer = _build_tokenizer(metadata)
-        state_dict = _convert_tensors(metadata, config, tensors, dtype, progress)
+        converted, blocks = _convert_tensors(metadata, config, tensors, dtype, progress)
     except Exception as error:  # transformers' config classes validate with their own exception types
         if isinstance(error, ValueError) and str(gguf_path) in str(error):
             raise
         raise ValueError(f"{gguf_path}: its metadata describe an unusable model: {error}") from error
-    return LoadedCheckpoint(config=config, state_dict=state_dict, tokenizer=tokenizer, source=str(gguf_path))
+    return _Converted(config=config, tokenizer=tokenizer, tensors=converted, blocks=blocks)
 
 
 def _open_gguf(gguf_path: Path) -> GGUFReader:
@@ -435,10 +486,11 @@ def _convert_tensors(
     tensors: dict[str, ReaderTensor],
     dtype: torch.dtype,
     progress: bool,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """HF name -> tensor (dense in ``dtype``, or Q4 blocks as uint8 data), and the Q4 names' types."""
     spec = metadata.spec
     permuted_heads = _permuted_heads(spec, config)
-    state_dict = {}
+    state_dict, blocks = {}, {}
     description = f"Converting {metadata.path.name}"
     progress_bar = tqdm(tensors.values(), desc=description, unit="tensor", disable=not progress)
     for tensor in progress_bar:
@@ -449,14 +501,19 @@ def _convert_tensors(
             raise ValueError(
                 f"{metadata.path}: tensor {tensor.name!r} has no Hugging Face {metadata.architecture} name"
             )
-        weight = _dequantize(tensor, metadata.path)
         num_heads = permuted_heads.get(hf_name.rsplit(".", 2)[-2])
-        if num_heads is not None:
+        if tensor.tensor_type.name in KEPT_TYPES and len(tensor.data.shape) == 2:
+            weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # rows of blocks, out of the mmap
+            blocks[hf_name] = tensor.tensor_type.name
+        else:
+            weight = _dequantize(tensor, metadata.path)
+            if spec.transform_tensor is not None:
+                weight = spec.transform_tensor(hf_name, weight, config)
+            weight = weight.to(dtype)
+        if num_heads is not None:  # a permutation of whole rows: exact on blocks too
             weight = unpermute_llama_qk(weight, num_heads)
-        if spec.transform_tensor is not None:
-            weight = spec.transform_tensor(hf_name, weight, config)
-        state_dict[hf_name] = weight.to(dtype)
-    return state_dict
+        state_dict[hf_name] = weight
+    return state_dict, blocks
 
 
 def _permuted_heads(spec: GGUFArchitecture, config: PretrainedConfig) -> dict[str, int]:

@@ -1,0 +1,70 @@
+"""From a checkpoint to a loaded model: every check first, then build, choose methods, stream.
+
+The order is the contract: (1) the model class and every config field are checked
+(``arch_from_hf_config``), (2) the model is built on the ``meta`` device and the checkpoint's
+weight names and shapes (headers only) are checked against it, (3) each linear layer gets its
+method from the checkpoint's tensor formats, (4) memory is allocated and weights stream in one
+at a time. A refusal at (1) or (2) costs no weight read and no allocation; a failure at (4)
+leaves nothing behind (the half-loaded model is freed before the error propagates).
+
+>>> model, arch = load_model(load_checkpoint("default", torch.bfloat16), torch.device("cpu"), torch.bfloat16)
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch import nn
+
+from ..models import model_class_for
+from ..models.arch import ArchConfig
+from ..models.gguf_linear_method import GGUF_INT4, GGUFInt4LinearMethod
+from ..models.linear import LinearBase, configure_linears
+from .checkpoint import LoadedCheckpoint
+
+
+def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ArchConfig]:
+    """The model for ``checkpoint`` on ``device`` in ``dtype``, loaded, in eval mode, and its arch."""
+    model_class = model_class_for(checkpoint.config)
+    arch = model_class.arch_from_hf_config(checkpoint.config)
+    with torch.device("meta"):
+        model = model_class(arch)
+    shapes = checkpoint.weight_shapes()
+    if shapes is not None:
+        model.check_checkpoint(shapes, checkpoint.source)
+    configure_linears(model, _method_chooser(model, checkpoint.weight_formats, device, dtype))
+    try:
+        # Cast on the meta device: casting after to_empty would convert uninitialised float32.
+        model = model.to(dtype).to_empty(device=device)
+        model.materialize_buffers(dtype)
+        model.load_weights(checkpoint.weights())
+    except BaseException as error:
+        # The traceback's frames hold the half-loaded model; clear them so it is freed now, even
+        # if the caller keeps the exception.
+        model = None
+        traceback.clear_frames(error.__traceback__)
+        raise
+    return model.eval(), arch
+
+
+def _method_chooser(model, weight_formats: dict[str, str], device: torch.device, dtype: torch.dtype):
+    """``(layer name, layer) -> method or None``: GGUF Q4 blocks get the int4 CPU method where it
+    runs; everything else keeps the dense default (which dequantizes quantized values)."""
+    layer_formats: dict[str, dict] = {}
+    for name, quant_type in weight_formats.items():
+        target = model.param_for_checkpoint_name(name)
+        if target is None:
+            continue
+        param_name, shard_id = target
+        module_name, _, tensor_name = param_name.rpartition(".")
+        if tensor_name == "weight":
+            layer_formats.setdefault(module_name, {})[shard_id] = quant_type
+
+    def choose(name: str, layer: LinearBase):
+        formats = layer_formats.get(name, {})
+        shards = set(layer.shard_ids) if None not in formats else {None}
+        if shards != set(formats) or not set(formats.values()) <= set(GGUFInt4LinearMethod.quant_types):
+            return None
+        return GGUF_INT4 if GGUFInt4LinearMethod.supports(layer, device, dtype) else None
+
+    return choose
