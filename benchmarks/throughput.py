@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -112,17 +114,37 @@ def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | 
 
 def random_checkpoint(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None):
     """Our checkpoint alone, no HF model: each weight is made on ``device`` when the loader reads it.
+    Returns the :class:`RandomWeights` (names, shapes, bytes) and the checkpoint over them.
 
-    >>> checkpoint = random_checkpoint("tiny-qwen3-moe", torch.float32, "cpu")
-    >>> checkpoint.state_dict["model.layers.0.mlp.experts.7.down_proj.weight"].shape
-    torch.Size([64, 32])
+    >>> weights, checkpoint = random_checkpoint("tiny-qwen3-moe", torch.float32, "cpu")
+    >>> weights.shapes["model.layers.0.mlp.experts.7.down_proj.weight"]
+    (64, 32)
     """
     from hearth_llm.engine.loader.checkpoint import LoadedCheckpoint
 
     config = hf_config(shape, num_layers)
     weights = RandomWeights(checkpoint_shapes(config, dtype), dtype, device, std=config.initializer_range)
-    return LoadedCheckpoint(config=config, state_dict=weights, tokenizer=placeholder_tokenizer(config.vocab_size),
-                            source=shape)
+    # A stream, not a state_dict: the checkpoint would read every tensor for its shapes, then list them all.
+    checkpoint = LoadedCheckpoint(config, placeholder_tokenizer(config.vocab_size), shape,
+                                  weight_stream=lambda: iter(weights.items()), dtype=dtype,
+                                  weight_shapes={name: (dims, shape) for name, dims in weights.shapes.items()})
+    return weights, checkpoint
+
+
+def active_weight_bytes(shapes: Mapping[str, tuple[int, ...]], config, element_size: int) -> int | None:
+    """Bytes of weights one decoded token reads on a MoE model: all but the experts, and
+    ``num_experts_per_tok`` of each layer's experts (hub or fused names); None for a dense model.
+
+    >>> active_weight_bytes(random_checkpoint("tiny-mixtral", torch.bfloat16, "cpu")[0].shapes,
+    ...                     hf_config("tiny-mixtral"), 2)  # 2 of 4 experts
+    2721408
+    """
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not num_experts:
+        return None
+    experts = sum(math.prod(shape) for name, shape in shapes.items() if ".experts." in name)
+    others = sum(math.prod(shape) for name, shape in shapes.items() if ".experts." not in name)
+    return (others + experts * config.num_experts_per_tok // num_experts) * element_size
 
 
 def our_engine(checkpoint, dtype: str, max_num_seqs: int = 256, kv_cache_memory: str = "40GiB",
@@ -289,6 +311,21 @@ def hf_bs1_ms_per_token(model, num_tokens: int = 64) -> float:
     return (time.perf_counter() - started - first) * 1000 / num_tokens
 
 
+def check_room_for_hf(parser: argparse.ArgumentParser, shape: str, kv_cache_memory: str) -> None:
+    """The HF column keeps HF's model beside ours: two copies of the weights plus our KV cache
+    must fit the device, else stop now (before minutes of building) and say what to pass."""
+    from hearth_llm.engine.config import parse_bytes
+
+    weight_bytes = RandomWeights(checkpoint_shapes(hf_config(shape), torch.bfloat16), torch.bfloat16, "meta",
+                                 std=0.0).num_bytes
+    needed = 2 * weight_bytes + parse_bytes("--kv-cache-memory", kv_cache_memory)
+    _, total = torch.cuda.mem_get_info()
+    if needed > total:
+        parser.error(f"--shape {shape} with HF needs {needed / 2**30:.1f} GiB (two copies of "
+                     f"{weight_bytes / 2**30:.1f} GiB of weights + {kv_cache_memory} of KV), the device has "
+                     f"{total / 2**30:.1f} GiB: add --no-hf (ours only, one copy) or lower --kv-cache-memory")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -313,17 +350,25 @@ def main(argv=None) -> None:
     if not 1 <= args.lengths[0] <= args.lengths[1]:
         parser.error(f"--lengths {args.lengths[0]} {args.lengths[1]}: need 1 <= LOW <= HIGH")
     device = torch.device(args.device)
+    if not args.no_hf:
+        check_room_for_hf(parser, args.shape, args.kv_cache_memory)
 
     if args.no_hf:
-        model, checkpoint = None, random_checkpoint(args.shape, torch.bfloat16, args.device)
-        weight_bytes = checkpoint.state_dict.num_bytes
+        model = None
+        weights, checkpoint = random_checkpoint(args.shape, torch.bfloat16, args.device)
+        weight_bytes, shapes = weights.num_bytes, weights.shapes
+        del weights
     else:
         model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    active_bytes = active_weight_bytes(shapes, checkpoint.config, 2)
     engine = our_engine(checkpoint, "bfloat16", kv_cache_memory=args.kv_cache_memory, device=args.device)
     del checkpoint
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "weight_bytes": weight_bytes}
+    if active_bytes is not None:
+        results["active_weight_bytes"] = active_bytes
     if args.profile:
         import cProfile
         import io
@@ -350,6 +395,8 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth_bytes_per_s(device, 2 * 2**30 if device.type == "cuda" else 2**26)
     results["copy_bandwidth_TBps"] = bandwidth / 1e12
     results["weight_read_floor_ms"] = weight_bytes / bandwidth * 1000
+    if active_bytes is not None:  # MoE: a batch-1 decode step reads only its token's experts
+        results["active_weight_read_floor_ms"] = active_bytes / bandwidth * 1000
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()

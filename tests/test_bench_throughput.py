@@ -2,8 +2,10 @@
 the ones named, MoE checkpoints carry the per-expert names real hub checkpoints carry (checked by
 transformers loading them), and a tiny shape runs end to end in seconds, so a change that breaks the
 H200 run fails here first."""
+import argparse
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -77,12 +79,25 @@ def test_hub_names_refuse_a_fused_layout_other_than_expected():
 @pytest.mark.parametrize("shape", ["tiny-qwen3", *MOE_SHAPES])
 def test_random_checkpoint_has_the_hf_models_names_shapes_and_size(shape):
     model, reference = throughput.random_model(shape, torch.float32, "cpu")
-    checkpoint = throughput.random_checkpoint(shape, torch.float32, "cpu")
+    weights, checkpoint = throughput.random_checkpoint(shape, torch.float32, "cpu")
     expected = {name: tuple(t.shape) for name, t in reference.state_dict.items()}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight")
-    assert checkpoint.state_dict.shapes == expected
-    assert checkpoint.state_dict.num_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights.shapes == expected
+    assert {name: dims for name, (dims, _) in checkpoint.weight_shapes().items()} == expected
+    assert weights.num_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_random_checkpoint_streams_without_holding_what_it_yielded():
+    weights, checkpoint = throughput.random_checkpoint("tiny-qwen3-moe", torch.float32, "cpu")
+    stream = checkpoint.weights()
+    name, tensor = next(stream)
+    assert tuple(tensor.shape) == weights.shapes[name]
+    yielded = weakref.ref(tensor)
+    del tensor
+    next(stream)
+    assert yielded() is None  # freed: the device holds the model plus one tensor while loading
+    assert len(list(stream)) == len(weights) - 2
 
 
 def test_random_weights_are_made_when_read_and_the_same_each_time():
@@ -96,18 +111,8 @@ def test_random_weights_are_made_when_read_and_the_same_each_time():
     assert not torch.equal(other_seed["model.layers.0.mlp.gate.weight"], first)
 
 
-def engine_runs(architecture: str) -> bool:
-    from hearth_llm.engine.models import registry
-
-    registry.import_model_files()
-    return architecture in registry.MODEL_CLASSES
-
-
 @pytest.mark.parametrize("shape", ["tiny-qwen3", *MOE_SHAPES])
 def test_the_bench_runs_end_to_end_on_cpu(shape, tmp_path, capsys):
-    architecture = throughput.SHAPES[shape]["architecture"]
-    if not engine_runs(architecture):
-        pytest.skip(f"the engine has no {architecture} yet")
     out = tmp_path / "result.json"
     throughput.main(["--shape", shape, "--device", "cpu", "--no-hf", "--num-seqs", "3", "--lengths", "8", "12",
                      "--kv-cache-memory", "16MiB", "--json", str(out)])
@@ -118,6 +123,13 @@ def test_the_bench_runs_end_to_end_on_cpu(shape, tmp_path, capsys):
     config = throughput.hf_config(shape)
     assert result["weight_bytes"] == 2 * sum(math.prod(s) for s in checkpoint_shapes(config, torch.bfloat16).values())
     assert result["ours_bs1_ms_per_token"] > 0 and "hf_continuous_batching" not in result
+    if shape in MOE_SHAPES:  # a decoded token reads top_k of each layer's experts
+        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        unread = config.num_hidden_layers * (num_experts - config.num_experts_per_tok) * 3 * intermediate * 64 * 2
+        assert result["active_weight_bytes"] == result["weight_bytes"] - unread
+    else:
+        assert "active_weight_bytes" not in result
     assert json.loads(capsys.readouterr().out.partition("\n")[0])["output_tokens"] == result["ours"]["output_tokens"]
 
 
@@ -125,3 +137,18 @@ def test_cpu_runs_need_no_hf():
     with pytest.raises(SystemExit) as exit_info:
         throughput.main(["--shape", "tiny-qwen3", "--device", "cpu"])
     assert exit_info.value.code == 2
+
+
+def test_the_hf_column_is_refused_before_building_when_two_copies_cannot_fit(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (139 * 2**30, 139 * 2**30))  # an H200
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.main(["--shape", "qwen3-30b-a3b"])
+    assert exit_info.value.code == 2
+    assert "--no-hf" in capsys.readouterr().err
+
+
+def test_the_dense_shapes_keep_their_hf_column_on_an_h200(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (139 * 2**30, 139 * 2**30))
+    parser = argparse.ArgumentParser()
+    for shape in ("qwen3-0.6b", "llama3-8b"):
+        throughput.check_room_for_hf(parser, shape, "40GiB")  # returns; parser.error would exit
