@@ -64,6 +64,8 @@ class ChatRequest:
     the answer's grammar (a :class:`StructuredOutput` or its fields as a dict); not with a forced
     ``tool_choice``. ``tool_parser``: the tool-call format; None reads it from the chat template.
     ``timeout``: seconds; past it the request is aborted and the stream raises ``TimeoutError``.
+    ``priority``: the scheduler's priority (lower runs first; default 0). ``request_id``: the
+    engine's id for the request (default a fresh one), e.g. an HTTP request id to find it in logs.
     """
 
     messages: list[dict] | str
@@ -75,6 +77,8 @@ class ChatRequest:
     tool_parser: str | None = None
     chat_template_kwargs: dict | None = None
     timeout: float | None = None
+    priority: int = 0
+    request_id: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.messages, str) and (self.tools or self.chat_template_kwargs):

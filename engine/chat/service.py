@@ -78,7 +78,8 @@ class ChatService:
 
     def _submit(self, request: ChatRequest, model_info: ModelInfo | None) -> ChatStream:
         plan = plan_request(request, model_info)
-        stream = self.core.add_request(plan.prompt, plan.params, timeout=request.timeout)
+        stream = self.core.add_request(plan.prompt, plan.params, request.request_id, request.priority,
+                                       timeout=request.timeout)
         return ChatStream(stream, plan.tool_parser, plan.params.logprobs)
 
 

@@ -1,0 +1,68 @@
+"""``hearth-llm serve MODEL``: the OpenAI-compatible server from the command line.
+
+    hearth-llm serve default                                  # http://127.0.0.1:8000/v1
+    HEARTH_API_KEY=sk-local hearth-llm serve ./model.gguf --port 9000 --max-num-seqs 32
+
+Importing this module needs nothing of the [server] extra; running the command does.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+API_KEY_ENV = "HEARTH_API_KEY"
+
+
+def add_serve_command(commands: argparse._SubParsersAction) -> None:
+    """Adds ``serve`` to a ``hearth-llm`` subcommand table."""
+    parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs hearth-llm[server])")
+    parser.add_argument("model", nargs="?", default="default",
+                        help="'default' (SmolLM2-135M-Instruct), a HF directory, a .gguf file or a hub id")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", action="append", default=None,
+                        help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
+                             f"default ${API_KEY_ENV}; none: no key needed)")
+    parser.add_argument("--served-model-name", default=None, help="the chat model's id in /v1/models")
+    parser.add_argument("--embedding-model", default="default",
+                        help="'default' (all-MiniLM-L6-v2), a sentence-transformers directory, or 'none'")
+    parser.add_argument("--max-tokens-limit", type=int, default=None, help="cap on max_tokens of every request")
+    parser.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    parser.add_argument("--max-body-bytes", type=int, default=None)
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds requests in flight may finish after SIGTERM")
+    engine = parser.add_argument_group("engine options (EngineConfig fields)")
+    engine.add_argument("--dtype", default=None)
+    engine.add_argument("--device", default=None)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--kv-cache-memory", default=None, help="bytes or e.g. '2GiB'")
+    engine.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="queue bound; past it requests get 503 with Retry-After")
+    parser.set_defaults(run=run_serve)
+
+
+_ENGINE_OPTIONS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                   "max_waiting_requests")
+
+
+def serve_kwargs(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``hearth_llm.server.serve`` for parsed ``args``."""
+    api_keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else None)
+    kwargs = {"host": args.host, "port": args.port, "api_key": api_keys, "served_model_name": args.served_model_name,
+              "embedding_model": None if args.embedding_model == "none" else args.embedding_model,
+              "max_tokens_limit": args.max_tokens_limit, "request_timeout": args.request_timeout,
+              "drain_timeout": args.drain_timeout}
+    if args.max_body_bytes is not None:
+        kwargs["max_body_bytes"] = args.max_body_bytes
+    kwargs.update({name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None})
+    return kwargs
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from hearth_llm.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # one JSON line per request
+    serve(args.model, **serve_kwargs(args))

@@ -1,0 +1,98 @@
+"""What the endpoints share: the settings, the chat engine and its chat service, the embedding
+engine, and the per-request rules that every endpoint applies the same way (which model a name
+means, the timeout, the rate limit)."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from fastapi import Request
+
+from hearth_llm.embeddings import EmbeddingEngine, get_embedding_engine
+from hearth_llm.engine import EngineCore, get_engine
+from hearth_llm.engine.chat import ChatService
+
+from .errors import APIError
+from .settings import ServerSettings
+
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+class ServerState:
+    """The server's engines and rules; one per app, at ``app.state.hearth``."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.core: EngineCore = get_engine(settings.model, **{"show_progress": False, **settings.engine_kwargs})
+        self.chat_service = ChatService(self.core)
+        self.embedding_engine: EmbeddingEngine | None = None
+        if settings.embedding_model is not None:
+            self.embedding_engine = get_embedding_engine(
+                settings.embedding_model, **{"show_progress": False, **settings.embedding_kwargs})
+        self.created = int(time.time())
+        self._is_attached = False
+
+    async def start(self) -> None:
+        """Hold the chat engine for the server's life; load the models unless ``preload`` is off."""
+        self.core.attach()
+        self._is_attached = True
+        if self.settings.preload:
+            await asyncio.to_thread(self.core.wait_until_started)
+            if self.embedding_engine is not None:
+                await asyncio.to_thread(self.embedding_engine.start)
+
+    def stop(self) -> None:
+        """Release the chat engine (it stops if nothing else holds it)."""
+        if self._is_attached:
+            self._is_attached = False
+            self.core.detach()
+
+    # ---- per-request rules ---------------------------------------------------------------------
+
+    def check_chat_model(self, name: str) -> None:
+        self._check_model(name, self.settings.chat_model_name, self.settings.model, "chat")
+
+    def check_embedding_model(self, name: str) -> EmbeddingEngine:
+        if self.embedding_engine is None:
+            raise APIError(404, "this server serves no embedding model", param="model", code="model_not_found")
+        self._check_model(name, self.settings.embedding_model_name, self.settings.embedding_model, "embedding")
+        return self.embedding_engine
+
+    def _check_model(self, name: str, served_name: str, model: str, kind: str) -> None:
+        if name not in ("default", served_name, model):
+            raise APIError(404, f"model {name!r} is not served here; the {kind} model is {served_name!r} "
+                                f"(or say 'default')", param="model", code="model_not_found")
+
+    def timeout(self, request: Request) -> float | None:
+        """The server's ``request_timeout``, or less when the client's ``X-Request-Timeout`` asks for less."""
+        limit = self.settings.request_timeout
+        header = request.headers.get(TIMEOUT_HEADER)
+        if header is None:
+            return limit
+        try:
+            asked = float(header)
+        except ValueError:
+            asked = math.nan
+        if not math.isfinite(asked) or asked <= 0:
+            raise APIError(400, f"the X-Request-Timeout header must be a positive number of seconds, got {header!r}",
+                           param="X-Request-Timeout")
+        return asked if limit is None else min(asked, limit)
+
+    async def throttle(self, request: Request) -> None:
+        """Wait until the request's API key is within its rate (a no-op without ``rate_limit``)."""
+        if self.settings.rate_limit is not None:
+            await self.settings.rate_limit.acquire(request.state.tenant)
+
+    def max_tokens(self, asked: int | None, field: str = "max_tokens") -> int | None:
+        """``asked`` within ``max_tokens_limit``; a request that names none gets the limit."""
+        limit = self.settings.max_tokens_limit
+        if asked is not None and limit is not None and asked > limit:
+            raise APIError(400, f"{field} must be at most {limit} on this server, got {asked}", param=field)
+        return asked if asked is not None else limit
+
+    def check_n(self, n: int | None) -> int:
+        n = 1 if n is None else n
+        if n < 1 or n > self.settings.max_n:
+            raise APIError(400, f"n must be in [1, {self.settings.max_n}] on this server, got {n}", param="n")
+        return n
