@@ -5,6 +5,7 @@ weights: they stream out of :meth:`LoadedCheckpoint.weights`, one file open at a
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -57,22 +58,42 @@ def _safetensors_shapes(files: list[Path]) -> WeightShapes:
 
 
 def _stream_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor read with plain file reads into memory of its own.
+
+    Not through safetensors' memory map: the mapped pages of a whole shard would count towards the
+    process's resident memory until the file closes, on top of the model being filled in.
+    """
     for file in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
         try:
-            reader_context = safe_open(file, framework="pt")
-            reader = reader_context.__enter__()
-        except Exception as error:
+            with open(file, "rb") as reader:
+                for name, (dtype, shape, start, end) in _safetensors_entries(reader).items():
+                    buffer = torch.empty(end - start, dtype=torch.uint8)
+                    reader.seek(start)
+                    if reader.readinto(memoryview(buffer.numpy())) != end - start:
+                        raise ValueError(f"tensor {name!r} runs past the end of the file")
+                    yield name, buffer.view(dtype).reshape(shape)
+                    del buffer
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
             raise ValueError(f"model: cannot read weights file {str(file)!r}: {error}") from error
-        try:
-            for name in reader.keys():
-                try:
-                    tensor = reader.get_tensor(name)
-                except Exception as error:  # a tensor past the end of a truncated file
-                    raise ValueError(f"model: cannot read weights file {str(file)!r}: {error}") from error
-                yield name, tensor
-                del tensor
-        finally:
-            reader_context.__exit__(None, None, None)
+
+
+# safetensors dtype names -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _safetensors_entries(reader) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """``name -> (dtype, shape, first byte, end byte)`` from a safetensors header (already
+    validated by ``safe_open`` when the checkpoint was opened)."""
+    header_size = int.from_bytes(reader.read(8), "little")
+    header = json.loads(reader.read(header_size))
+    data_start = 8 + header_size
+    return {name: (_SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"], data_start + entry["data_offsets"][0],
+                   data_start + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
 
 
 def _pickled_files(path: Path, allow_pickle: bool) -> list[Path]:

@@ -46,17 +46,22 @@ class CpuLogitsHead(nn.Module):
 
     FP16_MAX_ROWS = 4
     NUM_EXACT_TOP = 8
+    # The fp16 copy is packed in blocks of this many vocabulary rows: packing goes through a
+    # float32 copy, which for a whole 128k-token vocabulary would be a 1 GB spike at load.
+    FP16_PACK_ROWS = 8192
 
     def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor, fp16_weight) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # tied models share it with the embedding: no copy
         self.packed_weight = packed_weight
-        self.fp16_weight = fp16_weight
+        self.fp16_weight = fp16_weight  # a list of packed row blocks, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp16_weight is not None and x.shape[0] <= self.FP16_MAX_ROWS:
-            return cpu_ops.fp16_linear(x, self.fp16_weight)
+            if len(self.fp16_weight) == 1:
+                return cpu_ops.fp16_linear(x, self.fp16_weight[0])
+            return torch.cat([cpu_ops.fp16_linear(x, block) for block in self.fp16_weight], dim=-1)
         logits = cpu_ops.dense_linear(x, self.packed_weight).float()
         top = cpu_ops.topk_indices(logits, min(self.NUM_EXACT_TOP, logits.shape[-1]))
         exact = torch.linalg.vecdot(self.weight[top].float(), x.float()[:, None, :])
@@ -71,4 +76,5 @@ def cpu_logits_head(head: nn.Module) -> nn.Module:
     packed = cpu_ops.pack_dense_weight(head.weight)
     if packed is None:
         return head
-    return CpuLogitsHead(head, packed, cpu_ops.pack_fp16_weight(head.weight))
+    blocks = [cpu_ops.pack_fp16_weight(rows) for rows in head.weight.split(CpuLogitsHead.FP16_PACK_ROWS)]
+    return CpuLogitsHead(head, packed, None if any(block is None for block in blocks) else blocks)

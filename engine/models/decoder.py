@@ -254,15 +254,19 @@ class DecoderModel(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> None:
-        """Pull each ``(name, tensor)`` into its parameter, then let every layer repack (oneDNN
-        layouts, int4 packing, the CPU logits head): this is the model's last setup step.
+        """Pull each ``(name, tensor)`` into its parameter; each linear layer repacks (oneDNN
+        layouts, int4 packing) as soon as all its weights are in, the LM head last: this is the
+        model's last setup step.
 
+        Repacking layer by layer keeps the peak memory near the model's final size: a plain weight
+        is freed right after its packed copy exists, while most of the model is still unread.
         ``weights`` is a stream (a checkpoint's ``weights()``) or a dict of Hugging Face names.
         """
         if isinstance(weights, Mapping):
             weights = weights.items()
         params = dict(self.named_parameters())
         expected = self.expected_checkpoint_shards()
+        layers = dict(linear_layers(self))
         covered: dict[str, set] = {}
         for name, tensor in weights:
             target = self.param_for_checkpoint_name(name)
@@ -271,23 +275,46 @@ class DecoderModel(nn.Module):
             param_name, shard_id = target
             if param_name not in expected:
                 raise ValueError(f"checkpoint has weight {name!r} that {type(self).__name__} does not expect")
-            param = params[param_name]
-            try:
-                loader = getattr(param, "weight_loader", None)
-                if loader is not None:
-                    loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
-                else:
-                    default_weight_loader(param, tensor)
-            except ValueError as error:
-                raise ValueError(f"weight {name!r}: {error}") from None
+            if param_name not in params:
+                raise ValueError(f"checkpoint has weight {name!r} more than once")
+            _load_one(params[param_name], tensor, shard_id, name)
             covered.setdefault(param_name, set()).update(expected[param_name] if shard_id is None else [shard_id])
+            del tensor
+            if params[param_name] is self.lm_head.weight:
+                self.lm_head = cpu_logits_head(self.lm_head)  # now, while little else is resident
+            module_name = param_name.rpartition(".")[0]
+            if module_name in layers and _is_layer_complete(module_name, expected, covered):
+                for layer_param in [n for n in params if n.rpartition(".")[0] == module_name]:
+                    del params[layer_param]  # our reference must not keep the plain weight alive
+                layers.pop(module_name).process_weights_after_loading()
         _check_complete(expected, covered, "checkpoint")
-        self.finish_loading()
+        del params
+        for layer in layers.values():  # layers with nothing to load (none today)
+            layer.process_weights_after_loading()
 
     def finish_loading(self) -> None:
+        """Repack every linear layer and the LM head, for a model filled in some other way."""
         for _, layer in linear_layers(self):
             layer.process_weights_after_loading()
         self.lm_head = cpu_logits_head(self.lm_head)
+
+
+def _load_one(param: nn.Parameter, tensor, shard_id, name: str) -> None:
+    try:
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            default_weight_loader(param, tensor)
+        elif shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+    except ValueError as error:
+        raise ValueError(f"weight {name!r}: {error}") from None
+
+
+def _is_layer_complete(module_name: str, expected: dict[str, list], covered: dict[str, set]) -> bool:
+    return all(set(shards) <= covered.get(name, set()) for name, shards in expected.items()
+               if name.rpartition(".")[0] == module_name)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight) -> None:
