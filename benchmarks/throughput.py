@@ -357,7 +357,6 @@ def main(argv=None) -> None:
         model = None
         weights, checkpoint = random_checkpoint(args.shape, torch.bfloat16, args.device)
         weight_bytes, shapes = weights.num_bytes, weights.shapes
-        del weights
     else:
         model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
