@@ -175,17 +175,20 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         self.is_mixed_precision = False     # set by prepack
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` and ``attention_mask`` are ``[batch, length]``, right-padded; returns
-        ``[batch, length, hidden]`` with zeros at the padded positions."""
+        ``[batch, length, hidden]`` with zeros at the padded positions. Without
+        ``token_type_ids`` every token is of type 0 (one text); a cross-encoder's pairs pass theirs."""
         batch, length = input_ids.shape
         layout = PackedLayout.from_mask(attention_mask)
         offset = self.config.position_offset
         # Right padding puts every real token at the position it would have alone.
         positions = torch.arange(offset, offset + length, device=input_ids.device).expand(batch, length)
         input_ids, positions = layout.pack(input_ids.reshape(-1)), layout.pack(positions.reshape(-1))
-        hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-                  + self.token_type_embeddings.weight[0])
+        token_types = (self.token_type_embeddings.weight[0] if token_type_ids is None
+                       else self.token_type_embeddings(layout.pack(token_type_ids.reshape(-1))))
+        hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions) + token_types
         hidden = self.embedding_norm(hidden)
         shortest = min(run_length for _, _, run_length in layout.runs)
         in_bf16 = self.is_mixed_precision and shortest >= MIXED_PRECISION_MIN_TOKENS
@@ -208,8 +211,14 @@ class BertEncoder(nn.Module):
         """Build from ``path/config.json`` and its safetensors weights (one file or sharded)."""
         with open(Path(path) / "config.json", encoding="utf-8") as file:
             config = BertConfig.from_dict(json.load(file))
+        return cls.from_weights(config, read_safetensors(Path(path)), dtype, device)
+
+    @classmethod
+    def from_weights(cls, config: BertConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device) -> BertEncoder:
+        """Build from checkpoint tensors named as transformers names them, prefix cut."""
         encoder = cls(config)
-        encoder.load_state_dict(_our_state_dict(_read_safetensors(Path(path)), config.num_hidden_layers))
+        encoder.load_state_dict(_our_state_dict(weights, config.num_hidden_layers))
         encoder.to(device=device, dtype=dtype).eval()
         encoder.requires_grad_(False)
         encoder.prepack()
@@ -220,7 +229,9 @@ def has_safetensors(path: Path) -> bool:
     return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, prefixes: tuple[str, ...] = _KEY_PREFIXES) -> dict[str, torch.Tensor]:
+    """Every tensor of ``path``'s safetensors (one file or sharded), the model-class prefix
+    (``bert.``, ``roberta.``...) cut from its name."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         with open(index, encoding="utf-8") as file:
@@ -231,12 +242,12 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(str(path / name), framework="pt") as file:
             for key in file.keys():
-                tensors[_canonical_key(key)] = file.get_tensor(key)
+                tensors[_canonical_key(key, prefixes)] = file.get_tensor(key)
     return tensors
 
 
-def _canonical_key(key: str) -> str:
-    for prefix in _KEY_PREFIXES:
+def _canonical_key(key: str, prefixes: tuple[str, ...] = _KEY_PREFIXES) -> str:
+    for prefix in prefixes:
         if key.startswith(prefix):
             key = key[len(prefix):]
             break

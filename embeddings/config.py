@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .model_dir import POOLING_MODES
+
 _DTYPES = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 IMPLEMENTATIONS = ("auto", "hearth", "transformers")
@@ -43,6 +45,10 @@ class EmbeddingConfig:
     - ``implementation``: ``"auto"`` (ours for BERT/RoBERTa safetensors, else transformers),
       ``"hearth"`` or ``"transformers"`` (``AutoModel`` with SDPA attention).
     - ``show_progress``: default of the per-request progress bar (``None``: only for large requests).
+    - ``pooling``: overrides the model directory's pooling mode (``"mean"``, ``"cls"``, ``"max"``,
+      ``"mean_sqrt_len"``, ``"lasttoken"``); required for a model that names none.
+    - ``dimensions``: Matryoshka truncation — keep the first ``dimensions`` components of each
+      vector (re-normalized when the model normalizes); at most the model's hidden size.
     """
 
     model: str = "default"
@@ -54,6 +60,8 @@ class EmbeddingConfig:
     implementation: str = "auto"
     num_workers: int | None = None
     show_progress: bool | None = None
+    pooling: str | None = None
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,7 +76,7 @@ class EmbeddingConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
-        for name in ("max_batch_tokens", "max_batch_size", "num_workers"):
+        for name in ("max_batch_tokens", "max_batch_size", "num_workers", "dimensions"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.max_seq_length is not None:
@@ -76,6 +84,8 @@ class EmbeddingConfig:
             if self.max_seq_length < 2:
                 raise ValueError(f"max_seq_length must be at least 2 (room for the special tokens), "
                                  f"got {self.max_seq_length}")
+        if self.pooling is not None and self.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES} or None, got {self.pooling!r}")
         if self.show_progress is not None and not isinstance(self.show_progress, bool):
             raise ValueError(f"show_progress must be True, False or None, got {self.show_progress!r}")
 

@@ -29,7 +29,7 @@ from .config import EmbeddingConfig
 from .errors import (EmbeddingEngineClosedError, EmbeddingEngineDeadError, EmbeddingFailedError,
                      TextTooLongError)
 from .model_dir import read_encoder_spec
-from .runner import EncoderRunner
+from .runner import EncoderRunner, make_runner
 from .workers import ForwardWorkers, start_single_threaded
 
 logger = logging.getLogger("hearth_llm")
@@ -88,7 +88,8 @@ class EmbeddingEngine:
     def __init__(self, config: EmbeddingConfig | None = None) -> None:
         self.config = config if config is not None else EmbeddingConfig()
         self.config.validate()
-        self.spec = read_encoder_spec(self.config.model, self.config.max_seq_length)
+        self.spec = read_encoder_spec(self.config.model, self.config.max_seq_length, pooling=self.config.pooling,
+                                      dimensions=self.config.dimensions)
         # resolved here: its default follows the calling thread's torch threads, and the engine
         # thread runs on one
         self.num_workers = self.config.worker_count
@@ -111,7 +112,13 @@ class EmbeddingEngine:
 
     @property
     def dimension(self) -> int:
-        return self.spec.dimension
+        """Components of each embedding (``dimensions`` when truncated); 1 for a cross-encoder's scores."""
+        return 1 if self.spec.is_cross_encoder else self.spec.dimension
+
+    @property
+    def is_reranker(self) -> bool:
+        """A cross-encoder: :meth:`score` works, :meth:`embed` does not."""
+        return self.spec.is_cross_encoder
 
     @property
     def max_seq_length(self) -> int:
@@ -130,54 +137,101 @@ class EmbeddingEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def submit(self, texts: Sequence[str], *, truncate: bool = True,
-               show_progress: bool | None = None) -> concurrent.futures.Future:
+    def submit(self, texts: Sequence[str], *, truncate: bool = True, show_progress: bool | None = None,
+               prompt_name: str | None = None, prompt: str | None = None) -> concurrent.futures.Future:
         """Queue ``texts``; the future's result is a float32 tensor ``[len(texts), dimension]``.
 
         ``truncate=False`` fails the request with :class:`TextTooLongError` when a text has more
         than ``max_seq_length`` tokens. ``show_progress=None`` shows a bar for large requests.
+        ``prompt_name`` picks one of the model's prompts (``config_sentence_transformers.json``,
+        e.g. ``"query"``), ``prompt`` gives the text itself; it goes before every text, as
+        sentence-transformers puts it. Neither: the model's ``default_prompt_name``, if any.
         """
         _check_texts(texts, "texts")
+        if self.spec.is_cross_encoder:
+            raise ValueError(f"{self.spec.path} is a cross-encoder: it scores pairs (score()), it does not embed")
+        prefix = self.spec.prompt_for(prompt_name, prompt)
+        return self._submit([prefix + text for text in texts] if prefix else list(texts), truncate, show_progress)
+
+    def submit_scores(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> concurrent.futures.Future:
+        """Queue ``documents`` to be scored against ``query`` (a cross-encoder); the future's result
+        is a float32 tensor ``[len(documents)]``."""
+        _check_text(query, "query")
+        _check_texts(documents, "documents")
+        if not self.spec.is_cross_encoder:
+            raise ValueError(f"{self.spec.path} is not a cross-encoder (no *ForSequenceClassification head); "
+                             "score() needs a reranker model")
+        return self._submit([(query, document) for document in documents], truncate, False)
+
+    def _submit(self, inputs: list, truncate: bool, show_progress: bool | None) -> concurrent.futures.Future:
         if not isinstance(truncate, bool):
             raise TypeError(f"truncate must be True or False, got {truncate!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request = _Request(texts=list(texts), truncate=truncate, future=future,
-                           embeddings=torch.empty(len(texts), self.dimension), progress=None)
+        request = _Request(texts=inputs, truncate=truncate, future=future,
+                           embeddings=torch.empty(len(inputs), self.dimension), progress=None)
         with self._lock:
             self._raise_if_stopped()
             self._start_locked()
             # The bar exists before the engine thread can see the request, which alone updates it.
-            request.progress = self._progress_bar(len(texts), show_progress)
+            request.progress = self._progress_bar(len(inputs), show_progress)
             self._waiting.append(request)
             self._stats["num_requests"] += 1
             self._has_work.notify()
         return future
 
+    def score(self, query: str, documents: Sequence[str], *, truncate: bool = True,
+              timeout: float | None = None) -> list[float]:
+        """Relevance of each document to ``query`` from a cross-encoder, as sentence-transformers'
+        ``CrossEncoder.predict`` gives it (its activation applied); blocks. Pairs from every
+        caller share the engine's batches.
+
+        >>> with EmbeddingEngine(EmbeddingConfig(model="/models/ms-marco-MiniLM-L6-v2")) as reranker:
+        ...     reranker.score("Where is Paris?", ["Paris is in France.", "Rome is in Italy."])
+        [0.98..., 0.01...]
+        """
+        future = self.submit_scores(query, documents, truncate=truncate)
+        try:
+            return future.result(timeout)[:, 0].tolist()
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"scoring {len(documents)} documents did not finish within timeout={timeout} s") from None
+
+    async def ascore(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
+        """:meth:`score` for coroutines: the event loop waits, the engine thread computes."""
+        future = self.submit_scores(query, documents, truncate=truncate)
+        return (await asyncio.wrap_future(future))[:, 0].tolist()
+
     def embed(self, texts: Sequence[str], *, truncate: bool = True, show_progress: bool | None = None,
-              timeout: float | None = None) -> torch.Tensor:
-        """Embeddings of ``texts`` as a float32 tensor ``[len(texts), dimension]``; blocks."""
-        future = self.submit(texts, truncate=truncate, show_progress=show_progress)
+              timeout: float | None = None, prompt_name: str | None = None, prompt: str | None = None) -> torch.Tensor:
+        """Embeddings of ``texts`` as a float32 tensor ``[len(texts), dimension]``; blocks.
+        ``prompt_name``/``prompt`` as in :meth:`submit`."""
+        future = self.submit(texts, truncate=truncate, show_progress=show_progress, prompt_name=prompt_name,
+                             prompt=prompt)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"embedding {len(texts)} texts did not finish within timeout={timeout} s") from None
 
-    def embed_one(self, text: str, *, truncate: bool = True) -> torch.Tensor:
+    def embed_one(self, text: str, *, truncate: bool = True, prompt_name: str | None = None,
+                  prompt: str | None = None) -> torch.Tensor:
         """The embedding of one ``text``, ``[dimension]``; blocks."""
         _check_text(text, "text")
-        return self.embed([text], truncate=truncate, show_progress=False)[0]
+        return self.embed([text], truncate=truncate, show_progress=False, prompt_name=prompt_name, prompt=prompt)[0]
 
-    async def aembed(self, texts: Sequence[str], *, truncate: bool = True,
-                     show_progress: bool | None = None) -> torch.Tensor:
+    async def aembed(self, texts: Sequence[str], *, truncate: bool = True, show_progress: bool | None = None,
+                     prompt_name: str | None = None, prompt: str | None = None) -> torch.Tensor:
         """:meth:`embed` for coroutines: the event loop waits, the engine thread computes.
         Cancelling the awaiting task drops the texts not yet computed."""
-        future = self.submit(texts, truncate=truncate, show_progress=show_progress)
+        future = self.submit(texts, truncate=truncate, show_progress=show_progress, prompt_name=prompt_name,
+                             prompt=prompt)
         return await asyncio.wrap_future(future)
 
-    async def aembed_one(self, text: str, *, truncate: bool = True) -> torch.Tensor:
+    async def aembed_one(self, text: str, *, truncate: bool = True, prompt_name: str | None = None,
+                         prompt: str | None = None) -> torch.Tensor:
         _check_text(text, "text")
-        return (await self.aembed([text], truncate=truncate, show_progress=False))[0]
+        return (await self.aembed([text], truncate=truncate, show_progress=False, prompt_name=prompt_name,
+                                  prompt=prompt))[0]
 
     def _progress_bar(self, num_texts: int, show_progress: bool | None) -> tqdm | None:
         if show_progress is None:
@@ -263,7 +317,7 @@ class EmbeddingEngine:
 
     def _load_and_serve(self) -> None:
         try:
-            self._runner = EncoderRunner(self.spec, self.config)
+            self._runner = make_runner(self.spec, self.config)
         except BaseException as error:  # noqa: BLE001 - every waiting caller must hear of it
             self._stop(EmbeddingEngineDeadError(f"loading the embedding model {self.spec.path} failed: "
                                                 f"{type(error).__name__}: {error}"), error)

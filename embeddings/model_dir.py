@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL = "default"
@@ -31,12 +31,49 @@ class EncoderSpec:
 
     path: Path                 # the model directory
     encoder_path: Path         # where config.json, the weights and the tokenizer are
-    pooling: str               # one of POOLING_MODES
+    pooling: str               # one of POOLING_MODES ("" for a cross-encoder)
     normalize: bool
     max_seq_length: int        # tokens per text, special tokens included
     do_lower_case: bool        # sentence-transformers lower-cases the text before tokenizing
-    dimension: int
+    dimension: int             # of the vectors returned: ``dimensions`` if given, else the hidden size
     model_type: str            # config.json's model_type: "bert", "roberta", ...
+    hidden_size: int = 0       # of the encoder; ``dimension`` below it is a Matryoshka truncation
+    prompts: dict[str, str] = field(default_factory=dict)   # config_sentence_transformers.json's prompts
+    default_prompt_name: str | None = None
+    is_cross_encoder: bool = False    # a *ForSequenceClassification head: scores text pairs
+    score_activation: str = "identity"    # what a cross-encoder applies to its logit: sigmoid/identity/tanh
+
+    @property
+    def is_truncated(self) -> bool:
+        return self.dimension < self.hidden_size
+
+    @property
+    def query_prompt_name(self) -> str | None:
+        """The prompt sentence-transformers' ``encode_query`` uses: ``"query"`` when the model has one."""
+        return "query" if "query" in self.prompts else None
+
+    @property
+    def document_prompt_name(self) -> str | None:
+        """The prompt ``encode_document`` uses: the first of document/passage/corpus the model has."""
+        return next((name for name in ("document", "passage", "corpus") if name in self.prompts), None)
+
+    def prompt_for(self, prompt_name: str | None, prompt: str | None = None) -> str:
+        """The text to put before each input: ``prompt`` itself, or the model's prompt of that name,
+        or its ``default_prompt_name``'s; ``""`` when none applies."""
+        if prompt is not None:
+            if prompt_name is not None:
+                raise ValueError("pass prompt or prompt_name, not both")
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+            return prompt
+        if prompt_name is None:
+            prompt_name = self.default_prompt_name
+            if prompt_name is None:
+                return ""
+        if prompt_name not in self.prompts:
+            raise ValueError(f"prompt_name {prompt_name!r} is not one of this model's prompts "
+                             f"{sorted(self.prompts)} (config_sentence_transformers.json)")
+        return self.prompts[prompt_name]
 
 
 def default_model_path() -> Path:
@@ -61,14 +98,30 @@ def resolve_model_path(model: str) -> Path:
     return path.resolve()
 
 
-def read_encoder_spec(model: str, max_seq_length: int | None = None) -> EncoderSpec:
-    """Parse the directory of ``model``; ``max_seq_length`` overrides the directory's value."""
+def read_encoder_spec(model: str, max_seq_length: int | None = None, pooling: str | None = None,
+                      dimensions: int | None = None) -> EncoderSpec:
+    """Parse the directory of ``model``; ``max_seq_length`` overrides the directory's value,
+    ``pooling`` its pooling mode (required when it names none), ``dimensions`` truncates the vectors
+    (Matryoshka; re-normalized when the model normalizes)."""
     path = resolve_model_path(model)
     modules = _read_modules(path)
     encoder_path = path / modules.get("Transformer", "")
     config = _read_json(encoder_path / "config.json", what="the encoder's config.json")
+    _check_architecture(config, encoder_path)
     st_config = _read_json(encoder_path / "sentence_bert_config.json", missing_ok=True)
-    pooling = _read_pooling(path / modules["Pooling"]) if "Pooling" in modules else "mean"
+    is_cross_encoder = _is_cross_encoder(config)
+    if is_cross_encoder:
+        pooling = ""
+    elif pooling is not None:
+        if pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+    elif "Pooling" in modules:
+        pooling = _read_pooling(path / modules["Pooling"])
+    elif (path / "modules.json").is_file() or config.get("model_type") not in _MEAN_BY_DEFAULT:
+        raise ValueError(f"{path} names no pooling (no Pooling module in its modules.json, or no modules.json "
+                         f"for a {config.get('model_type')!r} model); pass pooling= one of {POOLING_MODES}")
+    else:
+        pooling = "mean"   # a plain BERT-family HF directory: what sentence-transformers would pick
     limit = _position_limit(config)
     if max_seq_length is None:
         max_seq_length = st_config.get("max_seq_length") or _tokenizer_limit(encoder_path) or limit
@@ -76,9 +129,70 @@ def read_encoder_spec(model: str, max_seq_length: int | None = None) -> EncoderS
     elif max_seq_length > limit:
         raise ValueError(f"max_seq_length must be at most {limit} for this model "
                          f"(its max_position_embeddings allows no more), got {max_seq_length}")
-    return EncoderSpec(path=path, encoder_path=encoder_path, pooling=pooling, normalize="Normalize" in modules,
-                       max_seq_length=int(max_seq_length), do_lower_case=bool(st_config.get("do_lower_case", False)),
-                       dimension=int(config["hidden_size"]), model_type=str(config.get("model_type", "")))
+    hidden_size = int(config.get("hidden_size") or config.get("n_embd"))
+    if dimensions is not None and (is_cross_encoder or dimensions > hidden_size):
+        raise ValueError(f"dimensions must be at most the model's hidden size {hidden_size}, got {dimensions}"
+                         if not is_cross_encoder else "dimensions does not apply to a cross-encoder")
+    st_model_config = _read_json(path / "config_sentence_transformers.json", missing_ok=True)
+    prompts = {str(k): str(v) for k, v in (st_model_config.get("prompts") or {}).items()}
+    default_prompt_name = st_model_config.get("default_prompt_name")
+    if default_prompt_name is not None and default_prompt_name not in prompts:
+        raise ValueError(f"config_sentence_transformers.json: default_prompt_name {default_prompt_name!r} "
+                         f"is not one of its prompts {sorted(prompts)}")
+    return EncoderSpec(path=path, encoder_path=encoder_path, pooling=pooling,
+                       normalize="Normalize" in modules, max_seq_length=int(max_seq_length),
+                       do_lower_case=bool(st_config.get("do_lower_case", False)),
+                       dimension=dimensions or hidden_size, model_type=str(config.get("model_type", "")),
+                       hidden_size=hidden_size, prompts=prompts, default_prompt_name=default_prompt_name,
+                       is_cross_encoder=is_cross_encoder,
+                       score_activation=_score_activation(config) if is_cross_encoder else "identity")
+
+
+# Plain HF directories of these types pool by mean without being told (the behaviour since 0.1).
+_MEAN_BY_DEFAULT = ("bert", "roberta", "xlm-roberta", "camembert")
+_SCORE_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
+                      "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity",
+                      "torch.nn.modules.activation.Tanh": "tanh", "torch.nn.Tanh": "tanh"}
+
+
+def _check_architecture(config: dict, encoder_path: Path) -> None:
+    """Unknown to us and to transformers → ``ValueError`` naming the model_type."""
+    from .encoders import SUPPORTED_MODEL_TYPES
+
+    model_type = config.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    try:
+        from transformers import CONFIG_MAPPING
+        is_known = model_type in CONFIG_MAPPING
+    except ImportError:
+        is_known = False
+    if not is_known:
+        raise ValueError(f"{encoder_path / 'config.json'}: model_type {model_type!r} is not a known architecture "
+                         f"(ours: {SUPPORTED_MODEL_TYPES}; nor does transformers know it)")
+
+
+def _is_cross_encoder(config: dict) -> bool:
+    architectures = config.get("architectures") or []
+    if not any(str(name).endswith("ForSequenceClassification") for name in architectures):
+        return False
+    num_labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
+    if num_labels != 1:
+        raise ValueError(f"a cross-encoder must have num_labels 1 (one relevance score per pair), got {num_labels}")
+    if config.get("problem_type") not in (None, "regression", "single_label_classification"):
+        raise ValueError(f"cross-encoder problem_type {config['problem_type']!r} is not supported")
+    return True
+
+
+def _score_activation(config: dict) -> str:
+    """sentence-transformers' CrossEncoder: the config's activation_fn, else Sigmoid for one label."""
+    path = (config.get("sentence_transformers") or {}).get("activation_fn") \
+        or config.get("sbert_ce_default_activation_function")
+    if path is None:
+        return "sigmoid"
+    if path not in _SCORE_ACTIVATIONS:
+        raise ValueError(f"cross-encoder activation_fn {path!r} is not supported; supported: {sorted(_SCORE_ACTIVATIONS)}")
+    return _SCORE_ACTIVATIONS[path]
 
 
 def _read_modules(path: Path) -> dict[str, str]:
@@ -107,6 +221,9 @@ def _read_pooling(folder: Path) -> str:
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         raise ValueError(f"{folder / 'config.json'}: pooling {modes} is not supported; "
                          f"exactly one of {POOLING_MODES} must be set")
+    if config.get("include_prompt", True) is not True:
+        raise ValueError(f"{folder / 'config.json'}: include_prompt={config['include_prompt']!r} is not supported "
+                         "(the prompt's tokens are pooled with the text's)")
     return modes[0]
 
 

@@ -5,9 +5,11 @@ import torch
 import torch.nn.functional as F
 
 
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str, normalize: bool) -> torch.Tensor:
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str, normalize: bool,
+         dimensions: int | None = None) -> torch.Tensor:
     """``hidden [batch, length, width]`` and a right-padded ``attention_mask [batch, length]`` →
-    float32 ``[batch, width]``.
+    float32 ``[batch, width]``, or ``[batch, dimensions]``: the first components (Matryoshka
+    truncation), normalized after the cut when ``normalize``.
 
     >>> pool(torch.ones(2, 3, 4), torch.tensor([[1, 1, 0], [1, 1, 1]]), "mean", normalize=True)[0]
     tensor([0.5000, 0.5000, 0.5000, 0.5000])
@@ -28,4 +30,6 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str, normaliz
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     else:
         raise ValueError(f"pooling mode {mode!r} is not supported")
+    if dimensions is not None:
+        pooled = pooled[:, :dimensions]
     return F.normalize(pooled, p=2, dim=1) if normalize else pooled

@@ -6,8 +6,10 @@ import logging
 
 import torch
 
-from .bert import MIXED_PRECISION_MIN_TOKENS, SUPPORTED_MODEL_TYPES, BertConfig, BertEncoder, has_safetensors
+from .bert import MIXED_PRECISION_MIN_TOKENS, has_safetensors
 from .config import EmbeddingConfig
+from .cross_encoder import SCORE_ACTIVATIONS, CrossEncoder, pair_token_types
+from .encoders import BERT_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_config, encoder_class
 from .model_dir import EncoderSpec
 from .pooling import pool
 
@@ -51,11 +53,20 @@ class EncoderRunner:
         self.pad_token_id = 0 if pad is None else int(pad)
         self.implementation = choose_implementation(spec, config.implementation)
         if self.implementation == "hearth":
-            self.model = BertEncoder.from_pretrained(spec.encoder_path, dtype=config.torch_dtype, device=self.device)
-            if config.allows_mixed_precision:
+            self.model = self._our_model_class().from_pretrained(spec.encoder_path, dtype=config.torch_dtype,
+                                                                 device=self.device)
+            if config.allows_mixed_precision and self._offers_mixed:
                 self._use_mixed_precision_if_close()
         else:
             self.model = _load_transformers_model(spec, config)
+
+    def _our_model_class(self):
+        return encoder_class(self.spec.model_type)
+
+    @property
+    def _offers_mixed(self) -> bool:
+        """Only the BERT encoder's mixed precision is calibrated (see bert.py)."""
+        return self.spec.model_type in BERT_MODEL_TYPES
 
     @property
     def is_mixed_precision(self) -> bool:
@@ -104,18 +115,22 @@ class EncoderRunner:
 
     def run(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Right-pad one batch, encode, pool: float32 ``[len(token_ids), dimension]`` on the CPU."""
+        input_ids, attention_mask = self._padded(token_ids)
+        if self.implementation == "hearth":
+            hidden = self.model(input_ids, attention_mask)
+        else:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        dimensions = self.spec.dimension if self.spec.is_truncated else None
+        return pool(hidden, attention_mask, self.spec.pooling, self.spec.normalize, dimensions).cpu()
+
+    def _padded(self, token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(len(row) for row in token_ids)
         input_ids = torch.full((len(token_ids), length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(token_ids), length), dtype=torch.long)
         for i, row in enumerate(token_ids):
             input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
             attention_mask[i, :len(row)] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        if self.implementation == "hearth":
-            hidden = self.model(input_ids, attention_mask)
-        else:
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return pool(hidden, attention_mask, self.spec.pooling, self.spec.normalize).cpu()
+        return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _encode(self, texts: list[str], max_length: int) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length,
@@ -139,22 +154,70 @@ def choose_implementation(spec: EncoderSpec, requested: str) -> str:
 
 
 def _why_not_ours(spec: EncoderSpec) -> str | None:
-    if spec.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {spec.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    supported = BERT_MODEL_TYPES if spec.is_cross_encoder else SUPPORTED_MODEL_TYPES
+    if spec.model_type not in supported:
+        return f"model_type {spec.model_type!r} is not one of {supported}" + (" (for a cross-encoder)"
+                                                                            if spec.is_cross_encoder else "")
     if not has_safetensors(spec.encoder_path):
         return "it has no safetensors weights"
     with open(spec.encoder_path / "config.json", encoding="utf-8") as file:
         try:
-            BertConfig.from_dict(json.load(file))
+            check_config(json.load(file))
         except (ValueError, KeyError) as error:
             return str(error)
     return None
 
 
 def _load_transformers_model(spec: EncoderSpec, config: EmbeddingConfig):
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForSequenceClassification
 
-    model = AutoModel.from_pretrained(str(spec.encoder_path), dtype=config.torch_dtype, attn_implementation="sdpa")
+    auto_class = AutoModelForSequenceClassification if spec.is_cross_encoder else AutoModel
+    model = auto_class.from_pretrained(str(spec.encoder_path), dtype=config.torch_dtype, attn_implementation="sdpa")
     model.to(config.torch_device).eval()
     model.requires_grad_(False)
     return model
+
+
+class CrossEncoderRunner(EncoderRunner):
+    """:class:`EncoderRunner` for a cross-encoder: (query, document) pairs → one score each,
+    the logit through the activation sentence-transformers' ``CrossEncoder`` applies.
+
+    >>> runner = CrossEncoderRunner(read_encoder_spec(reranker_dir), EmbeddingConfig())
+    >>> ids, _ = runner.tokenize([("what is a kettle?", "A kettle boils water.")], truncate=True)
+    >>> runner.run(ids).shape
+    torch.Size([1, 1])
+    """
+
+    def _our_model_class(self):
+        return CrossEncoder
+
+    @property
+    def _offers_mixed(self) -> bool:
+        return False
+
+    def run(self, token_ids: list[list[int]]) -> torch.Tensor:
+        input_ids, attention_mask = self._padded(token_ids)
+        if self.implementation == "hearth":
+            types = None
+            if self.model.encoder.config.type_vocab_size > 1:
+                types = pair_token_types(input_ids, attention_mask, self.tokenizer.sep_token_id)
+            logits = self.model(input_ids, attention_mask, types)
+        else:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                **self._transformers_token_types(input_ids, attention_mask)).logits[:, 0]
+        return SCORE_ACTIVATIONS[self.spec.score_activation](logits.float()).unsqueeze(1).cpu()
+
+    def _transformers_token_types(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        if getattr(self.model.config, "type_vocab_size", 1) > 1:
+            return {"token_type_ids": pair_token_types(input_ids, attention_mask, self.tokenizer.sep_token_id)}
+        return {}
+
+    def _encode(self, pairs: list[tuple[str, str]], max_length: int) -> list[list[int]]:
+        queries, documents = [pair[0] for pair in pairs], [pair[1] for pair in pairs]
+        return self.tokenizer(queries, documents, add_special_tokens=True, truncation=True, max_length=max_length,
+                              return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+
+
+def make_runner(spec: EncoderSpec, config: EmbeddingConfig) -> EncoderRunner:
+    """The runner for ``spec``: embeddings, or scores for a cross-encoder."""
+    return (CrossEncoderRunner if spec.is_cross_encoder else EncoderRunner)(spec, config)
