@@ -38,6 +38,11 @@ _TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 SUPPORTED_ACTIVATIONS = ("silu", "swish", *_TANH_GELUS, *_EXACT_GELUS, *_TORCH_ACTIVATIONS)
 
 
+def check_activation(name: str, owner: str = "this model") -> None:
+    """``ValueError`` naming ``hidden_act`` when ``name`` is not one we run exactly as HF does."""
+    _check(name, owner)
+
+
 def _check(name: str, owner: str) -> None:
     if name not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={name!r} is not supported by {owner} here; supported: "

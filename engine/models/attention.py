@@ -80,11 +80,10 @@ class Attention(nn.Module):
             qkv, positions, self.rotary.cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
             num_heads, num_kv_heads, self.q_norm.weight if has_qk_norm else None,
             self.k_norm.weight if has_qk_norm else None, self.q_norm.eps if has_qk_norm else 1e-6,
-            **({} if self.rotary.is_neox_style else {"is_neox_style": False}),
+            self.rotary.is_neox_style,
         )
         out = kernels.paged_attention(
             query, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window,
-            **({} if self.soft_cap is None else {"soft_cap": self.soft_cap}),
+            meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window, self.soft_cap,
         )
         return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))

@@ -11,8 +11,8 @@ from .registry import register_model
 @register_model("Qwen2ForCausalLM", model_types=("qwen2",), gguf={"qwen2": GGUFArchitecture(config_class="Qwen2Config")})
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def check_config(cls, config) -> None:
-        super(LlamaForCausalLM, cls).check_config(config)
+    def check_window_fields(cls, config) -> None:
+        pass  # HF's Qwen attention follows layer_types and sliding_window per layer, as ArchConfig does
 
     @classmethod
     def arch_fields(cls, config) -> dict:
