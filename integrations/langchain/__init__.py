@@ -8,3 +8,5 @@ from .chat_models import ChatHearth
 __all__ = ["ChatHearth"]
 from .embeddings import HearthEmbeddings  # noqa: E402
 __all__ += ["HearthEmbeddings"]
+from .rerank import HearthReranker  # noqa: E402
+__all__ += ["HearthReranker"]

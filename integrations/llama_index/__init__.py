@@ -5,5 +5,6 @@
 """
 from .embeddings import HearthEmbedding
 from .llm import HearthLLM
+from .rerank import HearthReranker
 
-__all__ = ["HearthEmbedding", "HearthLLM"]
+__all__ = ["HearthEmbedding", "HearthLLM", "HearthReranker"]
