@@ -32,7 +32,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state.check_chat_model(body.model)
     reply = _Reply(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.settings.chat_model_name,
                    parallel_tool_calls=body.parallel_tool_calls is not False,
-                   include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                   n=body.n or 1)
     chat_request = to_chat_request(body, state, reply.id, state.timeout(request))
     request.state.log.update(model=body.model, user=body.user or body.safety_identifier, engine_request_id=reply.id)
     await state.throttle(request)
@@ -42,19 +43,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             deltas = aiter(stream)
             first = await _first(deltas)  # a template that rejects the conversation is still a 400 here
             return EventStreamResponse(reply.events(first, deltas), on_close=stream.close)
-        result = await _collect(stream)
+        results = await _collect(stream)
     except BaseException:
         stream.close()
         raise
-    request.state.log.update(prompt_tokens=result.usage.prompt_tokens, completion_tokens=result.usage.completion_tokens)
-    return JSONResponse(reply.completion(result))
+    request.state.log.update(prompt_tokens=results[0].usage.prompt_tokens,
+                             completion_tokens=results[0].usage.completion_tokens)
+    return JSONResponse(reply.completion(results))
 
 
 def to_chat_request(body: ChatCompletionRequest, state: ServerState, request_id: str,
                     timeout: float | None) -> ChatRequest:
     """The chat service's request for ``body``; :class:`APIError` (400) naming the field it cannot serve."""
-    if state.check_n(body.n) != 1:
-        raise APIError(400, "n: only n=1 is supported for chat completions; send n requests", param="n")
+    n = state.check_n(body.n)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
@@ -68,7 +69,7 @@ def to_chat_request(body: ChatCompletionRequest, state: ServerState, request_id:
     tool_choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
     _check_strict_tools(tools, tool_choice)
     sampling = SamplingOptions(
-        temperature=body.temperature, max_tokens=max_tokens, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        n=n, temperature=body.temperature, max_tokens=max_tokens, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, stop=body.stop, logprobs=body.logprobs,
         top_logprobs=body.top_logprobs)
@@ -130,9 +131,10 @@ async def _first(deltas: AsyncIterator[ChatDelta]) -> ChatDelta:
         raise engine_failure(error) or error
 
 
-async def _collect(stream: ChatStream) -> ChatResult:
+async def _collect(stream: ChatStream) -> list[ChatResult]:
     try:
-        return await stream.acollect()
+        await stream.acollect()
+        return stream.results
     except ValueError as error:
         raise invalid_parameter(error, _FIELDS) from error
     except Exception as error:
@@ -148,8 +150,15 @@ class _Reply:
     model: str
     parallel_tool_calls: bool
     include_usage: bool
+    n: int = 1
 
-    def completion(self, result: ChatResult) -> dict:
+    def completion(self, results: list[ChatResult]) -> dict:
+        """The whole response: one choice per answer, the request's usage."""
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [self._choice(index, result) for index, result in enumerate(results)],
+                "usage": usage(results[0].usage), "system_fingerprint": None}
+
+    def _choice(self, index: int, result: ChatResult) -> dict:
         tool_calls = _kept(result.tool_calls, self.parallel_tool_calls)
         content = result.content + "".join(call.raw_arguments or "" for call in result.invalid_tool_calls)
         message = {"role": "assistant", "content": content if content or not tool_calls else None}
@@ -157,29 +166,31 @@ class _Reply:
             message["tool_calls"] = [{"id": call.id, "type": "function",
                                       "function": {"name": call.name, "arguments": call.arguments_json}}
                                      for call in tool_calls]
-        choice = {"index": 0, "message": message,
-                  "logprobs": None if result.logprobs is None else {"content": result.logprobs},
-                  "finish_reason": _finish_reason(result.finish_reason, bool(tool_calls))}
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage(result.usage), "system_fingerprint": None}
+        return {"index": index, "message": message,
+                "logprobs": None if result.logprobs is None else {"content": result.logprobs},
+                "finish_reason": _finish_reason(result.finish_reason, bool(tool_calls))}
 
     async def events(self, first: ChatDelta, deltas: AsyncIterator[ChatDelta]) -> AsyncIterator[str]:
-        """The SSE events: the role, the content and tool-call deltas, the finish, the usage, ``[DONE]``."""
-        yield self._chunk({"role": "assistant", "content": ""})
-        has_tool_calls = False
+        """The SSE events: each answer's role, content and tool-call deltas and finish, the usage, ``[DONE]``."""
+        for index in range(self.n):
+            yield self._chunk(index, {"role": "assistant", "content": ""})
+        has_tool_calls: set[int] = set()
+        last_result = None
         try:
             delta = first
-            while True:
+            while delta is not None:
                 piece = self._delta(delta)
-                has_tool_calls = has_tool_calls or "tool_calls" in piece
+                if "tool_calls" in piece:
+                    has_tool_calls.add(delta.index)
                 if piece or delta.logprobs:
-                    yield self._chunk(piece, logprobs=delta.logprobs)
+                    yield self._chunk(delta.index, piece, logprobs=delta.logprobs)
                 if delta.result is not None:
-                    yield self._chunk({}, finish_reason=_finish_reason(delta.result.finish_reason, has_tool_calls))
-                    if self.include_usage:
-                        yield event({**self._header(), "choices": [], "usage": usage(delta.result.usage)})
-                    break
-                delta = await anext(deltas)
+                    last_result = delta.result
+                    finish_reason = _finish_reason(delta.result.finish_reason, delta.index in has_tool_calls)
+                    yield self._chunk(delta.index, {}, finish_reason=finish_reason)
+                delta = await anext(deltas, None)
+            if self.include_usage and last_result is not None:
+                yield event({**self._header(), "choices": [], "usage": usage(last_result.usage)})
         except Exception as error:  # headers are sent: the error travels as an event, as OpenAI's does
             failure = engine_failure(error) or (invalid_parameter(error, _FIELDS) if isinstance(error, ValueError)
                                                else APIError(500, f"{type(error).__name__}: {error}"))
@@ -205,8 +216,9 @@ class _Reply:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def _chunk(self, delta: dict, *, logprobs: list[dict] | None = None, finish_reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
+    def _chunk(self, index: int, delta: dict, *, logprobs: list[dict] | None = None,
+               finish_reason: str | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
                   "finish_reason": finish_reason}
         chunk = {**self._header(), "choices": [choice]}
         if self.include_usage:

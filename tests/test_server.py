@@ -115,6 +115,25 @@ def test_openai_streaming_and_async_equal_the_whole_answer(server, client, smoll
     assert asyncio.run(run()) == (expected, expected)
 
 
+def test_n_answers_come_from_one_request_whole_or_streamed(client, smollm2):
+    expected = expected_chat(smollm2)
+    response = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=16, n=2)
+    assert [(c.index, c.message.content) for c in response.choices] == [(0, expected.outputs[0].text),
+                                                                        (1, expected.outputs[0].text)]
+    assert response.usage.completion_tokens == 2 * len(expected.outputs[0].token_ids)
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=16,
+                                                n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert texts == {0: expected.outputs[0].text, 1: expected.outputs[0].text} and finishes == {0: "stop", 1: "stop"}
+    sampled = [[c.message.content for c in client.chat.completions.create(
+        model="default", messages=QUESTION, temperature=1.0, max_tokens=8, n=3, seed=7).choices] for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 3  # seeded: the same three answers again
+
+
 def test_a_forced_tool_call_equals_chat_hearths_and_streams_the_same_arguments(client):
     from hearth_llm.integrations.langchain import ChatHearth
 
@@ -273,8 +292,8 @@ def test_an_unknown_model_is_404(http, path, body):
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),               # the server's max_tokens_limit
-    ({"n": 2}, "n"),
-    ({"n": 100}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 100}, "n"),                                  # the server's max_n
     ({"logit_bias": {"42": 5}}, "logit_bias"),
     ({"top_logprobs": 3}, "top_logprobs"),              # without logprobs
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),

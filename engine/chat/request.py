@@ -12,7 +12,7 @@ from ..structured_output import StructuredOutput
 from ..tool_parsers import get_tool_parser
 
 # The SamplingParams fields a chat request may set; None leaves the engine's default.
-_PASSED_THROUGH = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+_PASSED_THROUGH = ("n", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty")
 
 
@@ -22,7 +22,8 @@ class SamplingOptions:
 
     Unlike :class:`SamplingParams`, ``max_tokens=None`` generates until EOS, a stop string or the
     end of the context, and log-probabilities are asked for the OpenAI way (``logprobs=True``,
-    ``top_logprobs=N``).
+    ``top_logprobs=N``). ``n`` answers are sampled from one prompt (its KV blocks shared); their
+    deltas carry ``ChatDelta.index`` and ``ChatStream.results`` holds one result each.
 
     >>> SamplingOptions(temperature=0, max_tokens=64, stop=["\\n\\n"]).to_sampling_params().max_tokens
     64
@@ -30,6 +31,7 @@ class SamplingOptions:
 
     temperature: float | None = None
     max_tokens: int | None = None
+    n: int | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None

@@ -29,7 +29,7 @@ class ChatResult:
     text: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)
-    usage: Usage | None = None
+    usage: Usage | None = None             # the whole request's: with n > 1, every answer's tokens
     finish_reason: str | None = None       # "stop" | "length" | "abort"
     stop_reason: str | int | None = None   # the stop string or token that ended it
     logprobs: list[dict] | None = None
@@ -42,13 +42,17 @@ class ChatDelta:
 
     >>> for delta in service.stream(request):
     ...     print(delta.content, end="")          # delta.result is set on the last one
+
+    With ``n > 1`` answers, deltas of the ``n`` answers interleave (``index`` says whose), and each
+    answer's last delta carries that answer's result.
     """
 
     text: str                                            # the model's new text, markup included
     content: str                                         # the new user-facing text
     tool_calls: list[ToolCallDelta | InvalidToolCallDelta] = field(default_factory=list)
     logprobs: list[dict] | None = None
-    result: ChatResult | None = None                     # on the last delta only
+    result: ChatResult | None = None                     # on the last delta (of its answer, when n > 1)
+    index: int = 0                                       # which of the n answers
 
     @property
     def is_last(self) -> bool:

@@ -1,7 +1,7 @@
 """``ChatStream``: an engine request's outputs turned into chat deltas and a result.
 
-The turning is written once, in :class:`_ChatAssembler` (plain state, no I/O); the sync and the
-async iterators only move engine outputs through it.
+The turning is written once, in :class:`_ChatAssembler` (plain state, no I/O; one per answer when
+``n > 1``); the sync and the async iterators only move engine outputs through it.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .result import ChatDelta, ChatResult, logprob_entry
 
 
 class _ChatAssembler:
-    """Accumulates one request's outputs; with a tool parser, splits markup from content as it goes."""
+    """Accumulates one answer's outputs; with a tool parser, splits markup from content as it goes."""
 
     def __init__(self, tool_parser: ToolParser | None, num_top_logprobs: int | None):
         self._tool_parser = tool_parser
@@ -30,7 +30,7 @@ class _ChatAssembler:
         logprobs = self._logprob_entries(output)
         if logprobs is not None:
             self._logprobs.extend(logprobs)
-        if output.finished:
+        if _ends_answer(output):
             self.result = self._result(output)
         return logprobs
 
@@ -38,11 +38,18 @@ class _ChatAssembler:
         """Take an output in and say what it added, tool-call deltas included."""
         logprobs = self.add(output)
         if self._streamer is None:
-            return ChatDelta(output.delta_text, output.delta_text, logprobs=logprobs, result=self.result)
-        events = self._streamer.feed(output.delta_text) + (self._streamer.finish() if output.finished else [])
+            return ChatDelta(output.delta_text, output.delta_text, logprobs=logprobs, result=self.result,
+                             index=output.index)
+        events = self._streamer.feed(output.delta_text) + (self._streamer.finish() if _ends_answer(output) else [])
         content = "".join(event.text for event in events if isinstance(event, ContentDelta))
         calls = [event for event in events if not isinstance(event, ContentDelta)]
-        return ChatDelta(output.delta_text, content, calls, logprobs, self.result)
+        return ChatDelta(output.delta_text, content, calls, logprobs, self.result, output.index)
+
+    def close(self, last: StreamOutput) -> ChatResult:
+        """The answer as it stands when its request ended without it (an abort of the whole request)."""
+        if self.result is None:
+            self.result = self._result(StreamOutput(last.request_id, "", [], finish_reason="abort"))
+        return self.result
 
     def _result(self, last: StreamOutput) -> ChatResult:
         text = "".join(self._texts)
@@ -61,9 +68,15 @@ class _ChatAssembler:
                 for token_id, entries in zip(output.delta_token_ids, output.logprobs or [])]
 
 
+def _ends_answer(output: StreamOutput) -> bool:
+    """An answer's last output has its finish reason; the request's last also ends every answer."""
+    return output.finish_reason is not None or output.finished
+
+
 class ChatStream:
     """A chat answer as it is generated: iterate it (``for`` or ``async for``) for ``ChatDelta``s,
     the last of which carries the ``ChatResult``; or ``collect()`` / ``await acollect()`` it.
+    With ``SamplingOptions(n=...)``, the ``n`` answers' deltas interleave and ``results`` lists them.
 
     >>> with service.stream(request) as stream:
     ...     for delta in stream:
@@ -77,7 +90,10 @@ class ChatStream:
 
     def __init__(self, stream: RequestStream, tool_parser: ToolParser | None, num_top_logprobs: int | None):
         self._stream = stream
-        self._assembler = _ChatAssembler(tool_parser, num_top_logprobs)
+        self._tool_parser = tool_parser
+        self._num_top_logprobs = num_top_logprobs
+        self._assemblers: dict[int, _ChatAssembler] = {}  # one per answer (n of them), by index
+        self._results: list[ChatResult] | None = None
 
     @property
     def request_id(self) -> str:
@@ -85,33 +101,61 @@ class ChatStream:
 
     @property
     def result(self) -> ChatResult | None:
-        """The whole answer, once the last delta was read."""
-        return self._assembler.result
+        """The whole answer (the first, with ``n > 1``), once the last delta was read."""
+        return self._results[0] if self._results else None
+
+    @property
+    def results(self) -> list[ChatResult] | None:
+        """Every answer by index (``n`` of them), once the last delta was read."""
+        return self._results
 
     def __iter__(self) -> Iterator[ChatDelta]:
         try:
             for output in self._stream:
-                yield self._assembler.delta(output)
+                yield self._delta(output)
         finally:  # a consumer that stops early aborts the request now, not when the stream is collected
             self.close()
 
     async def __aiter__(self) -> AsyncIterator[ChatDelta]:
         try:
             async for output in self._stream:
-                yield self._assembler.delta(output)
+                yield self._delta(output)
         finally:
             self.close()
 
     def collect(self) -> ChatResult:
         """Read the stream to its end; the whole answer (tool calls parsed once, from the whole text)."""
         for output in self._stream:
-            self._assembler.add(output)
-        return self._assembler.result
+            self._add(output)
+        return self.result
 
     async def acollect(self) -> ChatResult:
         async for output in self._stream:
-            self._assembler.add(output)
-        return self._assembler.result
+            self._add(output)
+        return self.result
+
+    def _assembler(self, index: int) -> _ChatAssembler:
+        if index not in self._assemblers:
+            self._assemblers[index] = _ChatAssembler(self._tool_parser, self._num_top_logprobs)
+        return self._assemblers[index]
+
+    def _delta(self, output: StreamOutput) -> ChatDelta:
+        delta = self._assembler(output.index).delta(output)
+        if output.finished:
+            self._finish(output)
+        return delta
+
+    def _add(self, output: StreamOutput) -> None:
+        self._assembler(output.index).add(output)
+        if output.finished:
+            self._finish(output)
+
+    def _finish(self, last: StreamOutput) -> None:
+        """The request's last output: every answer gets the request's usage and rendered prompt."""
+        results = [self._assemblers[index].close(last) for index in sorted(self._assemblers)]
+        for result in results:
+            result.usage, result.prompt = last.usage, last.prompt
+        self._results = results
 
     def close(self) -> None:
         """Stop reading; aborts the request unless it already finished."""
