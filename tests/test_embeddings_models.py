@@ -244,3 +244,20 @@ def test_dimensions_above_the_model_size_are_refused_naming_it(tmp_path):
 def test_bad_pooling_and_dimensions_options_are_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         EmbeddingConfig(**options)
+
+
+def test_integrations_put_the_query_and_document_prompts_before_the_texts(tmp_path):
+    from hearth_llm.integrations.langchain import HearthEmbeddings
+    from hearth_llm.integrations.llama_index import HearthEmbedding
+
+    path = write_model(tmp_path, "xlm-roberta", "mean", prompts={"query": "query: ", "passage": "passage: "})
+    model = st.SentenceTransformer(str(path), device="cpu")
+    queries = model.encode_query(TEXTS[:2], convert_to_tensor=True)
+    documents = model.encode_document(TEXTS[:2], convert_to_tensor=True)
+    options = {"dtype": "float32"}
+    langchain = HearthEmbeddings(model=str(path), engine_kwargs=options)
+    assert_close(torch.tensor([langchain.embed_query(text) for text in TEXTS[:2]]), queries)
+    assert_close(torch.tensor(langchain.embed_documents(TEXTS[:2])), documents)
+    llama_index = HearthEmbedding(model_name=str(path), engine_kwargs=options)
+    assert_close(torch.tensor([llama_index.get_query_embedding(text) for text in TEXTS[:2]]), queries)
+    assert_close(torch.tensor(llama_index.get_text_embedding_batch(TEXTS[:2])), documents)

@@ -19,7 +19,8 @@ class HearthEmbeddings(BaseModel, Embeddings):
 
     Key init args:
         model: ``"default"`` (all-MiniLM-L6-v2, bundled, 384 dimensions, unit length) or a
-            sentence-transformers directory.
+            sentence-transformers directory (BERT, XLM-RoBERTa, NomicBert, ModernBERT). Queries get
+            the model's ``"query"`` prompt and documents its document prompt, when it has them.
         truncate: cut texts longer than the model's ``max_seq_length`` (default); with ``False``
             such a text raises ``TextTooLongError``.
         show_progress: progress bar for ``embed_documents``; ``None`` shows one for 1000+ texts.
@@ -81,15 +82,20 @@ class HearthEmbeddings(BaseModel, Embeddings):
         return self._engine
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        """One vector (a list of Python floats) per text."""
-        return self.engine.embed(texts, truncate=self.truncate, show_progress=self.show_progress).tolist()
+        """One vector (a list of Python floats) per text; with the model's document prompt, if it has one."""
+        return self.engine.embed(texts, truncate=self.truncate, show_progress=self.show_progress,
+                                 prompt_name=self.engine.spec.document_prompt_name).tolist()
 
     def embed_query(self, text: str) -> list[float]:
-        return self.engine.embed_one(text, truncate=self.truncate).tolist()
+        """With the model's ``"query"`` prompt, if it has one (as sentence-transformers' ``encode_query``)."""
+        return self.engine.embed_one(text, truncate=self.truncate,
+                                     prompt_name=self.engine.spec.query_prompt_name).tolist()
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
-        vectors = await self.engine.aembed(texts, truncate=self.truncate, show_progress=self.show_progress)
+        vectors = await self.engine.aembed(texts, truncate=self.truncate, show_progress=self.show_progress,
+                                           prompt_name=self.engine.spec.document_prompt_name)
         return vectors.tolist()
 
     async def aembed_query(self, text: str) -> list[float]:
-        return (await self.engine.aembed_one(text, truncate=self.truncate)).tolist()
+        return (await self.engine.aembed_one(text, truncate=self.truncate,
+                                             prompt_name=self.engine.spec.query_prompt_name)).tolist()

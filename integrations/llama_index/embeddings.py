@@ -48,21 +48,33 @@ class HearthEmbedding(BaseEmbedding):
             self._engine = get_embedding_engine(self.model_name, **self.engine_kwargs)
         return self._engine
 
+    # Queries get the model's "query" prompt, texts its document prompt, when it has them.
     def _get_query_embedding(self, query: str) -> Embedding:
-        return self.engine.embed_one(query, truncate=self.truncate).tolist()
+        return self.engine.embed_one(query, truncate=self.truncate, prompt_name=self._query_prompt).tolist()
 
     async def _aget_query_embedding(self, query: str) -> Embedding:
-        return (await self.engine.aembed_one(query, truncate=self.truncate)).tolist()
+        return (await self.engine.aembed_one(query, truncate=self.truncate, prompt_name=self._query_prompt)).tolist()
 
     def _get_text_embedding(self, text: str) -> Embedding:
-        return self.engine.embed_one(text, truncate=self.truncate).tolist()
+        return self.engine.embed_one(text, truncate=self.truncate, prompt_name=self._document_prompt).tolist()
 
     async def _aget_text_embedding(self, text: str) -> Embedding:
-        return (await self.engine.aembed_one(text, truncate=self.truncate)).tolist()
+        return (await self.engine.aembed_one(text, truncate=self.truncate,
+                                             prompt_name=self._document_prompt)).tolist()
 
     def _get_text_embeddings(self, texts: list[str]) -> list[Embedding]:
         # LlamaIndex draws its own progress bar (show_progress=...), so the engine draws none.
-        return self.engine.embed(texts, truncate=self.truncate, show_progress=False).tolist()
+        return self.engine.embed(texts, truncate=self.truncate, show_progress=False,
+                                 prompt_name=self._document_prompt).tolist()
 
     async def _aget_text_embeddings(self, texts: list[str]) -> list[Embedding]:
-        return (await self.engine.aembed(texts, truncate=self.truncate, show_progress=False)).tolist()
+        return (await self.engine.aembed(texts, truncate=self.truncate, show_progress=False,
+                                         prompt_name=self._document_prompt)).tolist()
+
+    @property
+    def _query_prompt(self) -> str | None:
+        return self.engine.spec.query_prompt_name
+
+    @property
+    def _document_prompt(self) -> str | None:
+        return self.engine.spec.document_prompt_name
