@@ -74,7 +74,7 @@ def to_chat_request(body: ChatCompletionRequest, state: ServerState, request_id:
         repetition_penalty=body.repetition_penalty, stop=body.stop, logprobs=body.logprobs,
         top_logprobs=body.top_logprobs)
     try:
-        return ChatRequest([_message(message) for message in body.messages], tools=tools or None,
+        return ChatRequest(chat_messages(body.messages), tools=tools or None,
                            tool_choice=tool_choice if tools else _choice_without_tools(tool_choice),
                            structured_output=_structured_output(body), sampling=sampling,
                            chat_template_kwargs=body.chat_template_kwargs, timeout=timeout,
@@ -83,9 +83,10 @@ def to_chat_request(body: ChatCompletionRequest, state: ServerState, request_id:
         raise invalid_parameter(error, _FIELDS) from error
 
 
-def _message(message: dict) -> dict:
-    """OpenAI's ``developer`` role is its newer name for ``system``, which chat templates know."""
-    return {**message, "role": "system"} if message.get("role") == "developer" else message
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates read them: OpenAI's ``developer`` role is its newer name for ``system``."""
+    return [{**message, "role": "system"} if message.get("role") == "developer" else message
+            for message in messages]
 
 
 def _choice_without_tools(tool_choice):

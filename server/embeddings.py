@@ -28,9 +28,13 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
         raise APIError(400, f"dimensions: this model's embeddings have {engine.dimension} dimensions and cannot be "
                             f"shortened; leave dimensions out or send {engine.dimension}", param="dimensions")
     request.state.log.update(model=body.model, user=body.user, num_texts=len(texts))
+    timeout = state.timeout(request)
     await state.throttle(request)
     try:
-        vectors = await engine.aembed(texts)
+        vectors = await asyncio.wait_for(engine.aembed(texts), timeout)  # cancelled: its texts are dropped
+    except TimeoutError:
+        raise APIError(504, f"embedding {len(texts)} texts did not finish within {timeout} s",
+                       code="request_timeout") from None
     except (ValueError, TypeError) as error:
         raise invalid_parameter(error, _FIELDS) from error
     except Exception as error:

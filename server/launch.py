@@ -27,8 +27,9 @@ def serve(model: str = "default", *, host: str = DEFAULT_HOST, port: int = DEFAU
     >>> from hearth_llm.server import serve
     >>> serve("default", port=8000, api_key="sk-local")     # blocks; http://127.0.0.1:8000/v1
     """
+    # access_log off: the server middleware writes one JSON line per request, with its request id
     config = uvicorn.Config(create_app(model, **app_kwargs), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=drain_timeout)
+                            timeout_graceful_shutdown=drain_timeout, access_log=False)
     uvicorn.Server(config).run()
 
 
@@ -77,7 +78,7 @@ def start_server(model: str = "default", *, host: str = DEFAULT_HOST, port: int 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout, access_log=False)
     server = uvicorn.Server(config)
     # uvicorn leaves the process's signal handlers alone off the main thread
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hearth-server", daemon=True)

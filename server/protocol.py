@@ -11,7 +11,14 @@ Accepted and without effect (each is about OpenAI's service, not about the answe
 ``user`` and ``safety_identifier`` (logged with the request id), ``metadata``, ``store`` (only
 ``false``: nothing is stored), ``service_tier`` (one tier), ``prompt_cache_key`` (prefix caching
 is automatic), ``stream_options.include_obfuscation`` (no padding is ever added), ``modalities``
-(only ``["text"]``), ``response_format`` ``json_schema.strict`` (the schema is always enforced).
+(only ``["text"]``), ``response_format``'s ``json_schema.strict`` (the schema is always enforced),
+``json_schema.name`` and ``.description`` (labels), ``tools[].function.strict`` false.
+
+Honoured beyond the obvious: ``parallel_tool_calls=false`` keeps the first call only;
+``tools[].function.strict=true`` only with a forced ``tool_choice`` (else 400); ``developer``
+messages are ``system`` messages. vLLM's extensions accepted: ``top_k``, ``repetition_penalty``,
+``priority`` (lower runs first), ``chat_template_kwargs``; for completions also ``min_p``,
+``min_tokens``, ``ignore_eos``.
 """
 from __future__ import annotations
 

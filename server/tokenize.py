@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from hearth_llm.engine.chat import ChatPrompt, render_chat_prompt
 
+from .chat import chat_messages
 from .errors import APIError, invalid_parameter
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
@@ -52,7 +53,7 @@ def _token_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
     text = body.prompt
     if body.messages is not None:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
-        prompt = ChatPrompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+        prompt = ChatPrompt(chat_messages(body.messages), body.add_generation_prompt, body.chat_template_kwargs, tools)
         text = render_chat_prompt(tokenizer, prompt)
     if not text:
         raise ValueError("prompt must not be empty")
