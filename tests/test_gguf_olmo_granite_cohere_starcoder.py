@@ -110,14 +110,7 @@ def _write_tokenizer(writer) -> None:
     writer.add_eos_token_id(2)
 
 
-# The loader still requires `<arch>.attention.layer_norm_rms_epsilon`, which LayerNorm models
-# (Command-R, StarCoder2) do not have: they store `attention.layer_norm_epsilon`.
-NEEDS_OPTIONAL_RMS_EPS = pytest.mark.xfail(strict=True, raises=ValueError,
-                                           reason="engine/loader/gguf.py requires attention.layer_norm_rms_epsilon")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=NEEDS_OPTIONAL_RMS_EPS) if name in ("cohere", "starcoder2")
-                                  else name for name in sorted(GGUF_CASES)])
+@pytest.mark.parametrize("name", sorted(GGUF_CASES))
 def test_gguf_file_matches_hf(name, tmp_path, make_llm, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # the GGUF conversion cache lands under ~/.cache
     make_config, architecture = GGUF_CASES[name]

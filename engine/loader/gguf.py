@@ -357,7 +357,6 @@ def _build_config(metadata: GGUFMetadata, tensors: dict[str, ReaderTensor]) -> P
         num_key_value_heads=metadata.model_value("attention.head_count_kv", num_heads),
         head_dim=head_dim,
         max_position_embeddings=metadata.model_value("context_length"),
-        rms_norm_eps=metadata.model_value("attention.layer_norm_rms_epsilon"),
         # transformers 5 folds `rope_theta` into `config.rope_parameters`; 4.x keeps `config.rope_theta`.
         rope_theta=rope_theta,
         rope_scaling=_rope_scaling(metadata, tensors, rope_dim=metadata.model_value("rope.dimension_count", head_dim)),
@@ -367,6 +366,12 @@ def _build_config(metadata: GGUFMetadata, tensors: dict[str, ReaderTensor]) -> P
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
     )
+    rms_eps = metadata.model_value("attention.layer_norm_rms_epsilon", None)
+    if rms_eps is not None:
+        config_kwargs["rms_norm_eps"] = rms_eps
+    elif metadata.model_value("attention.layer_norm_epsilon", None) is None:
+        metadata.model_value("attention.layer_norm_rms_epsilon")  # neither: the error names the key
+    # else a LayerNorm model: its config_fields put attention.layer_norm_epsilon where its config wants it.
     spec = metadata.spec
     if spec.config_fields is not None:
         config_kwargs.update(spec.config_fields(metadata))

@@ -213,6 +213,20 @@ class DecoderModel(nn.Module):
                 parts[index] = self.checkpoint_renames[part]
         return ".".join(parts), shard_id
 
+    def checkpoint_name(self, param_name: str, shard_id=None) -> str:
+        """The Hugging Face name a parameter's shard is stored under (the inverse of
+        :meth:`param_for_checkpoint_name`), for messages that name what a checkpoint lacks."""
+        unpacked = {value: part for part, value in self.packed_modules_mapping.items()}
+        renamed = {ours: theirs for theirs, ours in self.checkpoint_renames.items()}
+        parts = param_name.split(".")
+        for index, part in enumerate(parts):
+            if shard_id is not None and (part, shard_id) in unpacked:
+                parts[index] = unpacked[(part, shard_id)]
+            elif part in renamed:
+                parts[index] = renamed[part]
+        name = ".".join(parts)
+        return name if name.startswith("lm_head.") else self.checkpoint_prefix + name
+
     def expected_checkpoint_shards(self) -> dict[str, list]:
         """Every parameter a checkpoint must fill, with the shard ids it loads in."""
         params = dict(self.named_parameters())
@@ -250,7 +264,7 @@ class DecoderModel(nn.Module):
                                  f"{self.arch.num_key_value_heads}, head_dim={self.arch.head_dim}, "
                                  f"vocab_size={self.arch.vocab_size}) makes it {want}")
             covered.setdefault(param_name, set()).update(expected[param_name] if shard_id is None else [shard_id])
-        _check_complete(expected, covered, source)
+        _check_complete(expected, covered, source, self.checkpoint_name)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> None:
@@ -287,7 +301,7 @@ class DecoderModel(nn.Module):
                 for layer_param in [n for n in params if n.rpartition(".")[0] == module_name]:
                     del params[layer_param]  # our reference must not keep the plain weight alive
                 layers.pop(module_name).process_weights_after_loading()
-        _check_complete(expected, covered, "checkpoint")
+        _check_complete(expected, covered, "checkpoint", self.checkpoint_name)
         del params
         for layer in layers.values():  # layers with nothing to load (none today)
             layer.process_weights_after_loading()
@@ -326,8 +340,10 @@ def default_weight_loader(param: nn.Parameter, loaded_weight) -> None:
     param.data.copy_(dense_value(loaded_weight, param.dtype))
 
 
-def _check_complete(expected: dict[str, list], covered: dict[str, set], source: str) -> None:
-    missing = [f"{name}" + ("" if shards == [None] else f" (shards {sorted(set(shards) - covered.get(name, set()), key=str)})")
-               for name, shards in expected.items() if not set(shards) <= covered.get(name, set())]
+def _check_complete(expected: dict[str, list], covered: dict[str, set], source: str,
+                    checkpoint_name=lambda name, shard: name) -> None:
+    missing = [checkpoint_name(name, shard) for name, shards in expected.items()
+               for shard in shards if shard not in covered.get(name, set())]
     if missing:
-        raise ValueError(f"{source} is missing weights: {missing[:5]}")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{source} is missing weights: {', '.join(missing[:5])}{more}")
