@@ -1,8 +1,15 @@
 """Embedding throughput: HearthEmbeddings against LangChain's HuggingFaceEmbeddings
-(sentence-transformers) on the same model in the same run, then 64 concurrent ``aembed_query`` calls.
+(sentence-transformers) on the same model in the same run, then 64 concurrent ``aembed_query`` calls,
+then the reranker row: ``EmbeddingEngine.score`` against sentence-transformers' ``CrossEncoder``.
 
     python -m hearth_llm.benchmarks.embeddings                 # 1000 sentences, 3 rounds each
     python -m hearth_llm.benchmarks.embeddings --num-sentences 2000 --rounds 5 --json out.json
+    python -m hearth_llm.benchmarks.embeddings --only-rerank --rerank-rounds 10
+
+The reranker is an ms-marco-MiniLM-L6-shaped cross-encoder (BERT, 6 layers, 384 wide: the bundled
+all-MiniLM-L6-v2's encoder and tokenizer with a seeded random one-label head, written to a
+temporary directory), scoring ``--rerank-pairs`` (query, document) pairs — 10 queries, each against
+its share of the documents — per round, ``--rerank-rounds`` rounds per side, alternating as above.
 
 The two sides alternate round by round, and which goes first alternates too (ST, ours, ours, ST,
 ...), so that load from other processes hits both alike; ``speedup`` is the median over rounds of
@@ -71,14 +78,84 @@ async def concurrent_queries(embeddings: HearthEmbeddings, queries: list[str]) -
             "num_steps": after["num_steps"] - before["num_steps"], "seconds": round(seconds, 3)}
 
 
+def write_minilm_cross_encoder(path) -> str:
+    """The ms-marco-MiniLM-L6 shape: the bundled MiniLM's encoder and tokenizer, a seeded random head."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(default_model_path()), num_labels=1)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(default_model_path() / name, os.path.join(path, name))
+    return str(path)
+
+
+def rerank_row(num_pairs: int, rounds: int, sentences: list[str], num_workers: int | None) -> dict:
+    """Pairs per second scoring with our engine and with sentence-transformers' CrossEncoder."""
+    import tempfile
+
+    from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine
+
+    num_queries = min(10, num_pairs)
+    queries = [sentence.split(".")[0][:60] + "?" for sentence in sentences[:num_queries]]
+    documents = sentences[num_queries:num_queries + num_pairs]
+    groups = [(queries[i], documents[i::num_queries]) for i in range(num_queries)]
+    with tempfile.TemporaryDirectory() as path:
+        model_path = write_minilm_cross_encoder(path)
+        options = {} if num_workers is None else {"num_workers": num_workers}
+        ours = EmbeddingEngine(EmbeddingConfig(model=model_path, max_seq_length=256, show_progress=False, **options))
+        sides = {"hearth": lambda: [ours.score(query, docs) for query, docs in groups]}
+        try:
+            from sentence_transformers import CrossEncoder
+            theirs = CrossEncoder(model_path, device="cpu", max_length=256)
+            sides["sentence_transformers"] = lambda: [theirs.predict([(query, d) for d in docs]).tolist()
+                                                      for query, docs in groups]
+        except ImportError as error:
+            print(f"reranker baseline skipped: {error}")
+        scores = {name: side() for name, side in sides.items()}           # load and warm up
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        load_before = os.getloadavg()
+        for round_index in range(rounds):
+            for name in (reversed(sides) if round_index % 2 == 0 else sides):
+                start = time.perf_counter()
+                scores[name] = sides[name]()
+                rates[name].append(num_pairs / (time.perf_counter() - start))
+        row = {"num_pairs": num_pairs, "num_queries": num_queries, "rounds": rounds,
+               "implementation": ours.implementation, "precision": ours.precision,
+               "load_average_before": [round(load, 2) for load in load_before],
+               "load_average_after": [round(load, 2) for load in os.getloadavg()],
+               "hearth_pairs_per_s": round(statistics.median(rates["hearth"]), 1),
+               "hearth_rounds": [round(rate, 1) for rate in rates["hearth"]]}
+        if "sentence_transformers" in sides:
+            ratios = [a / b for a, b in zip(rates["hearth"], rates["sentence_transformers"], strict=True)]
+            ours_flat = torch.tensor([x for group in scores["hearth"] for x in group])
+            theirs_flat = torch.tensor([x for group in scores["sentence_transformers"] for x in group])
+            row.update(sentence_transformers_pairs_per_s=round(statistics.median(rates["sentence_transformers"]), 1),
+                       sentence_transformers_rounds=[round(rate, 1) for rate in rates["sentence_transformers"]],
+                       speedup=round(statistics.median(ratios), 2),
+                       max_abs_score_difference=(ours_flat - theirs_flat).abs().max().item())
+        ours.close()
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-sentences", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-queries", type=int, default=64)
     parser.add_argument("--num-workers", type=int, help="EmbeddingConfig.num_workers (default: one per core)")
+    parser.add_argument("--rerank-pairs", type=int, default=100, help="(query, document) pairs per reranker round")
+    parser.add_argument("--rerank-rounds", type=int, default=10)
+    parser.add_argument("--no-rerank", action="store_true", help="skip the reranker row")
+    parser.add_argument("--only-rerank", action="store_true", help="only the reranker row")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.only_rerank:
+        sentences = make_sentences(args.rerank_pairs + 10)
+        result = {"reranker": rerank_row(args.rerank_pairs, args.rerank_rounds, sentences, args.num_workers)}
+        return _report(result, args.json)
 
     sentences = make_sentences(args.num_sentences)
     model_path = str(default_model_path())
@@ -125,10 +202,16 @@ def main(argv: list[str] | None = None) -> dict:
                       min_cosine=min_cosine(vectors["hearth"], vectors["sentence_transformers"]))
     result["concurrent_queries"] = asyncio.run(concurrent_queries(ours, sentences[:args.num_queries]))
     result["engine_stats"] = ours.engine.stats()
+    if not args.no_rerank:
+        result["reranker"] = rerank_row(args.rerank_pairs, args.rerank_rounds,
+                                        make_sentences(args.rerank_pairs + 10, seed=1), args.num_workers)
+    return _report(result, args.json)
 
+
+def _report(result: dict, json_path: str | None) -> dict:
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as file:
             json.dump(result, file, indent=2)
     return result
 
