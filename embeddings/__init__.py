@@ -5,6 +5,11 @@ every caller's texts together.
 >>> engine = get_embedding_engine()                    # all-MiniLM-L6-v2, bundled
 >>> engine.embed(["The cat sat on the mat.", "Paris is in France."]).shape
 torch.Size([2, 384])
+>>> e5 = get_embedding_engine("/models/multilingual-e5-small", dimensions=256)   # prompts from its config
+>>> e5.embed(["Where is Paris?"], prompt_name="query").shape
+torch.Size([1, 256])
+>>> reranker = get_embedding_engine("/models/bge-reranker-v2-m3")                 # a cross-encoder
+>>> reranker.score("Where is Paris?", ["Paris is in France.", "Rome is in Italy."])
 """
 from .config import EmbeddingConfig
 from .engine import EmbeddingEngine

@@ -22,7 +22,9 @@ What differs from the transformers implementation, and why:
   ``MIXED_PRECISION_MIN_TOKENS`` run in float32. :class:`~.runner.EncoderRunner` checks the result
   on each model before keeping it.
 
-RoBERTa differs from BERT only in where its positions start (``pad_token_id + 1``).
+RoBERTa and XLM-RoBERTa differ from BERT only in where their positions start (``pad_token_id + 1``;
+right padding makes that ``offset + arange`` for every real token, as transformers' cumulative
+count of non-pad tokens gives) and in having a single token type.
 """
 from __future__ import annotations
 

@@ -21,7 +21,10 @@ class EmbeddingConfig:
     >>> EmbeddingConfig(model="default", max_batch_tokens=4096)
 
     - ``model``: ``"default"`` (all-MiniLM-L6-v2, bundled) or a sentence-transformers directory
-      (a plain BERT-family HF directory works too: mean pooling, no normalization).
+      (a plain BERT-family HF directory works too: mean pooling, no normalization). Our encoders:
+      BERT, RoBERTa, XLM-RoBERTa (bge-m3, multilingual-e5), NomicBert, ModernBERT; a directory
+      whose config.json names a ``*ForSequenceClassification`` head with one label is a
+      cross-encoder reranker (``EmbeddingEngine.score``).
     - ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
     - ``dtype``: ``"auto"`` (default): float32, and on CPUs with bf16 matmuls (AVX-512 BF16, AMX)
       our encoder's mixed precision — the attention output projections and the last feed-forward
@@ -42,7 +45,8 @@ class EmbeddingConfig:
       one thread too (a step with a single batch — a lone query — runs there, without a hand-off:
       4.8 ms for an 11-token query where two threads take 3.6), so that the embedding engine never
       holds a multi-threaded OpenMP team that would slow the process's other torch work.
-    - ``implementation``: ``"auto"`` (ours for BERT/RoBERTa safetensors, else transformers),
+    - ``implementation``: ``"auto"`` (ours for the encoders above with safetensors weights and a
+      config they run exactly, else transformers),
       ``"hearth"`` or ``"transformers"`` (``AutoModel`` with SDPA attention).
     - ``show_progress``: default of the per-request progress bar (``None``: only for large requests).
     - ``pooling``: overrides the model directory's pooling mode (``"mean"``, ``"cls"``, ``"max"``,

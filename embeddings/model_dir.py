@@ -229,7 +229,7 @@ def _read_pooling(folder: Path) -> str:
 
 def _position_limit(config: dict) -> int:
     """Tokens the position embeddings cover; RoBERTa-style models spend ``pad_token_id + 1`` of them."""
-    limit = int(config.get("max_position_embeddings", 512))
+    limit = int(config.get("max_position_embeddings", config.get("n_positions", 512)))   # n_positions: nomic's
     if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
         limit -= int(config.get("pad_token_id", 1)) + 1
     return limit

@@ -9,8 +9,8 @@ Both config shapes are read: nomic's own (``n_embd``, ``n_layer``, ``rotary_emb_
 its remote code) and transformers' native ``NomicBertConfig`` (``hidden_size``, ``rope_parameters``);
 and both weight layouts (``encoder.layers.N.attn.Wqkv`` / ``mlp.fc11`` or transformers'
 ``layers.N.self_attn.q_proj`` / ``mlp.up_proj``). Fields of nomic's config that change the math
-and are not implemented here (pre-norm, biases, partial or interleaved rotary, rotary scaling, MoE
-layers) raise ``ValueError`` naming the field.
+and are not implemented here (pre-norm, parallel blocks, biases, partial or interleaved rotary,
+rotary scaling, xPos, other attention scalings, MoE layers) raise ``ValueError`` naming the field.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ from .rotary import inverse_frequencies, packed_positions, packed_rotary_attenti
 # nomic's config fields that must hold these values for this encoder to be exact.
 _REQUIRED_VALUES = {"prenorm": False, "causal": False, "qkv_proj_bias": False, "mlp_fc1_bias": False,
                     "mlp_fc2_bias": False, "rotary_emb_interleaved": False, "rotary_emb_fraction": 1.0,
-                    "rotary_scaling_factor": None, "use_rms_norm": False, "moe_every_n_layers": 0}
+                    "rotary_scaling_factor": None, "rotary_emb_scale_base": None, "use_rms_norm": False,
+                    "moe_every_n_layers": 0, "parallel_block": False, "scale_attn_weights": True,
+                    "scale_attn_by_inverse_layer_idx": False}
 _GATE_ACTIVATIONS = {"swiglu": "silu", "silu": "silu", "gelu": "gelu", "geglu": "gelu"}
 
 
