@@ -261,3 +261,20 @@ def test_integrations_put_the_query_and_document_prompts_before_the_texts(tmp_pa
     llama_index = HearthEmbedding(model_name=str(path), engine_kwargs=options)
     assert_close(torch.tensor([llama_index.get_query_embedding(text) for text in TEXTS[:2]]), queries)
     assert_close(torch.tensor(llama_index.get_text_embedding_batch(TEXTS[:2])), documents)
+
+
+def test_modernbert_hub_config_fields_embed_as_transformers_5_fields(tmp_path):
+    """The hub's config.json (answerdotai/ModernBERT-base and its embedders) says
+    global_attn_every_n_layers / global_rope_theta / local_rope_theta, not layer_types / rope_parameters."""
+    path = write_model(tmp_path, "modernbert", "mean")
+    expected = ours(path, TEXTS)
+    config = json.loads((path / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
+    for name in ("layer_types", "rope_parameters"):
+        config.pop(name)
+    config.update(global_attn_every_n_layers=2, global_rope_theta=160000.0, local_rope_theta=10000.0)
+    (path / "config.json").write_text(json.dumps(config))
+    assert_close(ours(path, TEXTS), expected)
+    config["local_rope_theta"] = 500.0          # the local base is read, not assumed
+    (path / "config.json").write_text(json.dumps(config))
+    assert (ours(path, TEXTS) - expected).abs().max() > 5 * 2e-5     # outside assert_close's tolerance
