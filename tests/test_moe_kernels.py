@@ -244,3 +244,18 @@ def test_cuda_fused_moe_replays_in_a_cuda_graph():
     graph.replay()
     torch.testing.assert_close(out.float(), reference.fused_moe(hidden, w13, w2, weights, ids).float(),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_launch_configs_fit_shared_memory_for_fp32_and_keep_bf16_as_tuned():
+    from hearth_llm.kernels.moe import triton_moe
+
+    for _, config in triton_moe.CONFIGS:
+        for gemm, gated in ((config.up, True), (config.down, False)):
+            # bf16: the tuned table launches as measured
+            assert triton_moe.fit_shared_memory(gemm, config.block_m, 2, gated) == gemm
+            fitted = triton_moe.fit_shared_memory(gemm, config.block_m, 4, gated)
+            assert triton_moe.shared_memory_bytes(fitted, config.block_m, 4, gated) <= triton_moe.SHARED_MEMORY_BYTES
+            assert fitted.block_n == gemm.block_n and gemm.block_k % fitted.block_k == 0
+    decode = triton_moe.CONFIGS[0][1]
+    # the launch that failed on the H200 for Mixtral in fp32 (294,912 bytes)
+    assert triton_moe.shared_memory_bytes(decode.up, decode.block_m, 4, True) == 294_912

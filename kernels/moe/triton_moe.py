@@ -13,7 +13,7 @@ Importing needs Triton but no GPU; under ``TRITON_INTERPRET=1`` it runs on CPU t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -61,6 +61,32 @@ CONFIGS: list[tuple[int, MoeConfig]] = [
 
 def config_for(num_tokens: int) -> MoeConfig:
     return next(config for max_tokens, config in CONFIGS if num_tokens <= max_tokens)
+
+
+# Shared memory a launch may take: the H200 allows 227 KiB per block (232,448 bytes).
+SHARED_MEMORY_BYTES = 232_448
+
+
+def shared_memory_bytes(config: GemmConfig, block_m: int, element_size: int, gated: bool) -> int:
+    """What Triton's pipeliner keeps in shared memory: ``num_stages`` copies of the A tile and the
+    B tile(s) (two B tiles for the gated GEMM's gate and up halves)."""
+    num_b_tiles = 2 if gated else 1
+    return config.num_stages * (block_m + num_b_tiles * config.block_n) * config.block_k * element_size
+
+
+def fit_shared_memory(config: GemmConfig, block_m: int, element_size: int, gated: bool,
+                      limit: int = SHARED_MEMORY_BYTES) -> GemmConfig:
+    """``config`` with fewer pipeline stages, then narrower K tiles, until it fits ``limit``. The
+    table was tuned for bf16; fp32 inputs take twice the bytes per tile and would not launch
+    (Mixtral's widths at decode needed 294,912 bytes on the H200)."""
+    while shared_memory_bytes(config, block_m, element_size, gated) > limit:
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        elif config.block_k > 16:
+            config = replace(config, block_k=config.block_k // 2)
+        else:
+            break
+    return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,6 +225,7 @@ def _expert_gemm_kernel(
 def _launch_gemm(a, b, out, topk_weights, layout, num_entries, entries_per_a_row, gated, block_m,
                  config: GemmConfig, n, k):
     sorted_entries, block_experts, num_padded = layout
+    config = fit_shared_memory(config, block_m, a.element_size(), gated)
     num_blocks_m = block_experts.shape[0]
     grid = (num_blocks_m * triton.cdiv(n, config.block_n),)
     _expert_gemm_kernel[grid](
