@@ -84,8 +84,24 @@ def run_ours(path, dtype: str, logprobs: int | None):
     return batch, [engine.groups[i][0] for i in ids]
 
 
+def expect_hf_longrope_bug(name: str, request) -> None:
+    """transformers before 5.24 gets Phi-3's switch to the long factors wrong: its
+    ``prepare_inputs_for_generation`` drops the cache when a sequence first outgrows
+    ``original_max_position_embeddings`` but still feeds only the newest token (5.17's generation
+    utils slice ``input_ids`` by ``next_sequence_length``; 5.24 resets it), so the switch token is
+    computed with no context. On the H200 (transformers 5.17) both tests below diverged exactly at
+    that token (110-token prompt, step 19 = token 129 with L = 128) and agreed before it."""
+    import transformers
+    from packaging.version import Version
+
+    if name == "phi3-longrope" and Version(transformers.__version__) < Version("5.24"):
+        request.node.add_marker(pytest.mark.xfail(reason="HF < 5.24 recomputes Phi-3's longrope switch "
+                                                         "token without context", strict=False))
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fp32_greedy_is_token_equal_to_hf(name, tmp_path):
+def test_fp32_greedy_is_token_equal_to_hf(name, tmp_path, request):
+    expect_hf_longrope_bug(name, request)
     model = random_model_dir(name, torch.float32, tmp_path)
     batch, requests = run_ours(tmp_path, "float32", logprobs=None)
     ours = [request.output_token_ids for request in requests]
@@ -96,7 +112,8 @@ def test_fp32_greedy_is_token_equal_to_hf(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_bf16_greedy_is_close_to_hf(name, tmp_path):
+def test_bf16_greedy_is_close_to_hf(name, tmp_path, request):
+    expect_hf_longrope_bug(name, request)
     model = random_model_dir(name, torch.bfloat16, tmp_path)
     batch, requests = run_ours(tmp_path, "bfloat16", logprobs=5)
     num_identical, num_tokens_before_divergence = 0, 0
