@@ -30,7 +30,9 @@ def load_checkpoint(
     trust_remote_code: bool = False,
     progress: bool = True,
 ) -> LoadedCheckpoint:
-    """Load weights, config and tokenizer of ``model``.
+    """Open ``model``: its config and tokenizer are read, its weights only listed (names and
+    shapes from the files' headers); ``checkpoint.weights()`` streams them when the model loads
+    (``loader/model_loader.py``).
 
     >>> checkpoint = load_checkpoint("default", torch.float32)
     >>> checkpoint.config.num_hidden_layers
