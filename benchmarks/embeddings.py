@@ -6,6 +6,16 @@ then the reranker row: ``EmbeddingEngine.score`` against sentence-transformers' 
     python -m hearth_llm.benchmarks.embeddings --num-sentences 2000 --rounds 5 --json out.json
     python -m hearth_llm.benchmarks.embeddings --only-rerank --rerank-rounds 10
 
+On a GPU (for the H200; the passages row runs alone):
+
+    hearth-llm bench embeddings --passages --device cuda --dtype bfloat16       # bge-m3 shape, 10k × 256 tokens
+    hearth-llm bench embeddings --passages --device cpu --shape tiny --num-passages 64   # a dry run
+
+The passages row writes a random encoder of bge-m3's shape (XLM-RoBERTa, 24 layers, 1024 wide,
+CLS pooling, Normalize; the bundled MiniLM tokenizer, which is all the text needs) as a
+sentence-transformers directory and embeds ``--num-passages`` passages of ``--passage-tokens``
+tokens with our engine and with sentence-transformers on the same device in the same run.
+
 The reranker is an ms-marco-MiniLM-L6-shaped cross-encoder (BERT, 6 layers, 384 wide: the bundled
 all-MiniLM-L6-v2's encoder and tokenizer with a seeded random one-label head, written to a
 temporary directory), scoring ``--rerank-pairs`` (query, document) pairs — 10 queries, each against
@@ -140,6 +150,78 @@ def rerank_row(num_pairs: int, rounds: int, sentences: list[str], num_workers: i
     return row
 
 
+PASSAGE_SHAPES = {  # XLMRobertaConfig fields
+    "bge-m3": dict(vocab_size=250002, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                   intermediate_size=4096, max_position_embeddings=8194),
+    "tiny": dict(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, max_position_embeddings=514),
+}
+
+
+def write_passage_encoder(path: str, shape: str) -> str:
+    """A random XLM-R encoder of ``shape`` saved by sentence-transformers (CLS pooling, Normalize)."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+    from transformers import AutoModel, XLMRobertaConfig
+
+    raw = os.path.join(path, "raw")
+    torch.manual_seed(0)
+    AutoModel.from_config(XLMRobertaConfig(**PASSAGE_SHAPES[shape], pad_token_id=1, type_vocab_size=1)).save_pretrained(raw)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(default_model_path() / name, os.path.join(raw, name))
+    hidden = PASSAGE_SHAPES[shape]["hidden_size"]
+    SentenceTransformer(modules=[modules.Transformer(raw, max_seq_length=512), modules.Pooling(hidden, pooling_mode="cls"),
+                                 modules.Normalize()], device="cpu").save(os.path.join(path, "st"))
+    return os.path.join(path, "st")
+
+
+def passages_row(args) -> dict:
+    """Passages per second, ours against sentence-transformers, same device, same run."""
+    import tempfile
+
+    from sentence_transformers import SentenceTransformer
+
+    from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine
+
+    # each text is longer than passage_tokens; both sides cut it there (max_seq_length)
+    passages = [text * 12 for text in make_sentences(args.num_passages, seed=2)]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    with tempfile.TemporaryDirectory() as path:
+        model_path = write_passage_encoder(path, args.shape)
+        ours = EmbeddingEngine(EmbeddingConfig(model=model_path, device=args.device, dtype=args.dtype,
+                                               max_seq_length=args.passage_tokens, show_progress=False))
+        theirs = SentenceTransformer(model_path, device=args.device, model_kwargs={"dtype": dtype})
+        theirs.max_seq_length = args.passage_tokens
+        sides = {"hearth": lambda texts: ours.embed(texts),
+                 "sentence_transformers": lambda texts: theirs.encode(texts, batch_size=args.st_batch_size,
+                                                                      convert_to_tensor=True).float().cpu()}
+        for side in sides.values():
+            side(passages[:64])                      # load and warm up
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        vectors = {}
+        for round_index in range(args.rounds):
+            for name in (reversed(sides) if round_index % 2 == 0 else sides):
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                vectors[name] = sides[name](passages)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                rates[name].append(len(passages) / (time.perf_counter() - start))
+        ratios = [a / b for a, b in zip(rates["hearth"], rates["sentence_transformers"], strict=True)]
+        row = {"shape": args.shape, "device": args.device, "dtype": args.dtype, "num_passages": len(passages),
+               "passage_tokens": args.passage_tokens, "rounds": args.rounds, "implementation": ours.implementation,
+               "hearth_passages_per_s": round(statistics.median(rates["hearth"]), 1),
+               "sentence_transformers_passages_per_s": round(statistics.median(rates["sentence_transformers"]), 1),
+               "speedup": round(statistics.median(ratios), 2), "speedup_rounds": [round(r, 2) for r in ratios],
+               "min_cosine": min_cosine(vectors["hearth"].tolist(), vectors["sentence_transformers"].tolist()),
+               "load_average": [round(load, 2) for load in os.getloadavg()]}
+        ours.close()
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-sentences", type=int, default=1000)
@@ -150,8 +232,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rerank-rounds", type=int, default=10)
     parser.add_argument("--no-rerank", action="store_true", help="skip the reranker row")
     parser.add_argument("--only-rerank", action="store_true", help="only the reranker row")
+    parser.add_argument("--passages", action="store_true", help="only the long-passages row (GPU)")
+    parser.add_argument("--device", default="cuda", help="device of the passages row")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--shape", default="bge-m3", choices=sorted(PASSAGE_SHAPES))
+    parser.add_argument("--num-passages", type=int, default=10000)
+    parser.add_argument("--passage-tokens", type=int, default=256)
+    parser.add_argument("--st-batch-size", type=int, default=128, help="sentence-transformers' batch size")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.passages:
+        return _report({"passages": passages_row(args)}, args.json)
     if args.only_rerank:
         sentences = make_sentences(args.rerank_pairs + 10)
         result = {"reranker": rerank_row(args.rerank_pairs, args.rerank_rounds, sentences, args.num_workers)}
