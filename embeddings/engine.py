@@ -29,7 +29,7 @@ from .config import EmbeddingConfig
 from .errors import (EmbeddingEngineClosedError, EmbeddingEngineDeadError, EmbeddingFailedError,
                      TextTooLongError)
 from .model_dir import read_encoder_spec
-from .runner import EncoderRunner, make_runner
+from .runner import EncoderRunner, choose_implementation, make_runner
 from .workers import ForwardWorkers, start_single_threaded
 
 logger = logging.getLogger("hearth_llm")
@@ -90,6 +90,7 @@ class EmbeddingEngine:
         self.config.validate()
         self.spec = read_encoder_spec(self.config.model, self.config.max_seq_length, pooling=self.config.pooling,
                                       dimensions=self.config.dimensions)
+        choose_implementation(self.spec, self.config.implementation)   # a config it cannot run: ValueError now
         # resolved here: its default follows the calling thread's torch threads, and the engine
         # thread runs on one
         self.num_workers = self.config.worker_count

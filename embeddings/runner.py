@@ -137,12 +137,20 @@ class EncoderRunner:
                               return_attention_mask=False, return_token_type_ids=False)["input_ids"]
 
 
+# Model types whose hub configs carry fields (nomic's prenorm, biases, rotary variants...) that
+# transformers' own implementation never reads: a config we refuse would run wrongly there too.
+CONFIG_FIELDS_TRANSFORMERS_IGNORES = ("nomic_bert",)
+
+
 def choose_implementation(spec: EncoderSpec, requested: str) -> str:
     """``"hearth"`` (ours) or ``"transformers"``. "auto" takes ours wherever it can run the model:
     on all-MiniLM-L6-v2, one CPU thread, 1000 sentences, it spent 5.6 CPU-s where sentence-transformers
     (``AutoModel`` with SDPA, batches of 32) spent 7.4–7.7, at the same accuracy: its dense layers
     run at oneDNN's fp32 peak (~110 GFLOP/s a core) on unpadded tokens."""
     reason = _why_not_ours(spec)
+    if reason and requested != "hearth" and spec.model_type in CONFIG_FIELDS_TRANSFORMERS_IGNORES:
+        raise ValueError(f"{spec.encoder_path} cannot run exactly: {reason} (transformers' {spec.model_type} "
+                         "ignores that field, so it is no fallback)")
     if requested == "hearth" and reason:
         raise ValueError(f"implementation='hearth' cannot run {spec.encoder_path}: {reason}; "
                          "use implementation='transformers' or 'auto'")
