@@ -168,12 +168,14 @@ def write_passage_encoder(path: str, shape: str) -> str:
 
     raw = os.path.join(path, "raw")
     torch.manual_seed(0)
-    AutoModel.from_config(XLMRobertaConfig(**PASSAGE_SHAPES[shape], pad_token_id=1, type_vocab_size=1)).save_pretrained(raw)
+    config = XLMRobertaConfig(**PASSAGE_SHAPES[shape], pad_token_id=1, type_vocab_size=1)
+    AutoModel.from_config(config).save_pretrained(raw)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, os.path.join(raw, name))
     hidden = PASSAGE_SHAPES[shape]["hidden_size"]
-    SentenceTransformer(modules=[modules.Transformer(raw, max_seq_length=512), modules.Pooling(hidden, pooling_mode="cls"),
-                                 modules.Normalize()], device="cpu").save(os.path.join(path, "st"))
+    pipeline = [modules.Transformer(raw, max_seq_length=512), modules.Pooling(hidden, pooling_mode="cls"),
+                modules.Normalize()]
+    SentenceTransformer(modules=pipeline, device="cpu").save(os.path.join(path, "st"))
     return os.path.join(path, "st")
 
 

@@ -154,7 +154,8 @@ class EmbeddingEngine:
         prefix = self.spec.prompt_for(prompt_name, prompt)
         return self._submit([prefix + text for text in texts] if prefix else list(texts), truncate, show_progress)
 
-    def submit_scores(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> concurrent.futures.Future:
+    def submit_scores(self, query: str, documents: Sequence[str], *,
+                      truncate: bool = True) -> concurrent.futures.Future:
         """Queue ``documents`` to be scored against ``query`` (a cross-encoder); the future's result
         is a float32 tensor ``[len(documents)]``."""
         _check_text(query, "query")
@@ -195,7 +196,8 @@ class EmbeddingEngine:
             return future.result(timeout)[:, 0].tolist()
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise TimeoutError(f"scoring {len(documents)} documents did not finish within timeout={timeout} s") from None
+            raise TimeoutError(f"scoring {len(documents)} documents did not finish within "
+                               f"timeout={timeout} s") from None
 
     async def ascore(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
         """:meth:`score` for coroutines: the event loop waits, the engine thread computes."""

@@ -191,7 +191,8 @@ def _score_activation(config: dict) -> str:
     if path is None:
         return "sigmoid"
     if path not in _SCORE_ACTIVATIONS:
-        raise ValueError(f"cross-encoder activation_fn {path!r} is not supported; supported: {sorted(_SCORE_ACTIVATIONS)}")
+        raise ValueError(f"cross-encoder activation_fn {path!r} is not supported; "
+                         f"supported: {sorted(_SCORE_ACTIVATIONS)}")
     return _SCORE_ACTIVATIONS[path]
 
 

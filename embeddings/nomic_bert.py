@@ -158,7 +158,8 @@ def _find(weights: dict, *names: str) -> str:
 
 
 def _our_state_dict(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """nomic's names (``encoder.layers.N.attn.Wqkv``...) or transformers' (``layers.N.self_attn.q_proj``...) → ours."""
+    """nomic's names (``encoder.layers.N.attn.Wqkv``...) or transformers'
+    (``layers.N.self_attn.q_proj``...) → ours."""
     def take(*names: str) -> torch.Tensor:
         return weights[_find(weights, *names)]
 

@@ -100,8 +100,9 @@ def test_the_activation_named_in_the_config_is_applied(tmp_path, activation):
     with reranker(path) as engine:
         scores = torch.tensor(engine.score(QUERY, DOCUMENTS))
     assert torch.allclose(scores, expected, atol=1e-4)
-    path.joinpath("config.json").write_text(json.dumps(
-        {k: v for k, v in json.loads(path.joinpath("config.json").read_text()).items() if k != "sentence_transformers"}))
+    config = json.loads(path.joinpath("config.json").read_text())
+    config.pop("sentence_transformers")
+    path.joinpath("config.json").write_text(json.dumps(config))
     with reranker(path) as engine:          # no activation named: Sigmoid, sentence-transformers' default
         default = torch.tensor(engine.score(QUERY, DOCUMENTS))
     assert torch.allclose(default, torch.sigmoid(scores) if activation.endswith("Identity") else scores, atol=1e-6)
