@@ -64,7 +64,7 @@ def to_chat_request(body: ChatCompletionRequest, state: ServerState, request_id:
             and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens disagree; send one", param="max_completion_tokens")
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = state.max_tokens(body.max_completion_tokens or body.max_tokens, field)
+    max_tokens = state.max_tokens(getattr(body, field), field)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     tool_choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
     _check_strict_tools(tools, tool_choice)

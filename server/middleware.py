@@ -73,7 +73,7 @@ class ServerMiddleware:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         request_id = _request_id(headers.get("x-request-id"))
         log = {"request_id": request_id, "method": scope["method"], "path": scope["path"]}
-        scope.setdefault("state", {}).update(request_id=request_id, log=log, headers=headers)
+        scope.setdefault("state", {}).update(request_id=request_id, log=log)
         exchange = _Exchange(send, request_id)
         started = time.monotonic()
         with _span(scope, request_id) as span:
@@ -100,14 +100,12 @@ class ServerMiddleware:
         await self._run_until_disconnect(scope, body, receive, exchange)
 
     def _authorize(self, scope, headers: dict[str, str]) -> None:
-        if not self.key_digests:
-            scope["state"]["tenant"] = "anonymous"
-            return
-        index = find_key(headers.get("authorization"), self.key_digests)
-        if index is None and scope["path"] not in OPEN_PATHS:
+        index = find_key(headers.get("authorization"), self.key_digests) if self.key_digests else None
+        if self.key_digests and index is None and scope["path"] not in OPEN_PATHS:
             raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        scope["state"]["tenant"] = f"key-{index}" if index is not None else "anonymous"
+        # the rate limiter's tenant and the log's: which key (by position), never the key itself
+        scope["state"]["tenant"] = scope["state"]["log"]["tenant"] = f"key-{index}" if index is not None else "anonymous"
 
     async def _read_body(self, receive, headers: dict[str, str]) -> bytes:
         declared = headers.get("content-length")

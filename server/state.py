@@ -87,6 +87,8 @@ class ServerState:
     def max_tokens(self, asked: int | None, field: str = "max_tokens") -> int | None:
         """``asked`` within ``max_tokens_limit``; a request that names none gets the limit."""
         limit = self.settings.max_tokens_limit
+        if asked is not None and asked < 1:
+            raise APIError(400, f"{field} must be >= 1, got {asked}", param=field)
         if asked is not None and limit is not None and asked > limit:
             raise APIError(400, f"{field} must be at most {limit} on this server, got {asked}", param=field)
         return asked if asked is not None else limit

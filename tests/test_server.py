@@ -46,7 +46,10 @@ def core(server):
 
 @pytest.fixture(autouse=True)
 def pool_whole_after(request):
-    """Every test ends with the server's KV pool whole: nothing running, waiting or holding blocks."""
+    """Every test ends with the server's KV pool whole: nothing running, waiting or holding blocks.
+
+    Polled, not read once: the engine's counters are as of its last step, and a client can read a
+    request's last event before the step that produced it has updated them."""
     yield
     if "server" in request.fixturenames:
         wait_for_idle(get_engine("default", **ENGINE))
@@ -80,22 +83,22 @@ def expected_chat(llm, messages=QUESTION, max_tokens=16):
 
 # ---- answers equal the in-process ones ----------------------------------------------------------------
 
-def test_openai_sync_chat_equals_llm_chat_token_for_token(client, smollm2):
-    expected = expected_chat(smollm2)
+def test_openai_sync_chat_equals_llm_chat_token_for_token(client, default_llm):
+    expected = expected_chat(default_llm)
     response = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=16,
                                               logprobs=True, top_logprobs=2)
     choice = response.choices[0]
     assert choice.message.content == expected.outputs[0].text and choice.finish_reason == "stop"
     tokens = [entry.token for entry in choice.logprobs.content]
-    assert tokens == [smollm2.tokenizer.decode([t]) for t in expected.outputs[0].token_ids]
+    assert tokens == [default_llm.tokenizer.decode([t]) for t in expected.outputs[0].token_ids]
     assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
     assert response.model == "SmolLM2-135M-Instruct" and response.id.startswith("chatcmpl-")
 
 
-def test_openai_streaming_and_async_equal_the_whole_answer(server, client, smollm2):
-    expected = expected_chat(smollm2).outputs[0].text
+def test_openai_streaming_and_async_equal_the_whole_answer(server, client, default_llm):
+    expected = expected_chat(default_llm).outputs[0].text
     chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0,
                                                  max_tokens=16, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -115,8 +118,8 @@ def test_openai_streaming_and_async_equal_the_whole_answer(server, client, smoll
     assert asyncio.run(run()) == (expected, expected)
 
 
-def test_n_answers_come_from_one_request_whole_or_streamed(client, smollm2):
-    expected = expected_chat(smollm2)
+def test_n_answers_come_from_one_request_whole_or_streamed(client, default_llm):
+    expected = expected_chat(default_llm)
     response = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=16, n=2)
     assert [(c.index, c.message.content) for c in response.choices] == [(0, expected.outputs[0].text),
                                                                         (1, expected.outputs[0].text)]
@@ -155,11 +158,11 @@ def test_a_forced_tool_call_equals_chat_hearths_and_streams_the_same_arguments(c
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_tool_choice_none_answers_in_text(client, smollm2):
+def test_tool_choice_none_answers_in_text(client, default_llm):
     response = client.chat.completions.create(model="default", messages=QUESTION, tools=[WEATHER], tool_choice="none",
                                               temperature=0, max_tokens=16)
     assert response.choices[0].message.tool_calls is None
-    assert response.choices[0].message.content == expected_chat(smollm2).outputs[0].text  # tools not even offered
+    assert response.choices[0].message.content == expected_chat(default_llm).outputs[0].text  # tools not even offered
 
 
 def test_a_json_schema_answer_follows_the_schema(client):
@@ -205,18 +208,18 @@ def test_langchain_chat_openai_equals_chat_hearth(server):
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
 
 
-def test_llama_index_openai_like_answers(server, smollm2):
+def test_llama_index_openai_like_answers(server, default_llm):
     from llama_index.core.llms import ChatMessage
     from llama_index.llms.openai_like import OpenAILike
 
     llm = OpenAILike(model="default", api_base=server.url, api_key=KEY, is_chat_model=True, temperature=0,
                      max_tokens=16, max_retries=0)
     answer = llm.chat([ChatMessage(role="user", content=QUESTION[0]["content"])])
-    assert answer.message.content == expected_chat(smollm2).outputs[0].text
+    assert answer.message.content == expected_chat(default_llm).outputs[0].text
 
 
-def test_completions_take_text_token_and_array_prompts_with_echo_and_logprobs(client, smollm2):
-    expected = smollm2.generate([COUNTING], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+def test_completions_take_text_token_and_array_prompts_with_echo_and_logprobs(client, default_llm):
+    expected = default_llm.generate([COUNTING], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
     token_ids = expected.prompt_token_ids
     response = client.completions.create(model="default", prompt=[COUNTING, COUNTING], max_tokens=6, temperature=0)
     assert [c.text for c in response.choices] == [expected.outputs[0].text] * 2 and [0, 1] == [
@@ -225,10 +228,10 @@ def test_completions_take_text_token_and_array_prompts_with_echo_and_logprobs(cl
     by_ids = client.completions.create(model="default", prompt=token_ids, max_tokens=6, temperature=0, echo=True,
                                        logprobs=1)
     choice = by_ids.choices[0]
-    assert choice.text == smollm2.tokenizer.decode(token_ids) + expected.outputs[0].text
+    assert choice.text == default_llm.tokenizer.decode(token_ids) + expected.outputs[0].text
     assert len(choice.logprobs.tokens) == len(token_ids) + 6 and choice.logprobs.token_logprobs[0] is None
     assert "".join(choice.logprobs.tokens) == choice.text
-    assert choice.logprobs.text_offset[len(token_ids)] == len(smollm2.tokenizer.decode(token_ids))
+    assert choice.logprobs.text_offset[len(token_ids)] == len(default_llm.tokenizer.decode(token_ids))
     chunks = list(client.completions.create(model="default", prompt=COUNTING, max_tokens=6, temperature=0,
                                             stream=True, n=2, seed=1))
     texts = {0: "", 1: ""}
@@ -256,8 +259,9 @@ def test_models_health_metrics_and_the_request_id(server, client, http, caplog):
     with caplog.at_level("INFO", logger="hearth_llm.server"):
         echoed = http.get("/v1/models", headers={"X-Request-Id": "my-trace-42"})
     assert echoed.headers["x-request-id"] == "my-trace-42"
-    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "hearth_llm.server"]
-    assert line["request_id"] == "my-trace-42" and line["status"] == 200 and line["path"] == "/v1/models"
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "hearth_llm.server"]
+    [line] = [line for line in lines if line["request_id"] == "my-trace-42"]
+    assert line["status"] == 200 and line["path"] == "/v1/models" and line["tenant"] == "key-0"
     assert len(http.get("/v1/models").headers["x-request-id"]) == 32  # one of ours when none is sent
 
 
@@ -297,6 +301,7 @@ def test_an_unknown_model_is_404(http, path, body):
     ({"temperature": "hot"}, "temperature"),            # a wrong type
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),               # the server's max_tokens_limit
     ({"n": 0}, "n"),
     ({"n": 100}, "n"),                                  # the server's max_n
@@ -412,8 +417,8 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_blocks(server, core)
     wait_for_idle(core, timeout=5)
 
 
-def test_50_streaming_clients_30_percent_leaving_leave_the_pool_whole(server, core, smollm2):
-    expected = expected_chat(smollm2, max_tokens=8).outputs[0].text
+def test_50_streaming_clients_30_percent_leaving_leave_the_pool_whole(server, core, default_llm):
+    expected = expected_chat(default_llm, max_tokens=8).outputs[0].text
 
     async def one(session: httpx.AsyncClient, leaves: bool) -> str | None:
         body = chat_body(max_tokens=8, temperature=0, stream=True)
@@ -441,8 +446,8 @@ def test_50_streaming_clients_30_percent_leaving_leave_the_pool_whole(server, co
     wait_for_idle(core)
 
 
-def test_stopping_the_server_lets_a_stream_in_flight_finish(core, smollm2):
-    expected = expected_chat(smollm2, max_tokens=24).outputs[0].text
+def test_stopping_the_server_lets_a_stream_in_flight_finish(core, default_llm):
+    expected = expected_chat(default_llm, max_tokens=24).outputs[0].text
     running = start_server("default", embedding_model=None, drain_timeout=30, **ENGINE)  # the same engine
     received = []
     with httpx.stream("POST", f"{running.url}/chat/completions", timeout=60,
@@ -475,3 +480,16 @@ def test_the_serve_command_reads_its_options_and_the_key_from_the_environment(mo
     assert kwargs["api_key"] == ["sk-env"] and kwargs["embedding_model"] is None and kwargs["max_num_seqs"] == 8
     args = parser.parse_args(["serve", "--api-key", "a", "--api-key", "b", "--host", "0.0.0.0"])
     assert serve_kwargs(args)["api_key"] == ["a", "b"] and serve_kwargs(args)["host"] == "0.0.0.0"
+
+
+def test_the_server_maps_onto_public_engine_apis_only():
+    """A thin mapper: no integration, benchmark or scheduler internals imported (tests/test_layering.py's scanner)."""
+    from pathlib import Path
+
+    from test_layering import imported_modules
+
+    forbidden = ("hearth_llm.integrations", "hearth_llm.benchmarks", "hearth_llm.engine.scheduler",
+                 "hearth_llm.engine.llm_engine", "hearth_llm.engine.kv_cache_manager", "hearth_llm.engine.model_runner")
+    for path in sorted((Path(__file__).resolve().parent.parent / "server").glob("*.py")):
+        names = imported_modules(path.read_text(), "hearth_llm.server")
+        assert not [name for name in names if name.startswith(forbidden)], path
