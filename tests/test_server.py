@@ -258,9 +258,16 @@ def test_models_health_metrics_and_the_request_id(server, client, http, caplog):
     assert "vllm:num_requests_running" in metrics and "vllm:generation_tokens_total" in metrics
     with caplog.at_level("INFO", logger="hearth_llm.server"):
         echoed = http.get("/v1/models", headers={"X-Request-Id": "my-trace-42"})
+        # The server thread writes its log line after the response has gone out: wait for it.
+        deadline = time.monotonic() + 5
+        while True:
+            lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "hearth_llm.server"]
+            matching = [line for line in lines if line["request_id"] == "my-trace-42"]
+            if matching or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
     assert echoed.headers["x-request-id"] == "my-trace-42"
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "hearth_llm.server"]
-    [line] = [line for line in lines if line["request_id"] == "my-trace-42"]
+    [line] = matching
     assert line["status"] == 200 and line["path"] == "/v1/models" and line["tenant"] == "key-0"
     assert len(http.get("/v1/models").headers["x-request-id"]) == 32  # one of ours when none is sent
 
