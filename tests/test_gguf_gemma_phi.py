@@ -15,11 +15,11 @@ import json
 import gguf
 import pytest
 from safetensors.torch import load_file
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from hearth_llm.engine import SamplingParams
 
-from conftest import TINY_VOCAB, hf_greedy, random_prompts
+from conftest import hf_greedy, random_prompts
+from gguf_writer import write_shape_fields, write_tensors_and_close, write_tiny_tokenizer
 from model_equality import save_tiny_model
 from test_models_gemma_phi import FULL, SLIDING, make_config
 
@@ -40,30 +40,20 @@ def write_gguf(hf_dir, path, architecture: gguf.MODEL_ARCH):
     config = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[architecture])
     _write_hyperparameters(writer, config, architecture)
-    _write_tokenizer(writer)
-    name_map = gguf.get_tensor_name_map(architecture, config["num_hidden_layers"])
-    for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
+    write_tiny_tokenizer(writer)
+
+    def llama_cpp_form(hf_name, tensor):
         if architecture in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
-            tensor = tensor + 1  # llama.cpp's Gemma converters store 1 + w
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        writer.add_tensor(name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return tensor + 1  # llama.cpp's Gemma converters store 1 + w
+        return tensor
+
+    write_tensors_and_close(writer, load_file(hf_dir / "model.safetensors"), architecture, config, llama_cpp_form)
     return path
 
 
 def _write_hyperparameters(writer, config: dict, architecture) -> None:
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    write_shape_fields(writer, config)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -82,18 +72,6 @@ def _write_hyperparameters(writer, config: dict, architecture) -> None:
         writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
         writer.add_sliding_window(config["sliding_window"])
-
-
-def _write_tokenizer(writer) -> None:
-    """A byte-level BPE vocabulary of exactly the tiny models' size (ids are what the test feeds)."""
-    tokens = ["<pad>", "<bos>", "<eos>", *bytes_to_unicode().values(), "he"]
-    tokens += [f"tok{i}" for i in range(TINY_VOCAB - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
-    writer.add_token_merges(["h e"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
 
 
 @pytest.mark.parametrize("name", sorted(GGUF_CASES))

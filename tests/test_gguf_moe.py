@@ -22,7 +22,7 @@ from hearth_llm.engine import LLM, SamplingParams
 
 from conftest import TINY_COMMON, hf_greedy, random_prompts
 from model_equality import save_tiny_model
-from test_gguf_gemma_phi import _write_tokenizer
+from gguf_writer import write_shape_fields, write_tensors_and_close, write_tiny_tokenizer
 
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {
@@ -58,14 +58,8 @@ def stacked_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 def write_gguf(hf_dir, path, architecture, weights_norm):
     config = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[architecture])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    write_shape_fields(writer, config)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -77,16 +71,8 @@ def write_gguf(hf_dir, path, architecture, weights_norm):
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if weights_norm is not None:
         writer.add_expert_weights_norm(weights_norm)
-    _write_tokenizer(writer)
-    name_map = gguf.get_tensor_name_map(architecture, config["num_hidden_layers"])
-    for hf_name, tensor in stacked_experts(load_file(hf_dir / "model.safetensors")).items():
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        writer.add_tensor(name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tiny_tokenizer(writer)
+    write_tensors_and_close(writer, stacked_experts(load_file(hf_dir / "model.safetensors")), architecture, config)
     return path
 
 

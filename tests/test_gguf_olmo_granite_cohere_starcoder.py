@@ -17,13 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import SmolLM3Config, Starcoder2Config
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from hearth_llm.engine import SamplingParams
 
-from conftest import TINY_COMMON, TINY_VOCAB, hf_greedy, random_prompts
+from conftest import TINY_COMMON, hf_greedy, random_prompts
 from test_models_olmo_granite_cohere_starcoder import CONFIGS
 from test_models_smollm3_glm4_ministral import CONFIGS as EXTRA_CONFIGS
+from gguf_writer import write_shape_fields, write_tensors_and_close, write_tiny_tokenizer
 from model_equality import save_tiny_model
 
 # A tiny config -> llama.cpp's architecture.
@@ -53,32 +53,22 @@ def write_gguf(hf_dir, path, architecture: gguf.MODEL_ARCH):
     config = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[architecture])
     _write_hyperparameters(writer, config, architecture)
-    _write_tokenizer(writer)
-    name_map = gguf.get_tensor_name_map(architecture, config["num_hidden_layers"])
-    for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
+    write_tiny_tokenizer(writer, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+
+    def llama_cpp_form(hf_name, tensor):
         if architecture in PERMUTED_QK and hf_name.endswith("q_proj.weight"):
-            tensor = llama_cpp_permute(tensor, config["num_attention_heads"])
-        elif architecture in PERMUTED_QK and hf_name.endswith("k_proj.weight"):
-            tensor = llama_cpp_permute(tensor, config["num_key_value_heads"])
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        writer.add_tensor(name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return llama_cpp_permute(tensor, config["num_attention_heads"])
+        if architecture in PERMUTED_QK and hf_name.endswith("k_proj.weight"):
+            return llama_cpp_permute(tensor, config["num_key_value_heads"])
+        return tensor
+
+    write_tensors_and_close(writer, load_file(hf_dir / "model.safetensors"), architecture, config, llama_cpp_form)
     return path
 
 
 def _write_hyperparameters(writer, config: dict, architecture) -> None:
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    write_shape_fields(writer, config)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_vocab_size(config["vocab_size"])
     if "rms_norm_eps" in config:
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     for key in ("layer_norm_eps", "norm_epsilon"):
@@ -96,18 +86,6 @@ def _write_hyperparameters(writer, config: dict, architecture) -> None:
         writer.add_value_length(config["head_dim"])
     if architecture == gguf.MODEL_ARCH.GLM4:
         writer.add_rope_dimension_count(int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"]))
-
-
-def _write_tokenizer(writer) -> None:
-    """A byte-level BPE vocabulary of exactly the tiny models' size (ids are what the test feeds)."""
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *bytes_to_unicode().values(), "he"]
-    tokens += [f"tok{i}" for i in range(TINY_VOCAB - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
-    writer.add_token_merges(["h e"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
 
 
 @pytest.mark.parametrize("name", sorted(GGUF_CASES))

@@ -1,0 +1,57 @@
+"""Tiny GGUF files written as llama.cpp's converter writes them, shared by each family's GGUF
+loader tests: the shape fields every architecture has, a byte-level BPE vocabulary of the tiny
+models' size, and the tensors under gguf's own name map.
+
+>>> writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.OLMO2])
+>>> write_shape_fields(writer, config); write_tiny_tokenizer(writer)
+>>> write_tensors_and_close(writer, load_file(hf_dir / "model.safetensors"), gguf.MODEL_ARCH.OLMO2, config)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gguf
+import torch
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from conftest import TINY_VOCAB
+
+
+def write_shape_fields(writer: gguf.GGUFWriter, config: dict) -> None:
+    """The hyperparameters every decoder GGUF carries (an architecture's own keys come on top)."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def write_tiny_tokenizer(writer: gguf.GGUFWriter, special_tokens=("<pad>", "<bos>", "<eos>")) -> None:
+    """A byte-level BPE vocabulary of exactly the tiny models' size (ids are what the tests feed)."""
+    tokens = [*special_tokens, *bytes_to_unicode().values(), "he"]
+    tokens += [f"tok{i}" for i in range(TINY_VOCAB - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    writer.add_token_merges(["h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def write_tensors_and_close(writer: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], architecture, config: dict,
+                            transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Every HF tensor under its llama.cpp name (``transform`` first, as a converter rewrites some),
+    then the file written and closed."""
+    name_map = gguf.get_tensor_name_map(architecture, config["num_hidden_layers"])
+    for hf_name, tensor in tensors.items():
+        if transform is not None:
+            tensor = transform(hf_name, tensor)
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        writer.add_tensor(name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
