@@ -39,6 +39,22 @@ def save_tiny_model(config, path: Path, seed: int = 0, std: float = 0.2) -> Path
     return path
 
 
+class TinyModelDirs:
+    """Saved tiny models of named configs, each built on first use (seed: the name's length).
+
+    >>> model_dir = TinyModelDirs(CONFIGS, tmp_path_factory.mktemp)
+    >>> check_matches_hf(model_dir("olmo2"), make_llm)
+    """
+
+    def __init__(self, configs: dict, make_dir) -> None:
+        self._configs, self._make_dir, self._built = configs, make_dir, {}
+
+    def __call__(self, name: str) -> Path:
+        if name not in self._built:
+            self._built[name] = save_tiny_model(self._configs[name](), self._make_dir(name), seed=len(name))
+        return self._built[name]
+
+
 def assert_matches_hf(path, prompts, outputs, max_tokens: int = MAX_TOKENS) -> None:
     for prompt, output in zip(prompts, outputs):
         expected = hf_greedy(path, prompt, max_tokens)

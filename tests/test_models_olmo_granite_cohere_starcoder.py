@@ -17,7 +17,7 @@ from transformers import CohereConfig, GraniteConfig, Olmo2Config, Starcoder2Con
 from hearth_llm.engine import SamplingParams
 
 from conftest import TINY_COMMON, hf_model, random_prompts
-from model_equality import CHECKS, save_tiny_model
+from model_equality import CHECKS, TinyModelDirs
 
 CONFIGS = {
     "olmo2": lambda: Olmo2Config(**TINY_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -50,14 +50,7 @@ FAMILY_OF = {name: name.split("-")[0] for name in CONFIGS}
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The saved tiny model of a config name, built on first use."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = save_tiny_model(CONFIGS[name](), tmp_path_factory.mktemp(name), seed=len(name))
-        return built[name]
-
-    return get
+    return TinyModelDirs(CONFIGS, tmp_path_factory.mktemp)
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

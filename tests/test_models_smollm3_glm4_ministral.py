@@ -7,7 +7,7 @@ import pytest
 from transformers import Glm4Config, MinistralConfig, SmolLM3Config
 
 from conftest import TINY_COMMON, hf_greedy, random_prompts
-from model_equality import CHECKS, save_tiny_model
+from model_equality import CHECKS, TinyModelDirs, save_tiny_model
 
 FOUR_LAYERS = {**TINY_COMMON, "num_hidden_layers": 4}
 CONFIGS = {
@@ -26,14 +26,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = save_tiny_model(CONFIGS[name](), tmp_path_factory.mktemp(name), seed=len(name))
-        return built[name]
-
-    return get
+    return TinyModelDirs(CONFIGS, tmp_path_factory.mktemp)
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
