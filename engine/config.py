@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .spec_decode.config import SpeculativeConfig
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -47,6 +49,12 @@ class EngineConfig:
     - ``cuda_graphs``: on CUDA, capture decode steps as CUDA graphs (startup takes a few seconds).
     - ``async_scheduling``: schedule and launch step N+1 while the device runs step N, reading step N's
       tokens one step late; ``None`` turns it on for CUDA (the CPU has no device to overlap with).
+    - ``enable_lora``: serve PEFT LoRA adapters chosen per request (``LoRARequest``); ``max_loras``: distinct
+      adapters per step (device slots); ``max_lora_rank``: the largest ``r`` accepted (slots are sized for
+      it); ``max_cpu_loras``: loaded adapters kept on the CPU (default ``max_loras``).
+    - ``speculative``: speculative decoding, a dict of :class:`~.spec_decode.SpeculativeConfig` fields,
+      e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; None: off. It turns async scheduling off
+      (a proposal needs the tokens before it), so ``async_scheduling=True`` with it is refused.
     """
 
     model: str = "default"
@@ -68,6 +76,11 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     cuda_graphs: bool = True
     async_scheduling: bool | None = None
+    enable_lora: bool = False
+    max_loras: int = 8
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    speculative: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +110,23 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        self._validate_lora()
+        self.speculative = SpeculativeConfig.coerce(self.speculative)
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("async_scheduling=True cannot be combined with speculative decoding: proposals need "
+                             "the previous step's tokens on the host; leave async_scheduling None or False")
+
+    def _validate_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            _positive_int(name, getattr(self, name))
+        if self.max_lora_rank > 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None:
+            _positive_int("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -79,6 +79,16 @@ class KVCacheManager:
             self.pool.cache_block(request.block_ids[index], request.block_hashes[index])
         self.num_cached_blocks[request.request_id] = num_full
 
+    def free_uncomputed_blocks(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens: after a verification step the
+        KV of rejected proposals is garbage, and the blocks that held only that go back to the pool.
+        (Their slots in the last kept block are simply overwritten by the next tokens; no hash
+        covers them, since blocks are hashed only once full of accepted, computed tokens.)"""
+        num_needed = -(-request.num_computed_tokens // self.block_size)
+        if len(request.block_ids) > num_needed:
+            self.pool.free(list(reversed(request.block_ids[num_needed:])))
+            del request.block_ids[num_needed:]
+
     def free(self, request: Request) -> None:
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids.clear()
@@ -97,6 +107,8 @@ class KVCacheManager:
 def _extra_key(request: Request) -> str | None:
     """What besides the tokens a block's KV depends on: the caller's salt and the model's KV regime
     (encoded together, so no salt a caller picks can stand for another salt plus a regime)."""
-    if request.kv_regime is None and request.cache_salt is None:
+    if request.kv_regime is None and request.cache_salt is None and request.lora is None:
         return None
+    if request.lora is not None:  # an adapter changes every layer's KV: its exact weights are part of the key
+        return json.dumps([request.cache_salt, request.kv_regime, request.lora.cache_key])
     return json.dumps([request.cache_salt, request.kv_regime])

@@ -26,6 +26,7 @@ from .request import Request
 from .sampler import SampledTokens, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .spec_decode import NgramProposer, SpecDecodeStats, accepted_tokens
 from .structured_output import GrammarError, GuidedDecoder
 from .thread_governor import ThreadGovernor
 
@@ -38,9 +39,10 @@ logger = logging.getLogger("hearth_llm")
 class InFlightStep:
     """A step launched on the device whose tokens the host has not read yet."""
 
-    requests: list[Request]          # one per row of ``sampled``
+    requests: list[Request]          # each sampled request; its rows of ``sampled`` follow the previous one's
     sampled: SampledTokens
     can_sample_ahead: bool           # whether the next step may be scheduled before these are read
+    proposals: list[list[int]]       # per request, the proposals it verified (1 + len rows of ``sampled``)
 
 
 class LLMEngine:
@@ -89,6 +91,9 @@ class LLMEngine:
         self.metrics = EngineMetrics(config.model)
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
+        self.proposer, self.spec_stats = self._speculation(config.speculative)
+        if self.proposer is not None:
+            self.async_scheduling = False  # a proposal needs the tokens before it (EngineConfig refuses True)
         self._in_flight: InFlightStep | None = None
         is_governed = device.type == "cpu" and config.adaptive_threads and config.num_threads > 1
         self.thread_governor = ThreadGovernor(config.num_threads) if is_governed else None
@@ -164,7 +169,7 @@ class LLMEngine:
         if previous is not None and not previous.can_sample_ahead:
             deltas += self._update(previous)
             previous = None
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._propose() if previous is None else None)
         launched = None
         if not batch.is_empty:
             with self._cpu_threads_for(batch):
@@ -178,8 +183,43 @@ class LLMEngine:
             deltas += self._update(launched)
         elif batch.is_empty and previous is None:
             self._wait_for_grammars()
+        if self.proposer is not None:
+            self.proposer.forget_finished()
         self.metrics.on_step(StepStats.collect(deltas, self.stats()))
         return deltas
+
+    def _propose(self) -> dict[str, list[int]]:
+        """Proposals for each running request that decodes one token at a time and may speculate:
+        at most ``num_speculative_tokens``, fewer near ``max_tokens`` or the end of the context."""
+        if self.proposer is None:
+            return {}
+        requests, room = [], []
+        for request in self.scheduler.running:
+            if not self._may_speculate(request):
+                continue
+            max_tokens = request.sampling_params.max_tokens
+            num_left = self.max_model_len - request.num_tokens
+            if max_tokens is not None:
+                num_left = min(num_left, max_tokens - request.num_output_tokens)
+            # one of the tokens left is the target's own draw after the accepted proposals
+            num_room = min(self.config.speculative.num_speculative_tokens, num_left - 1)
+            if num_room > 0:
+                requests.append(request)
+                room.append(num_room)
+        if not requests:
+            return {}
+        proposals = self.proposer.propose(requests, room)
+        return {r.request_id: p for r, p in zip(requests, proposals) if p}
+
+    @staticmethod
+    def _may_speculate(request: Request) -> bool:
+        """Decoding (not prefilling, nothing in flight), asked for, and drawn from logits that do not
+        depend on the tokens before them in the same step: no grammar, penalties or min_tokens left."""
+        params = request.sampling_params
+        return (params.speculative and request.num_pending_tokens == 0
+                and request.num_computed_tokens == request.num_tokens - 1
+                and request.grammar_future is None and request.matcher is None and not params.needs_penalties
+                and request.num_output_tokens >= params.min_tokens)
 
     def _cpu_threads_for(self, batch: ScheduledBatch):
         if self.thread_governor is None:
@@ -199,17 +239,22 @@ class LLMEngine:
         to_sample = [batch.requests[i] for i in output.sampling_rows]
         if not to_sample:
             return None, []
+        proposals = [batch.proposals_of(i) for i in output.sampling_rows]
+        # A request verifying k proposals has k + 1 logits rows, each drawn as a decode step would be.
+        rows = [request for request, spec in zip(to_sample, proposals) for _ in range(1 + len(spec))]
         try:
             self.output_processor.record_prompt_logprobs(batch.requests, output.prompt_logits)
-            sampled = self.sampler(output.logits, to_sample, self.guided_decoder.apply_masks)
+            sampled = self.sampler(output.logits, rows, self.guided_decoder.apply_masks)
         except Exception as error:  # e.g. a grammar mask that raises: fail this step's requests, keep serving
             logger.exception("sampling failed; aborting the %d requests of this step", len(batch.requests))
             return None, self._fail_requests(batch.requests, error)
         sampled.start_copy()
-        for row, request in enumerate(to_sample):
+        row = 0
+        for request, spec in zip(to_sample, proposals):
             request.num_pending_tokens += 1
-            request.pending_row = row
-        return InFlightStep(to_sample, sampled, all(r.can_sample_ahead for r in to_sample)), []
+            request.pending_row = row  # (read only without speculation, where each request has one row)
+            row += 1 + len(spec)
+        return InFlightStep(to_sample, sampled, all(r.can_sample_ahead for r in to_sample), proposals), []
 
     def _update(self, step: InFlightStep) -> list[RequestDelta]:
         """Wait for a launched step's tokens and accept them (stop checks, detokenizing)."""
@@ -221,12 +266,17 @@ class LLMEngine:
                 request.num_pending_tokens -= 1
             return self._fail_requests([r for r in step.requests if not r.is_finished], error)
         deltas = []
-        for row, request in enumerate(step.requests):
+        end = 0
+        for request, spec in zip(step.requests, step.proposals):
+            start, end = end, end + 1 + len(spec)
             request.num_pending_tokens -= 1
             if request.is_finished:  # aborted, or stopped by the token before this one
                 continue
             try:
-                delta, finish = self.output_processor.accept_token(request, token_ids[row], logprobs[row])
+                if spec:
+                    delta, finish = self._accept_verified(request, spec, token_ids[start:end], logprobs[start:end])
+                else:
+                    delta, finish = self.output_processor.accept_token(request, token_ids[start], logprobs[start])
             except Exception as error:  # e.g. detokenization: fails this request only
                 logger.exception("request %s failed after sampling", request.request_id)
                 deltas.extend(self._fail_requests([request], error))
@@ -237,6 +287,15 @@ class LLMEngine:
             else:
                 self.scheduler.cache_computed_blocks(request)
         return deltas
+
+    def _accept_verified(self, request: Request, spec: list[int], drawn: list[int], logprobs: list):
+        """Keep the longest agreeing prefix of the proposals plus the target's next draw; roll the
+        KV of the rest back before the prefix cache sees the request's blocks."""
+        tokens = accepted_tokens(spec, drawn)
+        self.spec_stats.record(len(spec), len(tokens) - 1)
+        accepted = self.output_processor.accept_tokens(request, tokens, logprobs[:len(tokens)])
+        self.scheduler.roll_back_rejected(request)
+        return accepted
 
     def _count_step(self, batch: ScheduledBatch) -> None:
         self.num_steps += 1
@@ -301,9 +360,22 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_scheduled_requests": self.num_scheduled_requests,
             "max_num_scheduled_requests": self.max_num_scheduled_requests,
+            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }
 
     # ---- setup helpers --------------------------------------------------------------------
+
+    def _speculation(self, spec):
+        """The proposer and the acceptance counters ``config.speculative`` asks for (None, None: off)."""
+        if spec is None:
+            return None, None
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            from .spec_decode.draft_model_proposer import DraftModelProposer
+
+            proposer = DraftModelProposer(spec, self.config, self.vocab_size)
+        return proposer, SpecDecodeStats(spec.num_speculative_tokens)
 
     def _resolve_max_model_len(self) -> int:
         capacity = self.runner.num_blocks * self.config.block_size

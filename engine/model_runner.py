@@ -93,14 +93,18 @@ class ModelRunner:
         requests, num_new_tokens = batch.requests, batch.num_new_tokens
         num_seqs = len(requests)
         token_ids, tables = [], []
-        starts, context_lens, seq_lens, sampling_rows, logits_ends = [], [], [], [], []
+        starts, context_lens, seq_lens, sampling_rows, logits_indices = [], [], [], [], []
         prompt_logprob_rows, pending_positions, pending_rows = [], [], []
         num_tokens = 0
         for index, (request, num_new) in enumerate(zip(requests, num_new_tokens)):
             start = request.num_computed_tokens
             end = start + num_new
             num_known = request.num_tokens
-            if end > num_known:  # the last token is pending: the device fills it in
+            proposals = batch.proposals_of(index)
+            if proposals:  # its last token, then the proposals to verify: a logits row for each
+                token_ids += request.token_ids[start:num_known]
+                token_ids += proposals
+            elif end > num_known:  # the last token is pending: the device fills it in
                 token_ids += request.token_ids[start:num_known]
                 token_ids.append(0)
                 pending_positions.append(num_tokens + num_new - 1)
@@ -110,11 +114,11 @@ class ModelRunner:
             num_tokens += num_new
             starts.append(start)
             context_lens.append(end)
-            seq_lens.append(num_known + request.num_pending_tokens)
+            seq_lens.append(num_known + request.num_pending_tokens + len(proposals))
             tables.append(request.block_ids)
-            if end == num_known + request.num_pending_tokens:
+            if proposals or end == num_known + request.num_pending_tokens:
                 sampling_rows.append(index)
-                logits_ends.append(num_tokens)
+                logits_indices.extend(range(num_tokens - 1 - len(proposals), num_tokens))
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens:
                 prompt_logprob_rows.append(index)
         num_new = np.array(num_new_tokens, dtype=np.int64)
@@ -124,7 +128,6 @@ class ModelRunner:
         table = _block_table(tables)
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
         slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
-        logits_indices = np.array(logits_ends, dtype=np.int64) - 1
         on_device = self._copy_to_device([token_ids, positions, slots, context_lens, query_start_loc, logits_indices,
                                           pending_positions, pending_rows, table.reshape(-1), seq_lens])
         meta = AttentionMetadata(
@@ -174,7 +177,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor      # flat index of the last token of each sampling row
+    logits_indices: torch.Tensor      # flat index of each logits row: a sampling request's last token
+                                      # (its last 1 + len(proposals) tokens when it verifies proposals)
     sampling_rows: list[int]
     num_pending: int
     pending_positions: torch.Tensor   # where in input_ids the pending tokens go

@@ -70,6 +70,24 @@ class OutputProcessor:
         is_finished = finish is not None
         return RequestDelta(request, [token_id], detokenizer.take_stream_delta(is_finished), is_finished), finish
 
+    def accept_tokens(self, request: Request, token_ids: list[int], logprobs: list) -> tuple[RequestDelta, Finish | None]:
+        """Append a verification step's accepted run token by token, each checked as if it came
+        alone: the run ends at the first token that finishes the request (EOS, a stop token or
+        string, ``max_tokens``, the context's end) and the tokens after it are dropped.
+
+        >>> delta, finish = processor.accept_tokens(request, [7, 8, 2, 9], [None] * 4)   # 2 is EOS
+        >>> delta.new_token_ids, finish
+        ([7, 8, 2], ('stop', None))
+        """
+        new_token_ids, texts, finish = [], [], None
+        for token_id, token_logprobs in zip(token_ids, logprobs):
+            delta, finish = self.accept_token(request, token_id, token_logprobs)
+            new_token_ids.append(token_id)
+            texts.append(delta.new_text)
+            if finish is not None:
+                break
+        return RequestDelta(request, new_token_ids, "".join(texts), finish is not None), finish
+
     def _finish(self, request: Request, token_id: int, stop_string: str | None, past_min_tokens: bool) -> Finish | None:
         params = request.sampling_params
         if stop_string is not None:

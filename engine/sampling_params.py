@@ -23,6 +23,7 @@ class SamplingParams:
     ``max_tokens=None`` generates until EOS, a stop or the end of the context; a number larger than
     the context leaves for the prompt is refused when the request is added (``ValueError``).
     ``detokenize=False`` returns token ids only (no text, no stop strings), for throughput runs.
+    ``speculative=False`` keeps this request out of speculative decoding when the engine runs it.
     Invalid values raise ``ValueError`` naming the field and its allowed range.
     """
 
@@ -46,6 +47,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_output: object | None = None
+    speculative: bool = True
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -85,6 +87,8 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, None)
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
 
 
 def _normalize_stop(stop: list[str] | str | None) -> tuple[str, ...]:

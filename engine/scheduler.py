@@ -42,7 +42,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=_queue_key)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, proposals: dict[str, list[int]] | None = None) -> ScheduledBatch:
+        """This step's batch. ``proposals`` (request id → proposed tokens) are scheduled as extra
+        tokens of a decoding request, as far as its token budget and free blocks allow; a request
+        never preempts another to make room for its proposals."""
+        proposals = proposals or {}
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self.running.sort(key=_queue_key)
@@ -61,7 +65,11 @@ class Scheduler:
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            if not self._allocate_or_preempt(request, num_new, batch, scheduled_ids):
+            spec = self._fit_proposals(request, proposals.get(request.request_id), budget)
+            if spec and self.kv_cache.allocate_slots(request, 1 + len(spec)):
+                batch.spec_token_ids[len(batch.requests)] = spec
+                num_new = 1 + len(spec)
+            elif not self._allocate_or_preempt(request, num_new, batch, scheduled_ids):
                 continue
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
@@ -70,6 +78,24 @@ class Scheduler:
         if not batch.preempted:
             budget = self._admit_waiting(batch, budget, scheduled_ids)
         return batch
+
+    def _fit_proposals(self, request: Request, spec: list[int] | None, budget: int) -> list[int]:
+        """The proposals this step can verify: only for a decoding request (one token to compute,
+        none in flight), within the budget, and not across a change of KV regime."""
+        if not spec or request.num_pending_tokens or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        spec = spec[:budget - 1]
+        if spec and self.kv_regime_of is not None and \
+                self.kv_regime_of(request.num_tokens + len(spec)) != request.kv_regime:
+            return []
+        return spec
+
+    def roll_back_rejected(self, request: Request) -> None:
+        """After a verification step's tokens are accepted: the KV past the last accepted token is
+        not the sequence's any more. Its computed count drops to the accepted tokens (the newest
+        one, the target's own draw, is computed next step) and the blocks past them are freed."""
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv_cache.free_uncomputed_blocks(request)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch, scheduled_ids: set[str]) -> bool:
         while not self.kv_cache.allocate_slots(request, num_new):

@@ -1,0 +1,91 @@
+"""What speculative decoding the engine runs: ``LLM(..., speculative={...})`` becomes a :class:`SpeculativeConfig`."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """Proposals of ``num_speculative_tokens`` per step, verified by the target model in one pass.
+
+    >>> SpeculativeConfig.coerce({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+    >>> SpeculativeConfig.coerce({"method": "draft_model", "model": "/path/to/small", "num_speculative_tokens": 3})
+
+    - ``method``: ``"ngram"`` (prompt lookup: copy what followed the latest earlier occurrence of
+      the sequence's last n tokens) or ``"draft_model"`` (a small model sharing the tokenizer
+      proposes greedily).
+    - ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths tried, longest first
+      (ngram only). Give one and the other takes its value; neither: 2 and 5.
+    - ``model``: the draft's path or hub id (draft_model only); it runs on the target's device
+      and dtype with its own KV pool of ``kv_cache_memory`` bytes (default: the runner's default).
+    Frozen, so an engine's config stays hashable (engines are shared by config).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    kv_cache_memory: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @classmethod
+    def coerce(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, or a dict of its fields (unknown keys raise ValueError)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a dict or None, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    @property
+    def ngram_lengths(self) -> range:
+        """The n-gram lengths to try, longest first."""
+        return range(self.prompt_lookup_max, self.prompt_lookup_min - 1, -1)
+
+    def _check(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative.method must be one of {list(METHODS)}, got {self.method!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        if self.method == "ngram":
+            self._fill_lookup_range()
+            if self.model is not None:
+                raise ValueError("speculative.model is for method 'draft_model', not 'ngram'")
+        else:
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("speculative.prompt_lookup_min/max are for method 'ngram', not 'draft_model'")
+            if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+                raise ValueError(f"speculative.model must name the draft model for 'draft_model', got {self.model!r}")
+            object.__setattr__(self, "model", str(self.model))
+        if self.kv_cache_memory is not None:
+            from ..config import parse_bytes
+
+            object.__setattr__(self, "kv_cache_memory", parse_bytes("speculative.kv_cache_memory",
+                                                                    self.kv_cache_memory))
+
+    def _fill_lookup_range(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low, high = 2, 5
+        low = high if low is None else low
+        high = low if high is None else high
+        _check_int("prompt_lookup_min", low, 1, None)
+        _check_int("prompt_lookup_max", high, low, None)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"speculative.{name} must be an int {allowed}, got {value!r}")
