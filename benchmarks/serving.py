@@ -1,0 +1,601 @@
+"""Serving benchmark: streaming clients over HTTP against our OpenAI server and a peer, both given the
+identical request list in the same run.
+
+    hearth-llm bench serving                                   # CPU: the bundled model over HTTP vs in-process
+    hearth-llm bench serving --shape qwen3-0.6b --peers vllm   # H200: ours vs `vllm serve`, random weights
+    hearth-llm bench serving --shape tiny-qwen3 --device cpu --num-prompts 4 --input-lengths 8 16 \\
+        --output-lengths 4 8 --rates inf    # a dry run of the whole path in seconds
+
+Each request is ``POST /v1/completions`` with a token-id prompt, ``max_tokens``, ``ignore_eos``,
+greedy and ``stream_options.include_usage``: fields both servers take, so neither renders a chat
+template the other does not, and every request generates exactly ``max_tokens``. Requests arrive
+as a Poisson process at each ``--rates`` value (``inf``: all at once), from one seed, so every
+server sees the same prompts at the same offsets. Measured per request: TTFT (send to first token
+event), ITL (gaps between token events), TPOT ((end - first token) / (tokens - 1)); per run:
+requests/s and output tokens/s from the first send to the last answer.
+
+Servers run in their own processes (``hearth-llm serve``, ``python -m vllm.entrypoints.openai.api_server``),
+one after the other, so they never share the device. The peers:
+
+- ``in-process``: the same engine driven from this process through ``EngineCore.add_request`` with the
+  same requests and arrivals: the difference is what HTTP, JSON and SSE cost per request and token;
+- ``vllm``: ``vllm serve`` on the same checkpoint directory with ``--load-format dummy`` (its weights
+  random too; only shape and speed matter here), started with ``--vllm-pythonpath`` (default
+  /tmp/vsite, where the vLLM bundle unpacks on the H200) as its only ``PYTHONPATH``.
+
+``--shape`` writes a random-weight checkpoint of a real shape (:mod:`.random_weights`; safetensors,
+config.json and a word-level tokenizer of the vocabulary, so both servers detokenize) to a
+temporary directory; without it ``--model`` is served (``default``: the bundled SmolLM2-135M).
+
+The HTTP client is asyncio streams, not an HTTP library: it costs the same for every server, parses
+only what it must, and needs no package the GPU image may lack.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVED_NAME = "bench"
+TOKEN_ID_RANGE = (0, 10000)  # as bench throughput's workload; every shape's vocabulary covers it
+
+
+# ---- the workload -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+    def body(self, model: str = SERVED_NAME) -> dict:
+        """The ``/v1/completions`` body, the same for every server."""
+        return {"model": model, "prompt": self.prompt_token_ids, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def workload(num_prompts: int, input_lengths: tuple[int, int], output_lengths: tuple[int, int],
+             seed: int = 0) -> list[BenchRequest]:
+    """Random token-id prompts; with both length ranges (100, 1024) and seed 0 the same requests as
+    ``bench throughput``'s workload.
+
+    >>> [len(r.prompt_token_ids) for r in workload(2, (4, 8), (1, 3))]
+    [7, 4]
+    """
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_prompts):
+        prompt = [rng.randint(*TOKEN_ID_RANGE) for _ in range(rng.randint(*input_lengths))]
+        requests.append(BenchRequest(prompt, rng.randint(*output_lengths)))
+    return requests
+
+
+def shifted(requests: list[BenchRequest], shift: int) -> list[BenchRequest]:
+    """The same lengths with other token ids (each id + ``shift``, wrapped in the id range).
+
+    >>> shifted([BenchRequest([0, 10000], 2)], 1)[0].prompt_token_ids
+    [1, 0]
+    """
+    low, high = TOKEN_ID_RANGE
+    return [BenchRequest([low + (t - low + shift) % (high - low + 1) for t in r.prompt_token_ids], r.max_tokens)
+            for r in requests]
+
+
+def arrival_offsets(num_requests: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process of ``rate``
+    requests/s (exponential gaps), or all at once for ``inf``.
+
+    >>> arrival_offsets(3, math.inf)
+    [0.0, 0.0, 0.0]
+    """
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    offsets, now = [], 0.0
+    for _ in range(num_requests):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
+
+
+# ---- what one request measured ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's timeline: when it was sent, when each token event arrived, when it ended."""
+
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    ended: float = 0.0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_output_tokens < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.num_output_tokens - 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default).
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5)
+    2.5
+    """
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(records: list[RequestRecord], expected_tokens: list[int]) -> dict:
+    """Throughput and latency percentiles (ms) of one run; a request that failed or came back with
+    other than its ``max_tokens`` counts as failed."""
+    done = [r for r, n in zip(records, expected_tokens) if r.error is None and r.num_output_tokens == n and r.token_times]
+    failed = [r.error or f"{r.num_output_tokens} tokens, expected {n}" for r, n in zip(records, expected_tokens)
+              if r not in done]
+    started = min(r.sent for r in records)
+    duration = max(r.ended for r in records) - started
+    itls = [gap for r in done for gap in r.itls]
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    ms = 1000.0
+    return {"num_completed": len(done), "num_failed": len(failed), "first_errors": failed[:3],
+            "duration_s": round(duration, 3),
+            "request_throughput": round(len(done) / duration, 3),
+            "output_tok_per_s": round(sum(r.num_output_tokens for r in done) / duration, 1),
+            "ttft_ms_p50": round(percentile([r.ttft for r in done], 0.5) * ms, 2),
+            "ttft_ms_p99": round(percentile([r.ttft for r in done], 0.99) * ms, 2),
+            "itl_ms_p50": round(percentile(itls, 0.5) * ms, 2), "itl_ms_p99": round(percentile(itls, 0.99) * ms, 2),
+            "tpot_ms_p50": round(percentile(tpots, 0.5) * ms, 2),
+            "tpot_ms_p99": round(percentile(tpots, 0.99) * ms, 2)}
+
+
+# ---- the HTTP client: one connection per request, SSE over chunked transfer ---------------------
+
+async def stream_completion(host: str, port: int, body: dict, record: RequestRecord) -> None:
+    """POST ``body`` to ``/v1/completions`` and fill ``record`` from its event stream."""
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, port, limit=2**22)
+    try:
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                     .encode() + payload)
+        await writer.drain()
+        status, headers = await _read_head(reader)
+        chunks = _chunked(reader) if headers.get("transfer-encoding") == "chunked" else _to_end(reader)
+        if status != 200:
+            record.error = f"HTTP {status}: {b''.join([c async for c in chunks])[:300].decode(errors='replace')}"
+            return
+        buffer = b""
+        async for chunk in chunks:
+            now = time.perf_counter()
+            buffer += chunk
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                if _read_event(event, now, record):
+                    return
+        record.error = record.error or "the stream ended without [DONE]"
+    finally:
+        record.ended = time.perf_counter()
+        writer.close()
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip().lower()
+    return status, headers
+
+
+async def _chunked(reader: asyncio.StreamReader):
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            return
+        yield (await reader.readexactly(size + 2))[:-2]
+
+
+async def _to_end(reader: asyncio.StreamReader):
+    while chunk := await reader.read(65536):
+        yield chunk
+
+
+def _read_event(event: bytes, now: float, record: RequestRecord) -> bool:
+    """Apply one SSE event to ``record``; True at ``[DONE]``."""
+    data = event.strip()
+    if not data.startswith(b"data:"):
+        return False
+    data = data[5:].strip()
+    if data == b"[DONE]":
+        return True
+    chunk = json.loads(data)
+    if "error" in chunk:
+        record.error = str(chunk["error"].get("message"))[:300]
+    if any(choice.get("text") for choice in chunk.get("choices") or ()):
+        record.token_times.append(now)
+    if chunk.get("usage"):
+        record.num_output_tokens = chunk["usage"]["completion_tokens"]
+    return False
+
+
+# ---- one run: the requests at their offsets, over HTTP or in-process ----------------------------
+
+async def run_requests(send, requests: list[BenchRequest], offsets: list[float]) -> list[RequestRecord]:
+    """``await send(request, record)`` for each request at its offset; every record, filled."""
+    records = [RequestRecord() for _ in requests]
+    start = time.perf_counter()
+
+    async def one(request: BenchRequest, record: RequestRecord, offset: float) -> None:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        record.sent = time.perf_counter()
+        try:
+            await send(request, record)
+        except Exception as error:  # noqa: BLE001 - a failed request is a result, not the end of the run
+            record.error = f"{type(error).__name__}: {error}"
+            record.ended = record.ended or time.perf_counter()
+
+    await asyncio.gather(*(one(r, rec, o) for r, rec, o in zip(requests, records, offsets)))
+    return records
+
+
+def http_sender(host: str, port: int):
+    async def send(request: BenchRequest, record: RequestRecord) -> None:
+        await stream_completion(host, port, request.body(), record)
+    return send
+
+
+def in_process_sender(core):
+    """The same request straight onto ``core`` (an ``EngineCore``), read as the server reads it."""
+    from hearth_llm.engine import SamplingParams
+
+    async def send(request: BenchRequest, record: RequestRecord) -> None:
+        params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
+        stream = core.add_request(request.prompt_token_ids, params)
+        try:
+            async for output in stream:
+                if output.delta_token_ids:
+                    record.token_times.append(time.perf_counter())
+                    record.num_output_tokens += len(output.delta_token_ids)
+        finally:
+            stream.close()
+            record.ended = time.perf_counter()
+    return send
+
+
+async def warm_up(send) -> None:
+    """Batches of 1, 16 and 17 short requests (as bench throughput's warm-up) on other prompts."""
+    for count in (1, 16, 17):
+        requests = workload(count, (16, 64), (4, 4), seed=1000 + count)
+        records = await run_requests(send, requests, [0.0] * count)
+        errors = [r.error for r in records if r.error]
+        if errors:
+            raise RuntimeError(f"warm-up failed: {errors[0]}")
+
+
+def measure(send, requests: list[BenchRequest], rates: list[float], seed: int) -> dict[str, dict]:
+    async def run() -> dict[str, dict]:
+        await warm_up(send)
+        results = {}
+        for index, rate in enumerate(rates):
+            # other token ids per rate: no run reads the prefix cache an earlier one filled
+            run = shifted(requests, index) if index else requests
+            records = await run_requests(send, run, arrival_offsets(len(requests), rate, seed))
+            results[_rate_name(rate)] = summarize(records, [r.max_tokens for r in requests])
+            print(json.dumps({"rate": _rate_name(rate), **results[_rate_name(rate)]}), flush=True)
+        return results
+    return asyncio.run(run())
+
+
+def _rate_name(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+# ---- server processes -----------------------------------------------------------------------------
+
+class ServerProcess:
+    """A server in its own process group (vLLM starts children), logging to a file, stopped with
+    SIGINT then SIGKILL."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path):
+        self.name = name
+        self.port = port
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        started = time.perf_counter()
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self.started = started
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until ``GET /health`` answered 200; RuntimeError (with the log's tail) otherwise."""
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if _health_ok(self.port):
+                return time.perf_counter() - self.started
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self._log.close()
+
+
+def _health_ok(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            return sock.recv(64).split(b" ", 2)[1] == b"200"
+    except (OSError, IndexError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ours_command(model: str, port: int, engine_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "hearth_llm.cli", "serve", model, "--port", str(port), "--served-model-name",
+            SERVED_NAME, "--embedding-model", "none", *engine_args]
+
+
+def vllm_command(model_dir: str, port: int, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+            "--served-model-name", SERVED_NAME, "--load-format", "dummy", "--dtype", args.dtype or "auto",
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.85", "--seed", "0",
+            "--uvicorn-log-level", "warning"]
+
+
+def measure_server(name: str, command: list[str], env: dict[str, str], port: int, args, requests, log_dir) -> dict:
+    server = None
+    try:
+        server = ServerProcess(name, command, env, port, log_dir)
+        startup_s = server.wait_ready(args.startup_timeout)
+        print(f"{name}: ready after {startup_s:.1f} s", flush=True)
+        return {"startup_s": round(startup_s, 1), **measure(http_sender("127.0.0.1", port), requests, args.rates,
+                                                            args.seed)}
+    except Exception as error:  # noqa: BLE001 - the other servers still run; the table says what failed
+        print(f"{name}: FAILED: {error}", flush=True)
+        return {"error": str(error)[-2000:]}
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def measure_in_process(model: str, engine_kwargs: dict, requests, args) -> dict:
+    from hearth_llm.engine import get_engine
+
+    core = get_engine(model, show_progress=False, **engine_kwargs)
+    core.attach()
+    try:
+        core.wait_until_started()
+        return measure(in_process_sender(core), requests, args.rates, args.seed)
+    finally:
+        core.detach()
+
+
+# ---- the checkpoint --------------------------------------------------------------------------------
+
+def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16") -> Path:
+    """A checkpoint directory of ``shape`` (bench throughput's SHAPES) with random weights, as a
+    hub checkpoint is laid out: config.json, model.safetensors, a word-level tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from .random_weights import RandomWeights, checkpoint_shapes
+    from .throughput import hf_config, placeholder_tokenizer
+
+    dtype = getattr(torch, dtype_name)
+    config = hf_config(shape)
+    config.dtype = dtype_name
+    weights = RandomWeights(checkpoint_shapes(config, dtype), dtype, "cpu", std=config.initializer_range)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(directory / "model.safetensors"))
+    config.save_pretrained(directory)
+    placeholder_tokenizer(config.vocab_size).save_pretrained(directory)
+    return directory
+
+
+# ---- the table ----------------------------------------------------------------------------------------
+
+_COLUMNS = [("req/s", "request_throughput"), ("out tok/s", "output_tok_per_s"), ("TTFT p50", "ttft_ms_p50"),
+            ("TTFT p99", "ttft_ms_p99"), ("ITL p50", "itl_ms_p50"), ("ITL p99", "itl_ms_p99"),
+            ("TPOT p50", "tpot_ms_p50"), ("TPOT p99", "tpot_ms_p99"), ("ok/fail", None)]
+
+
+def table(results: dict[str, dict], rates: list[float]) -> str:
+    """Markdown: one row per server and rate (latencies in ms)."""
+    lines = ["| server | rate | " + " | ".join(name for name, _ in _COLUMNS) + " |",
+             "|---" * (len(_COLUMNS) + 2) + "|"]
+    for server, result in results.items():
+        if "error" in result:
+            lines.append(f"| {server} | — | FAILED: {result['error'].splitlines()[0][:100]} |")
+            continue
+        for rate in map(_rate_name, rates):
+            row = result.get(rate)
+            if row is None:
+                continue
+            cells = [f"{row['num_completed']}/{row['num_failed']}" if key is None else f"{row[key]:g}"
+                     for _, key in _COLUMNS]
+            lines.append(f"| {server} | {rate} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratios(results: dict[str, dict], rates: list[float]) -> list[str]:
+    """Ours against each peer: throughput ratio (> 1: ours faster) and p99 TTFT ratio (< 1: ours lower)."""
+    ours = results.get("hearth-http", {})
+    lines = []
+    for peer, result in results.items():
+        if peer == "hearth-http" or "error" in result or "error" in ours:
+            continue
+        for rate in map(_rate_name, rates):
+            if rate in ours and rate in result and result[rate]["output_tok_per_s"] and result[rate]["ttft_ms_p99"]:
+                lines.append(f"rate {rate}: hearth-http / {peer}: output tok/s x"
+                             f"{ours[rate]['output_tok_per_s'] / result[rate]['output_tok_per_s']:.3f}, "
+                             f"TTFT p99 x{ours[rate]['ttft_ms_p99'] / result[rate]['ttft_ms_p99']:.3f}")
+    return lines
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+
+def _rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be > 0 requests/s or 'inf', got {text!r}")
+    return rate
+
+
+def _lengths(parser, name: str, values) -> tuple[int, int]:
+    low, high = values
+    if not 1 <= low <= high:
+        parser.error(f"{name} {low} {high}: need 1 <= LOW <= HIGH")
+    return low, high
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="what our server serves when --shape is not given")
+    parser.add_argument("--shape", default=None, help="a random-weight checkpoint of this shape (bench throughput's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda with --shape, else cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, the engine's choice on cpu")
+    parser.add_argument("--peers", default=None,
+                        help="comma-separated: in-process, vllm, or none (default: in-process on cpu, vllm on cuda)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 200 on cuda, 16 on cpu")
+    parser.add_argument("--input-lengths", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="prompt lengths uniform in [LOW, HIGH] (default 100 1024 on cuda, 32 128 on cpu)")
+    parser.add_argument("--output-lengths", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="max_tokens uniform in [LOW, HIGH] (default 100 1024 on cuda, 16 64 on cpu)")
+    parser.add_argument("--rates", type=_rate, nargs="+", default=None,
+                        help="requests/s of the Poisson arrivals, one run each; 'inf': all at once "
+                             "(default 16 64 inf on cuda, 2 inf on cpu)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default 256 on cuda, the engine's on cpu")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default 16384 on cuda, the engine's on cpu")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default 4096 on cuda, the model's on cpu")
+    parser.add_argument("--kv-cache-memory", default=None, help="ours; default 40GiB on cuda, the engine's on cpu")
+    parser.add_argument("--startup-timeout", type=float, default=180.0, help="seconds each server may take to start")
+    parser.add_argument("--vllm-pythonpath", default="/tmp/vsite", help="the vLLM server's only PYTHONPATH")
+    parser.add_argument("--server-pythonpath", default=None,
+                        help="appended to our server's PYTHONPATH (on the H200: /tmp/vsite, for fastapi/uvicorn)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    on_gpu = (args.device or ("cuda" if args.shape else "cpu")) == "cuda"
+    args.device = "cuda" if on_gpu else "cpu"
+    args.dtype = args.dtype or ("bfloat16" if on_gpu else None)
+    peers = args.peers or ("vllm" if on_gpu else "in-process")
+    args.peers = [] if peers == "none" else [p for p in peers.split(",") if p]
+    unknown = set(args.peers) - {"in-process", "vllm"}
+    if unknown:
+        parser.error(f"--peers: unknown {sorted(unknown)}; known: in-process, vllm")
+    if "vllm" in args.peers and not args.shape:
+        parser.error("--peers vllm needs --shape (vLLM serves the random-weight checkpoint directory)")
+    args.num_prompts = args.num_prompts or (200 if on_gpu else 16)
+    if args.num_prompts < 1:
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    args.input_lengths = _lengths(parser, "--input-lengths", args.input_lengths or ((100, 1024) if on_gpu else (32, 128)))
+    args.output_lengths = _lengths(parser, "--output-lengths",
+                                   args.output_lengths or ((100, 1024) if on_gpu else (16, 64)))
+    args.rates = args.rates or ([16.0, 64.0, math.inf] if on_gpu else [2.0, math.inf])
+    if on_gpu:  # bench throughput's settings, for both servers
+        args.max_num_seqs = args.max_num_seqs or 256
+        args.max_num_batched_tokens = args.max_num_batched_tokens or 16384
+        args.max_model_len = args.max_model_len or 4096
+        args.kv_cache_memory = args.kv_cache_memory or "40GiB"
+    return args
+
+
+def engine_options(args) -> tuple[dict, list[str]]:
+    """Our engine's settings, as EngineConfig fields and as ``hearth-llm serve`` flags."""
+    kwargs = {"device": args.device}
+    for name in ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    flags = [item for name, value in kwargs.items() for item in (f"--{name.replace('_', '-')}", str(value))]
+    return kwargs, flags
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    # `timeout` sends SIGTERM: leave through the finally blocks, which stop the servers (their own
+    # process groups would outlive us and hold the device)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    work_dir = Path(tempfile.mkdtemp(prefix="hearth-serving-"))
+    results: dict[str, dict] = {}
+    try:
+        model = args.model
+        if args.shape:
+            started = time.perf_counter()
+            model = str(write_random_model(args.shape, work_dir / args.shape, args.dtype or "float32"))
+            print(f"wrote a random {args.shape} checkpoint in {time.perf_counter() - started:.1f} s", flush=True)
+        requests = workload(args.num_prompts, args.input_lengths, args.output_lengths, args.seed)
+        engine_kwargs, engine_flags = engine_options(args)
+        env = dict(os.environ)
+        if args.server_pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), args.server_pythonpath) if p)
+        port = free_port()
+        results["hearth-http"] = measure_server("hearth-http", ours_command(model, port, engine_flags), env, port, args,
+                                                requests, work_dir)
+        if "in-process" in args.peers:
+            results["hearth-in-process"] = measure_in_process(model, engine_kwargs, requests, args)
+        if "vllm" in args.peers:
+            vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+            port = free_port()
+            results["vllm"] = measure_server("vllm", vllm_command(model, port, args), vllm_env, port, args, requests,
+                                             work_dir)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    report = {"model": args.shape or args.model, "device": args.device, "num_prompts": args.num_prompts,
+              "input_lengths": args.input_lengths, "output_lengths": args.output_lengths,
+              "load_average": os.getloadavg(), "results": results}
+    print(table(results, args.rates))
+    for line in ratios(results, args.rates):
+        print(line)
+    print(f"load average {os.getloadavg()[0]:.2f}; latencies in ms; {args.num_prompts} requests per rate", flush=True)
+    if args.json:
+        with open(args.json, "w") as sink:
+            json.dump(report, sink, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
