@@ -12,6 +12,7 @@ from .model_dir import POOLING_MODES
 _DTYPES = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 IMPLEMENTATIONS = ("auto", "hearth", "transformers")
+TASKS = ("auto", "embed", "score")
 
 
 @dataclass(slots=True)
@@ -53,6 +54,12 @@ class EmbeddingConfig:
       ``"mean_sqrt_len"``, ``"lasttoken"``); required for a model that names none.
     - ``dimensions``: Matryoshka truncation — keep the first ``dimensions`` components of each
       vector (re-normalized when the model normalizes); at most the model's hidden size.
+    - ``task``: ``"auto"`` (default: a ``*ForSequenceClassification`` directory scores, anything
+      else embeds), ``"embed"`` or ``"score"``. A decoder LLM directory (``*ForCausalLM`` the LLM
+      engine runs, e.g. Qwen3) embeds with the pooling its sentence-transformers files name
+      (Qwen3-Embedding: last token); with ``task="score"`` it is an LLM reranker (Qwen3-Reranker:
+      the probability of "yes" against "no" after its judging prompt). Decoders run on the LLM
+      engine's own model code, with no KV cache kept.
     """
 
     model: str = "default"
@@ -66,6 +73,7 @@ class EmbeddingConfig:
     show_progress: bool | None = None
     pooling: str | None = None
     dimensions: int | None = None
+    task: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +86,8 @@ class EmbeddingConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
         for name in ("max_batch_tokens", "max_batch_size", "num_workers", "dimensions"):

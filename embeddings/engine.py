@@ -89,7 +89,7 @@ class EmbeddingEngine:
         self.config = config if config is not None else EmbeddingConfig()
         self.config.validate()
         self.spec = read_encoder_spec(self.config.model, self.config.max_seq_length, pooling=self.config.pooling,
-                                      dimensions=self.config.dimensions)
+                                      dimensions=self.config.dimensions, task=self.config.task)
         choose_implementation(self.spec, self.config.implementation)   # a config it cannot run: ValueError now
         # resolved here: its default follows the calling thread's torch threads, and the engine
         # thread runs on one
@@ -118,7 +118,7 @@ class EmbeddingEngine:
 
     @property
     def is_reranker(self) -> bool:
-        """A cross-encoder: :meth:`score` works, :meth:`embed` does not."""
+        """A cross-encoder or an LLM reranker: :meth:`score` works, :meth:`embed` does not."""
         return self.spec.is_cross_encoder
 
     @property
@@ -154,15 +154,23 @@ class EmbeddingEngine:
         prefix = self.spec.prompt_for(prompt_name, prompt)
         return self._submit([prefix + text for text in texts] if prefix else list(texts), truncate, show_progress)
 
-    def submit_scores(self, query: str, documents: Sequence[str], *,
-                      truncate: bool = True) -> concurrent.futures.Future:
-        """Queue ``documents`` to be scored against ``query`` (a cross-encoder); the future's result
-        is a float32 tensor ``[len(documents)]``."""
+    def submit_scores(self, query: str, documents: Sequence[str], *, truncate: bool = True,
+                      instruction: str | None = None) -> concurrent.futures.Future:
+        """Queue ``documents`` to be scored against ``query`` (a reranker); the future's result
+        is a float32 tensor ``[len(documents)]``. ``instruction``: an LLM reranker's task line
+        (Qwen3-Reranker's ``<Instruct>``; ``None``: its default web-search one)."""
         _check_text(query, "query")
         _check_texts(documents, "documents")
         if not self.spec.is_cross_encoder:
-            raise ValueError(f"{self.spec.path} is not a cross-encoder (no *ForSequenceClassification head); "
-                             "score() needs a reranker model")
+            raise ValueError(f"{self.spec.path} is not a cross-encoder (no *ForSequenceClassification head) nor an "
+                             "LLM reranker (a causal LM with task='score'); score() needs a reranker model")
+        if instruction is not None:
+            _check_text(instruction, "instruction")
+            if not self.spec.is_llm_reranker:
+                raise ValueError("instruction applies to an LLM reranker (task='score' on a causal LM), "
+                                 f"not to the cross-encoder {self.spec.path}")
+        if self.spec.is_llm_reranker:
+            return self._submit([(query, document, instruction) for document in documents], truncate, False)
         return self._submit([(query, document) for document in documents], truncate, False)
 
     def _submit(self, inputs: list, truncate: bool, show_progress: bool | None) -> concurrent.futures.Future:
@@ -182,16 +190,19 @@ class EmbeddingEngine:
         return future
 
     def score(self, query: str, documents: Sequence[str], *, truncate: bool = True,
-              timeout: float | None = None) -> list[float]:
+              timeout: float | None = None, instruction: str | None = None) -> list[float]:
         """Relevance of each document to ``query`` from a cross-encoder, as sentence-transformers'
-        ``CrossEncoder.predict`` gives it (its activation applied); blocks. Pairs from every
-        caller share the engine's batches.
+        ``CrossEncoder.predict`` gives it (its activation applied), or from an LLM reranker, the
+        probability of "yes" (``instruction`` as in :meth:`submit_scores`); blocks. Pairs from
+        every caller share the engine's batches.
 
         >>> with EmbeddingEngine(EmbeddingConfig(model="/models/ms-marco-MiniLM-L6-v2")) as reranker:
         ...     reranker.score("Where is Paris?", ["Paris is in France.", "Rome is in Italy."])
         [0.98..., 0.01...]
+        >>> qwen = EmbeddingEngine(EmbeddingConfig(model="/models/Qwen3-Reranker-0.6B", task="score"))
+        >>> qwen.score("Where is Paris?", ["Paris is in France."], instruction="Find the answer")
         """
-        future = self.submit_scores(query, documents, truncate=truncate)
+        future = self.submit_scores(query, documents, truncate=truncate, instruction=instruction)
         try:
             return future.result(timeout)[:, 0].tolist()
         except concurrent.futures.TimeoutError:
@@ -199,9 +210,10 @@ class EmbeddingEngine:
             raise TimeoutError(f"scoring {len(documents)} documents did not finish within "
                                f"timeout={timeout} s") from None
 
-    async def ascore(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
+    async def ascore(self, query: str, documents: Sequence[str], *, truncate: bool = True,
+                     instruction: str | None = None) -> list[float]:
         """:meth:`score` for coroutines: the event loop waits, the engine thread computes."""
-        future = self.submit_scores(query, documents, truncate=truncate)
+        future = self.submit_scores(query, documents, truncate=truncate, instruction=instruction)
         return (await asyncio.wrap_future(future))[:, 0].tolist()
 
     def embed(self, texts: Sequence[str], *, truncate: bool = True, show_progress: bool | None = None,

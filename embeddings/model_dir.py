@@ -40,8 +40,14 @@ class EncoderSpec:
     hidden_size: int = 0       # of the encoder; ``dimension`` below it is a Matryoshka truncation
     prompts: dict[str, str] = field(default_factory=dict)   # config_sentence_transformers.json's prompts
     default_prompt_name: str | None = None
-    is_cross_encoder: bool = False    # a *ForSequenceClassification head: scores text pairs
+    is_cross_encoder: bool = False    # scores text pairs: a *ForSequenceClassification head, or an LLM reranker
     score_activation: str = "identity"    # what a cross-encoder applies to its logit: sigmoid/identity/tanh
+    is_decoder: bool = False          # a causal LM the LLM engine's model code runs (Qwen3-Embedding/-Reranker)
+
+    @property
+    def is_llm_reranker(self) -> bool:
+        """A causal LM that scores a pair by its "yes" against "no" logit (Qwen3-Reranker)."""
+        return self.is_decoder and self.is_cross_encoder
 
     @property
     def is_truncated(self) -> bool:
@@ -99,10 +105,11 @@ def resolve_model_path(model: str) -> Path:
 
 
 def read_encoder_spec(model: str, max_seq_length: int | None = None, pooling: str | None = None,
-                      dimensions: int | None = None) -> EncoderSpec:
+                      dimensions: int | None = None, task: str = "auto") -> EncoderSpec:
     """Parse the directory of ``model``; ``max_seq_length`` overrides the directory's value,
     ``pooling`` its pooling mode (required when it names none), ``dimensions`` truncates the vectors
-    (Matryoshka; re-normalized when the model normalizes)."""
+    (Matryoshka; re-normalized when the model normalizes); ``task`` as in ``EmbeddingConfig``
+    (``"score"`` makes a causal LM an LLM reranker)."""
     path = resolve_model_path(model)
     modules = _read_modules(path)
     encoder_path = path / modules.get("Transformer", "")
@@ -110,6 +117,14 @@ def read_encoder_spec(model: str, max_seq_length: int | None = None, pooling: st
     _check_architecture(config, encoder_path)
     st_config = _read_json(encoder_path / "sentence_bert_config.json", missing_ok=True)
     is_cross_encoder = _is_cross_encoder(config)
+    is_decoder = not is_cross_encoder and is_engine_decoder(config)
+    if task == "embed" and is_cross_encoder:
+        raise ValueError(f"task='embed': {path} is a cross-encoder (*ForSequenceClassification); it scores pairs")
+    if task == "score" and not is_cross_encoder:
+        if not is_decoder:
+            raise ValueError(f"task='score': {path} is not a cross-encoder (no *ForSequenceClassification head) "
+                             f"nor a causal LM to rerank with; it is a {config.get('model_type')!r} embedding model")
+        is_cross_encoder = True      # an LLM reranker: the "yes"/"no" logits at the last position
     if is_cross_encoder:
         pooling = ""
     elif pooling is not None:
@@ -118,8 +133,9 @@ def read_encoder_spec(model: str, max_seq_length: int | None = None, pooling: st
     elif "Pooling" in modules:
         pooling = _read_pooling(path / modules["Pooling"])
     elif (path / "modules.json").is_file() or config.get("model_type") not in _MEAN_BY_DEFAULT:
+        hint = " (or task='score' to rerank with this causal LM, as Qwen3-Reranker)" if is_decoder else ""
         raise ValueError(f"{path} names no pooling (no Pooling module in its modules.json, or no modules.json "
-                         f"for a {config.get('model_type')!r} model); pass pooling= one of {POOLING_MODES}")
+                         f"for a {config.get('model_type')!r} model); pass pooling= one of {POOLING_MODES}{hint}")
     else:
         pooling = "mean"   # a plain BERT-family HF directory: what sentence-transformers would pick
     limit = _position_limit(config)
@@ -144,8 +160,8 @@ def read_encoder_spec(model: str, max_seq_length: int | None = None, pooling: st
                        do_lower_case=bool(st_config.get("do_lower_case", False)),
                        dimension=dimensions or hidden_size, model_type=str(config.get("model_type", "")),
                        hidden_size=hidden_size, prompts=prompts, default_prompt_name=default_prompt_name,
-                       is_cross_encoder=is_cross_encoder,
-                       score_activation=_score_activation(config) if is_cross_encoder else "identity")
+                       is_cross_encoder=is_cross_encoder, is_decoder=is_decoder,
+                       score_activation=_score_activation(config, is_decoder) if is_cross_encoder else "identity")
 
 
 # Plain HF directories of these types pool by mean without being told (the behaviour since 0.1).
@@ -184,8 +200,27 @@ def _is_cross_encoder(config: dict) -> bool:
     return True
 
 
-def _score_activation(config: dict) -> str:
-    """sentence-transformers' CrossEncoder: the config's activation_fn, else Sigmoid for one label."""
+def is_engine_decoder(config: dict) -> bool:
+    """Whether config.json describes a causal LM the LLM engine has model code for (by its
+    architectures, a bare ``*Model`` class by its model_type), and not one of our encoders."""
+    from .encoders import SUPPORTED_MODEL_TYPES
+
+    model_type = config.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return False
+    from hearth_llm.engine.models import MODEL_CLASSES, MODEL_TYPES   # the engine's registry; imported on need
+
+    architectures = [str(name) for name in config.get("architectures") or []]
+    if any(name in MODEL_CLASSES for name in architectures):
+        return True
+    return model_type in MODEL_TYPES and all(name.endswith("Model") for name in architectures)
+
+
+def _score_activation(config: dict, is_decoder: bool = False) -> str:
+    """sentence-transformers' CrossEncoder: the config's activation_fn, else Sigmoid for one label
+    (for an LLM reranker: sigmoid of logit("yes") - logit("no"), its softmax probability of "yes")."""
+    if is_decoder:
+        return "sigmoid"
     path = (config.get("sentence_transformers") or {}).get("activation_fn") \
         or config.get("sbert_ce_default_activation_function")
     if path is None:

@@ -147,6 +147,8 @@ def choose_implementation(spec: EncoderSpec, requested: str) -> str:
     on all-MiniLM-L6-v2, one CPU thread, 1000 sentences, it spent 5.6 CPU-s where sentence-transformers
     (``AutoModel`` with SDPA, batches of 32) spent 7.4–7.7, at the same accuracy: its dense layers
     run at oneDNN's fp32 peak (~110 GFLOP/s a core) on unpadded tokens."""
+    if spec.is_decoder:
+        return _choose_decoder_implementation(spec, requested)
     reason = _why_not_ours(spec)
     if reason and requested != "hearth" and spec.model_type in CONFIG_FIELDS_TRANSFORMERS_IGNORES:
         raise ValueError(f"{spec.encoder_path} cannot run exactly: {reason} (transformers' {spec.model_type} "
@@ -159,6 +161,24 @@ def choose_implementation(spec: EncoderSpec, requested: str) -> str:
             logger.info("embedding model %s runs on transformers: %s", spec.encoder_path, reason)
         return "transformers" if reason else "hearth"
     return requested
+
+
+def _choose_decoder_implementation(spec: EncoderSpec, requested: str) -> str:
+    """A decoder runs on the LLM engine's model code; transformers' ``AutoModel`` (right-padded, so
+    the mask finds the last token) only embeds, for an architecture or config field we refuse."""
+    from .decoder import why_not_our_decoder
+
+    if requested == "transformers":
+        if spec.is_llm_reranker:
+            raise ValueError("implementation='transformers' does not run LLM rerankers; use 'auto' or 'hearth'")
+        return requested
+    reason = why_not_our_decoder(spec)
+    if reason is None:
+        return "hearth"
+    if requested == "hearth" or spec.is_llm_reranker:
+        raise ValueError(f"the LLM engine cannot run {spec.encoder_path}: {reason}")
+    logger.info("embedding model %s runs on transformers: %s", spec.encoder_path, reason)
+    return "transformers"
 
 
 def _why_not_ours(spec: EncoderSpec) -> str | None:
@@ -227,5 +247,10 @@ class CrossEncoderRunner(EncoderRunner):
 
 
 def make_runner(spec: EncoderSpec, config: EmbeddingConfig) -> EncoderRunner:
-    """The runner for ``spec``: embeddings, or scores for a cross-encoder."""
+    """The runner for ``spec``: embeddings, or scores for a cross-encoder; a decoder's on the LLM
+    engine's model code (embeddings/decoder.py)."""
+    if spec.is_decoder and choose_implementation(spec, config.implementation) == "hearth":
+        from .decoder import DecoderEmbeddingRunner, LLMRerankerRunner
+
+        return (LLMRerankerRunner if spec.is_llm_reranker else DecoderEmbeddingRunner)(spec, config)
     return (CrossEncoderRunner if spec.is_cross_encoder else EncoderRunner)(spec, config)

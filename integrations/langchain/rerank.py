@@ -1,4 +1,5 @@
-"""``HearthReranker``: a LangChain document compressor that reranks with an in-process cross-encoder."""
+"""``HearthReranker``: a LangChain document compressor that reranks with an in-process cross-encoder
+or LLM reranker."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,8 +22,10 @@ class HearthReranker(BaseDocumentCompressor):
 
     Key init args:
         model: a cross-encoder directory (``*ForSequenceClassification``, one label), as
-            sentence-transformers' ``CrossEncoder`` loads it.
+            sentence-transformers' ``CrossEncoder`` loads it, or an LLM reranker (a causal LM
+            directory such as Qwen3-Reranker: scored by P("yes") after its judging prompt).
         top_n: how many documents to keep, best first (``None``: all, reordered).
+        instruction: an LLM reranker's task line (``None``: its default web-search one).
         engine_kwargs: :class:`~hearth_llm.embeddings.EmbeddingConfig` fields (``max_seq_length``,
             ``max_batch_tokens``, ``device``...). Every reranker on the same model shares one engine,
             whose thread batches all callers' pairs together.
@@ -52,21 +55,26 @@ class HearthReranker(BaseDocumentCompressor):
     """Documents kept, best first; ``None`` keeps all."""
     truncate: bool = True
     """Cut pairs longer than ``max_seq_length`` tokens; ``False`` raises for them instead."""
+    instruction: str | None = None
+    """An LLM reranker's task line; ``None``: its default. Not for cross-encoders."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """:class:`~hearth_llm.embeddings.EmbeddingConfig` fields for the shared engine."""
 
     _engine: EmbeddingEngine | None = PrivateAttr(default=None)
 
     def model_post_init(self, context: Any, /) -> None:
-        self._engine = get_embedding_engine(self.model, **self.engine_kwargs)   # bad options raise here
-        if not self._engine.is_reranker:
-            raise ValueError(f"model {self.model!r} is not a cross-encoder (no *ForSequenceClassification head)")
+        self._engine = self._shared_engine()   # bad options, or a model that cannot rerank, raise here
+
+    def _shared_engine(self) -> EmbeddingEngine:
+        # task="score": a causal LM directory reranks (an LLM reranker) instead of being refused
+        # for naming no pooling; a cross-encoder scores either way.
+        return get_embedding_engine(self.model, **{"task": "score", **self.engine_kwargs})
 
     @property
     def engine(self) -> EmbeddingEngine:
         """The shared engine (a fresh one if the last was closed)."""
         if self._engine is None or self._engine.is_stopped:
-            self._engine = get_embedding_engine(self.model, **self.engine_kwargs)
+            self._engine = self._shared_engine()
         return self._engine
 
     def compress_documents(self, documents: Sequence[Document], query: str,
@@ -74,7 +82,8 @@ class HearthReranker(BaseDocumentCompressor):
         """The ``top_n`` documents most relevant to ``query``, best first."""
         if not documents:
             return []
-        scores = self.engine.score(query, [doc.page_content for doc in documents], truncate=self.truncate)
+        scores = self.engine.score(query, [doc.page_content for doc in documents], truncate=self.truncate,
+                                   instruction=self.instruction)
         return self._ranked(documents, scores)
 
     async def acompress_documents(self, documents: Sequence[Document], query: str,
@@ -82,7 +91,8 @@ class HearthReranker(BaseDocumentCompressor):
         """Native async: the event loop waits while the engine thread scores."""
         if not documents:
             return []
-        scores = await self.engine.ascore(query, [doc.page_content for doc in documents], truncate=self.truncate)
+        scores = await self.engine.ascore(query, [doc.page_content for doc in documents], truncate=self.truncate,
+                                          instruction=self.instruction)
         return self._ranked(documents, scores)
 
     def _ranked(self, documents: Sequence[Document], scores: list[float]) -> list[Document]:

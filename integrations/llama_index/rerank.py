@@ -20,24 +20,28 @@ class HearthReranker(BaseNodePostprocessor):
     >>> reranker.postprocess_nodes(nodes, query_str="Where is Paris?")[0].score       # the cross-encoder's
     >>> await reranker.apostprocess_nodes(nodes, query_str="Where is Paris?")          # native async
 
-    ``engine_kwargs`` are :class:`~hearth_llm.embeddings.EmbeddingConfig` fields; rerankers on the
-    same model and config share one engine. ``keep_retrieval_score`` keeps the retriever's score
-    in ``metadata["retrieval_score"]``.
+    ``model`` may be an LLM reranker too (a causal LM directory such as Qwen3-Reranker, scored by
+    P("yes") after its judging prompt; ``instruction`` sets its task line). ``engine_kwargs`` are
+    :class:`~hearth_llm.embeddings.EmbeddingConfig` fields; rerankers on the same model and config
+    share one engine. ``keep_retrieval_score`` keeps the retriever's score in ``metadata["retrieval_score"]``.
     """
 
     model: str = Field(description="A cross-encoder model directory.")
     top_n: int = Field(default=2, ge=1, description="Nodes kept, best first.")
     keep_retrieval_score: bool = Field(default=False, description="Keep the old score in metadata.")
     truncate: bool = Field(default=True, description="Cut pairs longer than max_seq_length; False raises.")
+    instruction: str | None = Field(default=None, description="An LLM reranker's task line (None: its default).")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="EmbeddingConfig fields.")
 
     _engine: EmbeddingEngine | None = PrivateAttr(default=None)
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
-        self._engine = get_embedding_engine(self.model, **self.engine_kwargs)   # bad options raise here
-        if not self._engine.is_reranker:
-            raise ValueError(f"model {self.model!r} is not a cross-encoder (no *ForSequenceClassification head)")
+        self._engine = self._shared_engine()   # bad options, or a model that cannot rerank, raise here
+
+    def _shared_engine(self) -> EmbeddingEngine:
+        # task="score": a causal LM directory becomes an LLM reranker; a cross-encoder scores either way
+        return get_embedding_engine(self.model, **{"task": "score", **self.engine_kwargs})
 
     @classmethod
     def class_name(cls) -> str:
@@ -46,7 +50,7 @@ class HearthReranker(BaseNodePostprocessor):
     @property
     def engine(self) -> EmbeddingEngine:
         if self._engine is None or self._engine.is_stopped:
-            self._engine = get_embedding_engine(self.model, **self.engine_kwargs)
+            self._engine = self._shared_engine()
         return self._engine
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore],
@@ -54,14 +58,16 @@ class HearthReranker(BaseNodePostprocessor):
         query, texts = self._inputs(nodes, query_bundle)
         if not texts:
             return []
-        return self._ranked(nodes, self.engine.score(query, texts, truncate=self.truncate))
+        return self._ranked(nodes, self.engine.score(query, texts, truncate=self.truncate,
+                                                       instruction=self.instruction))
 
     async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
                                   query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         query, texts = self._inputs(nodes, query_bundle)
         if not texts:
             return []
-        return self._ranked(nodes, await self.engine.ascore(query, texts, truncate=self.truncate))
+        return self._ranked(nodes, await self.engine.ascore(query, texts, truncate=self.truncate,
+                                                             instruction=self.instruction))
 
     @staticmethod
     def _inputs(nodes: list[NodeWithScore], query_bundle: QueryBundle | None) -> tuple[str, list[str]]:
