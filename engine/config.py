@@ -55,6 +55,11 @@ class EngineConfig:
     - ``speculative``: speculative decoding, a dict of :class:`~.spec_decode.SpeculativeConfig` fields,
       e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; None: off. It turns async scheduling off
       (a proposal needs the tokens before it), so ``async_scheduling=True`` with it is refused.
+    - ``keep_alive``: put the engine to sleep after it has been idle this long (seconds, or ``"30s"``,
+      ``"5m"``, ``"1h"``); the next request wakes it. None: never. Handles on one model share one
+      engine: the last handle that gives ``keep_alive`` sets it.
+    - ``sleep_level``: what ``keep_alive`` sleep drops: 1 the KV cache (on a GPU the weights move to
+      pinned host memory), 2 the KV cache and the weights (reloaded from the checkpoint on wake).
     """
 
     model: str = "default"
@@ -81,6 +86,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     speculative: SpeculativeConfig | dict | None = None
+    keep_alive: float | str | None = None
+    sleep_level: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +122,9 @@ class EngineConfig:
         if self.speculative is not None and self.async_scheduling:
             raise ValueError("async_scheduling=True cannot be combined with speculative decoding: proposals need "
                              "the previous step's tokens on the host; leave async_scheduling None or False")
+        self.keep_alive = parse_seconds("keep_alive", self.keep_alive)
+        if isinstance(self.sleep_level, bool) or self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
 
     def _validate_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):
@@ -228,3 +238,24 @@ def parse_bytes(name: str, value: int | str) -> int:
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_seconds(name: str, value: float | str | None) -> float | None:
+    """``30``, ``"30s"``, ``"5m"``, ``"1h"`` → seconds; None stays None (never)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        unit = text[-1:] if text[-1:] in ("s", "m", "h") else ""
+        try:
+            value = float(text[:len(text) - len(unit)]) * _SECONDS[unit]
+        except ValueError:
+            raise ValueError(f"{name} must be seconds (a number, or a str like '30s', '5m', '1h') or None, "
+                             f"got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be seconds >= 0 (a number, or a str like '30s', '5m', '1h') or None "
+                         f"(never), got {value!r}")
+    return float(value)

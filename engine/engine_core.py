@@ -1,8 +1,13 @@
 """``EngineCore``: one model's :class:`LLMEngine` on its own thread.
 
-Requests reach the engine thread as commands (add, abort) and come back through one
+Requests reach the engine thread as commands (add, abort, sleep, wake) and come back through one
 ``RequestStream`` each, which any thread or event loop can read. The thread applies queued
 commands between steps, so an abort frees its blocks before the next step starts.
+
+The engine's weights and KV cache are booked against its device's memory budget (``.memory``),
+shared by every engine in the process: another engine may take back free KV blocks between two
+steps (under ``_step_lock``), and an idle engine can sleep (``sleep()``, or ``keep_alive``) and
+wakes when the next request arrives.
 """
 from __future__ import annotations
 
@@ -10,15 +15,19 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .chat.prompt import ChatPrompt
 from .config import EngineConfig
 from .errors import EngineClosedError, EngineDeadError, EngineOverloadedError, RequestFailedError
 from .input_processor import BatchRejectedError, RequestInput, request_input
 from .llm_engine import LLMEngine
+from .loader import load_checkpoint
+from .memory.holders import EngineMemory, plan_load
+from .memory.sleep import SleepState, check_sleep_level, deepen_sleep, put_to_sleep, wake_up
 from .model_info import ModelInfo, model_info_of
 from .output_processor import RequestDelta, mark_last, stream_output
 from .outputs import StreamOutput
@@ -45,6 +54,19 @@ class _AbortRequest:
     stream: RequestStream | None = None  # when set, abort only if this stream still owns the id
 
 
+@dataclass(slots=True, eq=False)
+class _Sleep:
+    level: int
+    done: threading.Event | None = None  # None: keep_alive's own sleep, nobody waits
+    error: BaseException | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Wake:
+    done: threading.Event
+    error: BaseException | None = None
+
+
 class EngineCore:
     """One model's :class:`LLMEngine` on its own thread, shared by every handle on the same
     model and config. Thread-safe: any thread or event loop may add, read and abort requests.
@@ -56,6 +78,11 @@ class EngineCore:
 
     Handles (``AsyncLLM``, ``LLM``) ``attach()`` on creation and ``detach()`` on ``close()``; the
     engine stops when the last one detaches, at ``close()``, or at interpreter exit.
+
+    >>> core.sleep(level=1)      # once idle: KV cache dropped, weights to host memory on a GPU
+    >>> core.is_sleeping
+    True
+    >>> core.add_request("Hi", SamplingParams(max_tokens=4))   # wakes it first, then serves it
     """
 
     def __init__(self, config: EngineConfig, on_stop: Callable[[EngineCore], None] | None = None):
@@ -76,6 +103,16 @@ class EngineCore:
         self._model_info: ModelInfo | None = None
         self._stats: dict = {}
         self._streams: dict[str, RequestStream] = {}   # touched by the engine thread only
+        # Held by the engine thread while it touches the engine; another engine's load takes it
+        # to shrink this one's KV cache between two steps.
+        self._step_lock = threading.Lock()
+        self._memory = EngineMemory(f"engine {os.path.basename(str(config.model))!r}", config.torch_device,
+                                    self._step_lock)
+        self._sleep_state: SleepState | None = None
+        self._pending_sleeps: list[_Sleep] = []
+        self._keep_alive = config.keep_alive
+        self._sleep_level = config.sleep_level
+        self._last_active = time.monotonic()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -114,6 +151,62 @@ class EngineCore:
     @property
     def is_stopped(self) -> bool:
         return self._is_closing or self._stop_error is not None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_state is not None
+
+    @property
+    def keep_alive(self) -> float | None:
+        """Idle seconds before the engine sleeps by itself; None: never."""
+        return self._keep_alive
+
+    def sleep(self, level: int = 1, timeout: float | None = None) -> None:
+        """Put the engine to sleep as soon as it holds no request (running ones finish first);
+        blocks until it sleeps. Level 1 drops the KV cache and, on a GPU, moves the weights to
+        pinned host memory; level 2 drops both (waking reloads the checkpoint). The next request,
+        or :meth:`wake_up`, wakes it. Not loaded yet: nothing to do."""
+        check_sleep_level(level)
+        _check_timeout(timeout)
+        with self._lock:
+            self._raise_if_stopped()
+            if self._thread is None:
+                return
+        self._wait_for(_Sleep(level, threading.Event()), timeout)
+
+    def wake_up(self, timeout: float | None = None) -> None:
+        """Wake a sleeping engine now (a request would too); loads it if it never was."""
+        _check_timeout(timeout)
+        self.start()
+        self._wait_for(_Wake(threading.Event()), timeout)
+
+    def set_keep_alive(self, keep_alive: float | str | None, sleep_level: int | None = None) -> None:
+        """Sleep after ``keep_alive`` idle seconds from now on (None: never), at ``sleep_level``."""
+        from .config import parse_seconds
+
+        seconds = parse_seconds("keep_alive", keep_alive)
+        if sleep_level is not None:
+            check_sleep_level(sleep_level)
+        with self._lock:
+            self._keep_alive = seconds
+            if sleep_level is not None:
+                self._sleep_level = sleep_level
+            self._has_work.notify()
+
+    def _wait_for(self, command: _Sleep | _Wake, timeout: float | None) -> None:
+        with self._lock:
+            self._raise_if_stopped()
+            self._commands.append(command)
+            self._has_work.notify()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not command.done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the engine for model {self.config.model!r} did not "
+                                   f"{'sleep' if isinstance(command, _Sleep) else 'wake'} within {timeout} s")
+            if not self._is_thread_alive():
+                self._raise_if_stopped()
+        if command.error is not None:
+            raise command.error
 
     def attach(self) -> None:
         """Count one more handle that keeps this engine running."""
@@ -203,9 +296,12 @@ class EngineCore:
         self._enqueue(_AbortRequest(str(request_id)))
 
     def stats(self) -> dict:
-        """The engine's counters after its last step (empty before the model loaded)."""
+        """The engine's counters after its last step (empty before the model loaded), and its
+        memory: ``weights_bytes``, ``kv_cache_bytes`` (its share of ``memory_device``'s budget),
+        ``is_sleeping``, ``sleep_level``."""
         stats = dict(self._stats)
         stats["num_queued"] = self._num_queued_adds
+        stats.update(self._memory.stats())
         return stats
 
     def _abort_stream(self, stream: RequestStream) -> None:
@@ -237,7 +333,7 @@ class EngineCore:
 
     def _run(self) -> None:
         try:
-            engine = LLMEngine(self.config)
+            engine = self._load()
         except BaseException as error:  # noqa: BLE001 - every caller must hear of it
             self._startup_error = error
             self._stop(EngineDeadError(f"the engine for model {self.config.model!r} failed to start: {error}"), error)
@@ -255,26 +351,127 @@ class EngineCore:
         else:
             self._stop(EngineClosedError("the engine was closed"), None)
 
+    def _load(self) -> LLMEngine:
+        """Reserve the engine's share of its device's budget (shrinking other engines' free KV if
+        needed), then load. Refused by the budget: nothing is read, nothing stays booked."""
+        config = self.config
+        checkpoint = load_checkpoint(config.model, config.torch_dtype, allow_pickle=config.allow_pickle,
+                                     trust_remote_code=config.trust_remote_code, progress=config.show_progress)
+        try:
+            plan = plan_load(checkpoint, config)
+        except Exception:  # noqa: BLE001 - the load below raises the model's own error for it
+            plan = None
+        try:
+            if plan is not None:
+                config = replace(config, kv_cache_memory=self._memory.reserve_for_load(plan))
+            engine = LLMEngine(config, checkpoint=checkpoint)
+        except BaseException:
+            self._memory.release_all()
+            raise
+        self._memory.book_loaded(engine)
+        return engine
+
     def _serve_once(self, engine: LLMEngine) -> bool:
         with self._lock:
             while not (self._commands or self._is_closing or engine.has_unfinished_requests()):
-                self._has_work.wait()
+                idle_left = self._keep_alive_left()
+                if idle_left is not None and idle_left <= 0:
+                    break
+                self._has_work.wait(idle_left)
             if self._is_closing:
                 return False
             commands = list(self._commands)
             self._commands.clear()
             self._num_waiting += self._num_queued_adds
             self._num_queued_adds = 0
-        for command in commands:
-            if isinstance(command, _AddRequests):
-                self._apply_adds(engine, command.adds)
-            else:
-                self._apply_abort(engine, command)
-        if engine.has_unfinished_requests():
-            self._dispatch(engine, engine.step())
-        self._stats = stats = engine.stats()
-        self._num_waiting = stats["num_waiting"]
+        if not commands and not engine.has_unfinished_requests():
+            self._sleep_now(engine, _Sleep(self._sleep_level))  # idle for keep_alive
+            return True
+        if self._sleep_state is not None and any(isinstance(c, (_AddRequests, _Wake)) for c in commands):
+            commands = self._wake(engine, commands)
+        with self._step_lock:
+            for command in commands:
+                self._apply(engine, command)
+            if engine.has_unfinished_requests():
+                self._dispatch(engine, engine.step())
+            self._stats = stats = engine.stats()
+            self._num_waiting = stats["num_waiting"]
+        self._last_active = time.monotonic()
+        if self._pending_sleeps and not engine.has_unfinished_requests():
+            self._sleep_now(engine)
         return True
+
+    def _apply(self, engine: LLMEngine, command) -> None:
+        if isinstance(command, _AddRequests):
+            self._apply_adds(engine, command.adds)
+        elif isinstance(command, _AbortRequest):
+            self._apply_abort(engine, command)
+        elif isinstance(command, _Sleep):
+            self._pending_sleeps.append(command)  # done once the running requests have finished
+        else:
+            command.done.set()  # _Wake: awake (or the wake failed and said so)
+
+    # ---- sleep and wake (engine thread) ------------------------------------------------------
+
+    def _keep_alive_left(self) -> float | None:
+        """Seconds until keep_alive puts the idle engine to sleep; None: it will not."""
+        if self._keep_alive is None or self._sleep_state is not None:
+            return None
+        return self._last_active + self._keep_alive - time.monotonic()
+
+    def _sleep_now(self, engine: LLMEngine, auto: _Sleep | None = None) -> None:
+        sleeps, self._pending_sleeps = self._pending_sleeps + ([auto] if auto else []), []
+        level = max(command.level for command in sleeps)
+        error = None
+        try:
+            with self._step_lock:
+                if self._sleep_state is None:
+                    self._sleep_state = put_to_sleep(engine, level)
+                elif level > self._sleep_state.level:
+                    deepen_sleep(engine, self._sleep_state)
+                self._memory.book_asleep(self._sleep_state)
+                self._stats = engine.stats()
+            logger.info("the engine for %r sleeps at level %d", self.config.model, self._sleep_state.level)
+        except Exception as failure:  # noqa: BLE001 - the caller of sleep() hears of it; serving goes on
+            error = failure
+            if auto is not None:
+                logger.warning("keep_alive could not put %r to sleep (%s); it stays awake", self.config.model, error)
+                self._keep_alive = None
+        for command in sleeps:
+            if command.done is not None:
+                command.error = error
+                command.done.set()
+
+    def _wake(self, engine: LLMEngine, commands: list) -> list:
+        """Wake before serving; if waking fails, the requests that would have woken it fail with
+        the reason and the engine sleeps on. Returns the commands left to apply."""
+        state = self._sleep_state
+        try:
+            num_blocks = self._memory.reserve_for_wake(state)
+            try:
+                with self._step_lock:
+                    wake_up(engine, state, num_blocks)
+                    self._sleep_state = None
+                    self._memory.book_awake()
+            except BaseException:
+                self._memory.book_asleep(state)
+                raise
+        except Exception as error:  # noqa: BLE001 - fail what asked for the wake, keep the engine
+            logger.exception("the engine for %r could not wake", self.config.model)
+            kept = []
+            for command in commands:
+                if isinstance(command, _AddRequests):
+                    for add in command.adds:
+                        add.stream.put(_copy_error(error))
+                elif isinstance(command, _Wake):
+                    command.error = _copy_error(error)
+                    command.done.set()
+                else:
+                    kept.append(command)
+            return kept
+        logger.info("the engine for %r woke from level %d with %d KV blocks", self.config.model, state.level,
+                    num_blocks)
+        return commands
 
     def _apply_adds(self, engine: LLMEngine, adds: list[_AddRequest]) -> None:
         try:
@@ -335,7 +532,14 @@ class EngineCore:
         self._streams.clear()
         for stream in streams:
             stream.put(_error_like(error))
+        waiters = [c for c in commands + self._pending_sleeps if isinstance(c, (_Sleep, _Wake)) and c.done]
+        self._pending_sleeps = []
+        for waiter in waiters:
+            waiter.error = _error_like(error)
+            waiter.done.set()
         self._engine = None  # let the weights and the KV cache go
+        self._memory.engine = None
+        self._memory.release_all()
         self._started.set()
         if self._on_stop is not None:
             self._on_stop(self)
@@ -345,6 +549,16 @@ def _request_failed(request_id: str, cause: BaseException) -> RequestFailedError
     error = RequestFailedError(f"request {request_id!r} failed: {type(cause).__name__}: {cause}")
     error.__cause__ = cause
     return error
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    """A fresh exception per stream, with the original as its cause."""
+    try:
+        copy = type(error)(*error.args)
+    except Exception:  # noqa: BLE001 - an exception type with another signature
+        copy = RuntimeError(str(error))
+    copy.__cause__ = error
+    return copy
 
 
 def _error_like(error: EngineDeadError) -> EngineDeadError:

@@ -20,7 +20,8 @@ __all__ = ["get_engine", "shutdown_engines", "EngineCore", "RequestStream", "Str
            "render_chat_prompt"]
 
 # Options that do not change what the engine computes; handles that differ only in them share one.
-_OPTIONS_NOT_IN_KEY = frozenset({"show_progress"})
+# (keep_alive and sleep_level: the last handle that passes them sets them on the shared engine.)
+_OPTIONS_NOT_IN_KEY = frozenset({"show_progress", "keep_alive", "sleep_level"})
 
 # ---- the registry --------------------------------------------------------------------------
 
@@ -35,8 +36,9 @@ def get_engine(model: str = "default", **engine_kwargs) -> EngineCore:
     >>> get_engine("default") is get_engine("default", dtype="auto")
     True
 
-    Keyword arguments are :class:`EngineConfig` fields; the first handle's ``show_progress`` wins.
-    A stopped engine (closed or dead) is replaced by a fresh one.
+    Keyword arguments are :class:`EngineConfig` fields; the first handle's ``show_progress`` wins,
+    the last ``keep_alive`` / ``sleep_level`` given wins. A stopped engine (closed or dead) is
+    replaced by a fresh one.
     """
     config = EngineConfig.from_kwargs(model, **engine_kwargs)
     key = _config_key(config)
@@ -45,6 +47,9 @@ def get_engine(model: str = "default", **engine_kwargs) -> EngineCore:
         if core is None or core.is_stopped:
             core = EngineCore(config, on_stop=_forget_core)
             _cores[key] = core
+        elif "keep_alive" in engine_kwargs or "sleep_level" in engine_kwargs:
+            core.set_keep_alive(config.keep_alive if "keep_alive" in engine_kwargs else core.keep_alive,
+                                config.sleep_level if "sleep_level" in engine_kwargs else None)
         return core
 
 
