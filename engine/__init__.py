@@ -18,3 +18,7 @@ from .registry import ChatPrompt, EngineCore, RequestStream, StreamOutput, Usage
 __all__ += ["AsyncLLM", "RateLimit", "TenantRateLimiter", "get_engine", "shutdown_engines", "EngineCore",
             "RequestStream", "StreamOutput", "Usage", "ChatPrompt", "EngineError", "EngineOverloadedError",
             "EngineDeadError", "EngineClosedError", "RequestFailedError", "RequestTimeoutError"]
+
+from .lora import LoRARequest  # noqa: E402
+
+__all__ += ["LoRARequest"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from asyncio_throttle import Throttler
 
 from .errors import EngineClosedError
+from .lora.request import LoRARequest
 from .registry import ChatPrompt, EngineCore, StreamOutput, get_engine
 from .sampling_params import SamplingParams
 
@@ -101,13 +102,16 @@ class AsyncLLM:
         timeout: float | None = None,
         tenant: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[StreamOutput]:
-        """Stream the outputs of one prompt (text or token ids), one engine step at a time."""
+        """Stream the outputs of one prompt (text or token ids), one engine step at a time;
+        ``lora_request`` picks a LoRA adapter (``enable_lora=True``), named on the last output."""
         if self._is_closed:
             raise EngineClosedError("this AsyncLLM was closed")
         if tenant is not None and self.rate_limiter is not None:
             await self.rate_limiter.acquire(tenant)
-        stream = self.core.add_request(prompt, sampling_params, request_id, priority, cache_salt, timeout)
+        stream = self.core.add_request(prompt, sampling_params, request_id, priority, cache_salt, timeout,
+                                       lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -126,12 +130,13 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Render ``messages`` (offering ``tools``) with the model's chat template, then stream
         like :meth:`generate`."""
         prompt = ChatPrompt(messages, add_generation_prompt, chat_template_kwargs, tools)
         async for output in self.generate(prompt, sampling_params, request_id, priority, timeout=timeout,
-                                          tenant=tenant):
+                                          tenant=tenant, lora_request=lora_request):
             yield output
 
     async def abort(self, request_id: str) -> None:

@@ -245,11 +245,13 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        lora_request=None,
     ) -> RequestStream:
         """Queue a request; returns its stream at once. Invalid sampling parameters raise here,
         invalid prompts when the stream is read. Raises :class:`EngineOverloadedError` when
         ``max_waiting_requests`` sequences are already waiting."""
-        return self.add_requests([prompt], [sampling_params], [request_id], [priority], cache_salt, timeout)[0]
+        return self.add_requests([prompt], [sampling_params], [request_id], [priority], cache_salt, timeout,
+                                 lora_requests=[lora_request])[0]
 
     def add_requests(
         self,
@@ -259,6 +261,7 @@ class EngineCore:
         priorities: list[int] | None = None,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        lora_requests: list | None = None,
     ) -> list[RequestStream]:
         """Queue several requests as one: the engine admits all of them before its next step, or,
         if one prompt is invalid, none (every stream then raises that prompt's error)."""
@@ -269,8 +272,12 @@ class EngineCore:
             raise ValueError(f"add_requests got {count} prompts but {len(sampling_params)} sampling_params, "
                              f"{len(request_ids)} request_ids and {len(priorities)} priorities")
         _check_timeout(timeout)
-        adds = [self._new_add(prompt, params, request_id, priority, cache_salt, timeout)
-                for prompt, params, request_id, priority in zip(prompts, sampling_params, request_ids, priorities)]
+        lora_requests = list(lora_requests) if lora_requests is not None else [None] * count
+        if len(lora_requests) != count:
+            raise ValueError(f"add_requests got {count} prompts but {len(lora_requests)} lora_requests")
+        adds = [self._new_add(prompt, params, request_id, priority, cache_salt, timeout, lora)
+                for prompt, params, request_id, priority, lora in zip(prompts, sampling_params, request_ids,
+                                                                      priorities, lora_requests)]
         num_sequences = sum(add.input.sampling_params.n for add in adds)
         with self._lock:
             self._raise_if_stopped()
@@ -285,8 +292,8 @@ class EngineCore:
             self._start_locked()
         return [add.stream for add in adds]
 
-    def _new_add(self, prompt, params, request_id, priority, cache_salt, timeout) -> _AddRequest:
-        checked = request_input(prompt, params, request_id, priority, cache_salt)
+    def _new_add(self, prompt, params, request_id, priority, cache_salt, timeout, lora_request=None) -> _AddRequest:
+        checked = request_input(prompt, params, request_id, priority, cache_salt, lora_request)
         stream = RequestStream(checked.request_id, timeout, abort=self._abort_stream,
                                is_engine_alive=self._is_thread_alive, model=str(self.config.model))
         return _AddRequest(stream, checked)

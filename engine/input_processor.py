@@ -34,6 +34,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from .chat.prompt import ChatPrompt, render_chat_prompt
+from .lora.request import LoRARequest
 from .request import Request
 from .sampling_params import SamplingParams
 
@@ -49,10 +50,12 @@ class RequestInput:
     sampling_params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 def request_input(prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                  priority: int = 0, cache_salt: str | None = None) -> RequestInput:
+                  priority: int = 0, cache_salt: str | None = None,
+                  lora_request: LoRARequest | None = None) -> RequestInput:
     """Check what can be checked without the model; raises ``TypeError``/``ValueError`` naming the argument.
 
     >>> request_input("Hi", SamplingParams(temperature=-1))
@@ -65,8 +68,10 @@ def request_input(prompt: Prompt, sampling_params: SamplingParams | None = None,
     params.validate()
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority must be an int, got {priority!r}")
+    if lora_request is not None and not isinstance(lora_request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
     request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-    return RequestInput(request_id, prompt, params, priority, cache_salt)
+    return RequestInput(request_id, prompt, params, priority, cache_salt, lora_request)
 
 
 class BatchRejectedError(Exception):
@@ -90,8 +95,9 @@ class InputProcessor:
     """Turns checked :class:`RequestInput` into queued-to-be :class:`Request` objects (one per sample)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, lora_manager=None) -> None:
         self.tokenizer = tokenizer
+        self.lora_manager = lora_manager  # an engine.lora.LoRAManager when LoRA is enabled
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -109,20 +115,27 @@ class InputProcessor:
             except Exception as error:  # any failure of one prompt rejects its batch
                 raise BatchRejectedError(index, error) from error
             batch_ids.add(request.request_id)
-        return [self._fan_out(request, text, token_ids) for request, (text, token_ids) in zip(inputs, prepared)]
+        return [self._fan_out(request, *checked) for request, checked in zip(inputs, prepared)]
 
     def process_one(self, request: RequestInput, ids_in_use: Container[str]) -> list[Request]:
         """One input's samples; raises its error as it is (``ValueError`` naming what is wrong)."""
-        text, token_ids = self._tokenize(request, ids_in_use)
-        return self._fan_out(request, text, token_ids)
+        return self._fan_out(request, *self._tokenize(request, ids_in_use))
 
-    def _tokenize(self, request: RequestInput, ids_in_use: Container[str]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, request: RequestInput, ids_in_use: Container[str]) -> tuple[str | None, list[int], object]:
         if request.request_id in ids_in_use:
             _raise_in_use(request.request_id)
         text, token_ids = self._token_ids(request.prompt)
         self._check_token_ids(token_ids)
         self._check_max_tokens(token_ids, request.sampling_params)
-        return text, token_ids
+        return text, token_ids, self._lora_adapter(request.lora_request)
+
+    def _lora_adapter(self, lora_request: LoRARequest | None):
+        """The loaded, checked adapter (``ValueError`` naming it if unknown or bad), or None."""
+        if lora_request is None:
+            return None
+        if self.lora_manager is None:
+            raise ValueError(f"lora_request {lora_request.name!r}: LoRA is off; start the engine with enable_lora=True")
+        return self.lora_manager.resolve(lora_request)
 
     def _token_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, ChatPrompt):
@@ -152,9 +165,11 @@ class InputProcessor:
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {len(token_ids)} tokens and "
                 f"max_model_len={self.max_model_len} leaves room for at most {room}; lower max_tokens or pass None")
 
-    def _fan_out(self, request: RequestInput, text: str | None, token_ids: list[int]) -> list[Request]:
+    def _fan_out(self, request: RequestInput, text: str | None, token_ids: list[int], lora=None) -> list[Request]:
         """One Request per sample; siblings wait for the first sample's prompt to be cached, then
         reuse its blocks through the prefix cache."""
+        if lora is not None:
+            self.lora_manager.remember(lora)  # the whole batch passed its checks: its adapters are known now
         n = request.sampling_params.n
         children = []
         for index in range(n):
@@ -162,7 +177,7 @@ class InputProcessor:
                 request_id=request.request_id if n == 1 else f"{request.request_id}#{index}",
                 prompt_token_ids=token_ids, sampling_params=request.sampling_params,
                 eos_token_ids=self.eos_token_ids, priority=request.priority, prompt=text,
-                group_id=request.request_id, sample_index=index, cache_salt=request.cache_salt,
+                group_id=request.request_id, sample_index=index, cache_salt=request.cache_salt, lora=lora,
                 arrival_order=next(self._arrival_counter),
             )
             if index > 0 and self.enable_prefix_caching:

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from .errors import RequestFailedError
 from .outputs import CompletionOutput, RequestOutput
 from .chat.prompt import ChatPrompt
+from .lora.request import LoRARequest
 from .registry import RequestStream, get_engine
 from .sampling_params import SamplingParams
 
@@ -52,11 +53,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Invalid input raises before anything is queued; a
         request that fails later (say, its grammar does not compile) comes back with
-        ``finish_reason="abort"`` and the error in ``stop_reason``, the others unharmed."""
-        return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm, priority)
+        ``finish_reason="abort"`` and the error in ``stop_reason``, the others unharmed.
+
+        ``lora_request``: one :class:`LoRARequest` for every prompt or one per prompt (None: the
+        base model), with ``enable_lora=True``; ``RequestOutput.lora_name`` says which answered."""
+        return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -66,6 +71,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
@@ -77,7 +83,31 @@ class LLM:
             raise ValueError("messages must not be empty")
         prompts = [ChatPrompt(conversation, add_generation_prompt, chat_template_kwargs, tools)
                    for conversation in conversations]
-        return self._run(prompts, sampling_params, use_tqdm, None)
+        return self._run(prompts, sampling_params, use_tqdm, None, lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check a PEFT adapter now, so later requests may name it (``LoRARequest(name)``);
+        ``ValueError`` naming the adapter and the problem if it is bad.
+
+        >>> llm.add_lora(LoRARequest("sql", "/adapters/sql-lora"))
+        >>> llm.list_loras()
+        ['sql']
+        """
+        self._lora_manager().add(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter; requests already running with it finish with it. False if unknown."""
+        return self._lora_manager().remove(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the adapters this engine knows."""
+        return self._lora_manager().list_names()
+
+    def _lora_manager(self):
+        manager = self._core.engine.lora_manager
+        if manager is None:
+            raise ValueError("LoRA is off for this engine; create it with enable_lora=True")
+        return manager
 
     def stats(self) -> dict:
         """Scheduler and KV cache counters: running/waiting, free/total blocks, preemptions, prefix hits."""
@@ -95,12 +125,14 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _run(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, use_tqdm, priority, lora_request=None) -> list[RequestOutput]:
         params_list = _params_for(prompts, sampling_params)
+        lora_requests = _loras_for(prompts, lora_request)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
-        streams = self._core.add_requests(list(prompts), params_list, priorities=priorities)
+        streams = self._core.add_requests(list(prompts), params_list, priorities=priorities,
+                                          lora_requests=lora_requests)
         try:
             with tqdm(total=len(streams), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 outputs = []
@@ -147,7 +179,19 @@ def _collect(prompt, params: SamplingParams, stream: RequestStream) -> RequestOu
         num_cached_tokens=last.usage.cached_tokens if last.usage else 0,
         prompt_logprobs=last.prompt_logprobs,
         finished=True,
+        lora_name=last.lora_name,
     )
+
+
+def _loras_for(prompts, lora_request) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * len(prompts)
+    if isinstance(lora_request, (str, bytes)):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {lora_request!r}")
+    loras = list(lora_request)
+    if len(loras) != len(prompts):
+        raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+    return loras
 
 
 def _params_for(prompts, sampling_params) -> list[SamplingParams]:

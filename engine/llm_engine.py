@@ -18,6 +18,7 @@ from .batch import ScheduledBatch
 from .config import EngineConfig
 from .input_processor import BatchRejectedError, InputProcessor, Prompt, RequestInput, request_input
 from .kv_cache_manager import KVCacheManager
+from .lora.manager import LoRAConfig
 from .loader import load_checkpoint
 from .metrics import EngineMetrics, StepStats
 from .model_runner import ModelRunner
@@ -66,7 +67,8 @@ class LLMEngine:
                                          trust_remote_code=config.trust_remote_code, progress=config.show_progress)
         self.tokenizer = checkpoint.tokenizer
         self.hf_config = checkpoint.config
-        self.runner = ModelRunner(checkpoint, device, dtype, config.block_size, config.kv_cache_memory)
+        self.runner = ModelRunner(checkpoint, device, dtype, config.block_size, config.kv_cache_memory,
+                                  lora_config=_lora_config(config), max_num_batched_tokens=config.max_num_batched_tokens)
         del checkpoint
         self.arch = self.runner.arch
         self.vocab_size = self.arch.vocab_size
@@ -75,16 +77,18 @@ class LLMEngine:
             self.runner.enable_cuda_graphs(min(config.max_num_seqs, 512), self.max_model_len)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   kv_regime_of=getattr(self.runner.model, "kv_regime", None))
+                                   kv_regime_of=getattr(self.runner.model, "kv_regime", None),
+                                   max_loras=config.max_loras if config.enable_lora else None)
         self.sampler = Sampler(config.seed)
         self.guided_decoder = GuidedDecoder(self.tokenizer, self.vocab_size, config.grammar_compile_timeout)
         self.eos_token_ids = self._eos_token_ids()
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
-                                              config.enable_prefix_caching)
+                                              config.enable_prefix_caching, lora_manager=self.runner.lora)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self.num_prompt_tokens_total = 0
+        self.lora_manager = self.runner.lora  # None unless enable_lora
         self.num_steps = 0
         self.num_scheduled_requests = 0  # summed over steps: divided by num_steps, the mean batch size
         self.max_num_scheduled_requests = 0
@@ -116,10 +120,11 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> str:
         """Validate and queue a prompt (text, token ids or a ``ChatPrompt``); returns its request
         id. Nothing changes if validation fails."""
-        request = request_input(prompt, sampling_params, request_id, priority, cache_salt)
+        request = request_input(prompt, sampling_params, request_id, priority, cache_salt, lora_request)
         self._admit(self.input_processor.process_one(request, self.groups))
         return request.request_id
 
@@ -403,3 +408,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+
+def _lora_config(config: EngineConfig) -> LoRAConfig | None:
+    if not config.enable_lora:
+        return None
+    return LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras)

@@ -9,6 +9,7 @@ import torch
 
 from .batch import ForwardOutput, ScheduledBatch
 from .loader.model_loader import load_model
+from .lora.manager import LoRAManager
 from .models.layers import AttentionMetadata
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -17,13 +18,16 @@ GPU_MEMORY_UTILIZATION = 0.9
 
 class ModelRunner:
     def __init__(self, checkpoint, device: torch.device, dtype: torch.dtype, block_size: int,
-                 kv_cache_memory: int | None):
+                 kv_cache_memory: int | None, lora_config=None, max_num_batched_tokens: int = 2048):
         self.decode_graphs = None
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         # Config and weight names/shapes checked before anything is read; weights streamed in.
         self.model, self.arch = load_model(checkpoint, device, dtype)
+        # LoRA wraps the loaded layers' methods (before CUDA graphs are captured, so they include it).
+        self.lora = None if lora_config is None else LoRAManager(self.model, lora_config, device,
+                                                                 max(max_num_batched_tokens, 512))
         self.num_blocks = self._num_kv_blocks(kv_cache_memory)
         cache_shape = (self.arch.num_hidden_layers, 2, self.num_blocks, block_size,
                        self.arch.num_key_value_heads, self.arch.head_dim)
@@ -68,6 +72,8 @@ class ModelRunner:
         """
         inputs = self._prepare_inputs(batch)
         meta = inputs.meta
+        if self.lora is not None:
+            self.lora.begin_step([request.lora for request in batch.requests], batch.num_new_tokens)
         if inputs.num_pending:
             inputs.input_ids[inputs.pending_positions] = pending_token_ids[inputs.pending_rows]
         graphs = self.decode_graphs
@@ -84,6 +90,8 @@ class ModelRunner:
             prompt_logits[index] = self.model.compute_logits(hidden[start:end]).float()
         # In the model's dtype: the sampler widens them to float32 unless every row is plain greedy.
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        if self.lora is not None:
+            self.lora.end_step()
         return ForwardOutput(logits=logits, sampling_rows=inputs.sampling_rows, prompt_logits=prompt_logits)
 
     def _prepare_inputs(self, batch: ScheduledBatch) -> "StepInputs":

@@ -163,6 +163,7 @@ def mark_last(output: StreamOutput, children: list[Request]) -> StreamOutput:
     output.prompt_token_ids = first.prompt_token_ids
     output.prompt = first.prompt
     output.prompt_logprobs = first.prompt_logprobs or None
+    output.lora_name = first.lora_name
     return output
 
 

@@ -43,6 +43,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
     metrics: dict = field(default_factory=dict)
+    lora_name: str | None = None          # the LoRA adapter that answered; None: the base model
 
 
 @dataclass(slots=True)
@@ -79,3 +80,4 @@ class StreamOutput:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt: str | None = None
+    lora_name: str | None = None          # on the last output: the LoRA adapter that answered

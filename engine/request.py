@@ -37,6 +37,9 @@ class Request:
     # The model's name for how this request's KV was computed (Phi-3 longrope: short or long
     # factors, by its length); part of its block hashes. Set by the scheduler on admission.
     kv_regime: str | None = None
+    # The LoRA adapter (an ``engine.lora.LoRAAdapter``) it runs with; None: the base model. Part of
+    # its block hashes, so no KV is shared across adapters.
+    lora: object | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = 0
 
@@ -67,6 +70,10 @@ class Request:
         seed = self.sampling_params.seed
         if seed is not None:
             self.generator = torch.Generator().manual_seed((seed + self.sample_index) % 2**63)
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.name
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,12 +21,16 @@ class Scheduler:
     ``kv_regime_of(num_tokens)`` is the model's name for how it computes the keys of a sequence
     of that length (Phi-3 longrope: short or long factors; None for most models). A request keeps
     all its KV in the regime of its current length: when it grows into a new one it is recomputed.
+
+    ``max_loras``: at most that many distinct LoRA adapters run at once (the model's device
+    slots); a waiting request of another adapter waits, while base and resident-adapter ones go on.
     """
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_regime_of: Callable[[int], str | None] | None = None):
+                 kv_regime_of: Callable[[int], str | None] | None = None, max_loras: int | None = None):
         self.kv_cache = kv_cache
         self.kv_regime_of = kv_regime_of
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -115,7 +119,7 @@ class Scheduler:
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if request.is_waiting_for_grammar or request.num_pending_tokens:
+            if request.is_waiting_for_grammar or request.num_pending_tokens or not self._has_lora_slot(request):
                 continue  # (a preempted request's last token is still in flight)
             if request.waits_for is not None and not _prompt_is_cached(request.waits_for):
                 continue
@@ -137,6 +141,13 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             budget -= num_new
         return budget
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """Whether running ``request`` keeps the running adapters within ``max_loras``."""
+        if request.lora is None or self.max_loras is None:
+            return True
+        running = {r.lora.cache_key for r in self.running if r.lora is not None}
+        return request.lora.cache_key in running or len(running) < self.max_loras
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it; it recomputes (often from the prefix cache)."""

@@ -1,0 +1,48 @@
+"""Batched LoRA: every token of a step adds the low-rank update of its own adapter, in one call.
+
+Adapters sit in slots: ``lora_a`` ``[S, R, K]`` (the down projections) and ``lora_b``
+``[S, R, N]`` (the up projections, transposed, with the adapter's scale folded in); a token's
+slot is ``token_slots[t]``, ``-1`` for the base model. :func:`add_lora` computes, in place,
+
+    ``y[t] += (x[t] @ lora_a[s].T) @ lora_b[s]``  for ``s = token_slots[t] >= 0``
+
+as punica's shrink (x → rank space) and expand (rank space → output) over a per-token slot index,
+with no Python loop over tokens or adapters. One dispatch point: Triton on CUDA tensors, the
+torch reference (:mod:`.reference`) anywhere else.
+
+>>> from hearth_llm.kernels.lora import add_lora
+>>> y = torch.zeros(3, 8)
+>>> add_lora(y, torch.randn(3, 4), torch.tensor([0, -1, 1]), torch.randn(2, 2, 4), torch.randn(2, 2, 8))
+>>> bool((y[1] == 0).all())
+True
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+__all__ = ["add_lora"]
+
+_UNSET = object()
+_TRITON = _UNSET
+
+
+def _triton_module():
+    """The Triton implementation, or None where Triton is unavailable."""
+    global _TRITON
+    if _TRITON is _UNSET:
+        try:
+            from . import triton_lora
+        except ImportError:
+            triton_lora = None
+        _TRITON = triton_lora
+    return _TRITON
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora_a: torch.Tensor,
+             lora_b: torch.Tensor) -> torch.Tensor:
+    """Add each token's adapter update to ``y`` ``[T, N]`` in place (see the module doc); returns ``y``."""
+    if y.is_cuda and _triton_module() is not None:
+        return _triton_module().add_lora(y, x, token_slots, lora_a, lora_b)
+    return reference.add_lora(y, x, token_slots, lora_a, lora_b)

@@ -1,0 +1,40 @@
+"""The plain-torch batched LoRA every other implementation is tested against; the CPU path.
+
+Shrink against every slot at once (one matmul ``[T, K] @ [K, S*R]``), zero each token's columns
+of the slots that are not its own, expand with one matmul ``[T, S*R] @ [S*R, N]``. The zeros add
+exactly nothing, so a token's result is its own adapter's; the price is ``S`` times the
+(small, rank-sized) LoRA FLOPs, which is why callers pass only the slots a step uses.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora_a: torch.Tensor,
+             lora_b: torch.Tensor) -> torch.Tensor:
+    """``y[t] += (x[t] @ lora_a[s].T) @ lora_b[s]`` for ``s = token_slots[t] >= 0``; returns ``y``.
+
+    >>> y = torch.zeros(2, 3)
+    >>> add_lora(y, torch.ones(2, 2), torch.tensor([-1, 0]), torch.ones(1, 1, 2), torch.ones(1, 1, 3))
+    tensor([[0., 0., 0.],
+            [2., 2., 2.]])
+    """
+    num_slots, rank, in_features = lora_a.shape
+    num_tokens = x.shape[0]
+    shrunk = (x @ lora_a.reshape(num_slots * rank, in_features).T).view(num_tokens, num_slots, rank)
+    is_own_slot = token_slots.view(-1, 1) == torch.arange(num_slots, device=token_slots.device)
+    shrunk = shrunk * is_own_slot.unsqueeze(-1).to(shrunk.dtype)
+    y += shrunk.reshape(num_tokens, num_slots * rank) @ lora_b.reshape(num_slots * rank, lora_b.shape[-1])
+    return y
+
+
+def add_lora_per_token(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora_a: torch.Tensor,
+                       lora_b: torch.Tensor) -> torch.Tensor:
+    """The same by gathering each token's own matrices (``[T, R, K]``): the definition, spelled
+    out for tests; too much memory for long prefills."""
+    has_adapter = token_slots >= 0
+    slots = token_slots.clamp(min=0)
+    shrunk = torch.bmm(lora_a[slots], x.unsqueeze(-1)).squeeze(-1)          # [T, R]
+    delta = torch.bmm(shrunk.unsqueeze(1), lora_b[slots]).squeeze(1)         # [T, N]
+    y += delta * has_adapter.unsqueeze(-1).to(delta.dtype)
+    return y

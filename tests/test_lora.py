@@ -1,0 +1,172 @@
+"""Multi-LoRA serving: greedy tokens equal to HF transformers + PEFT (fp32, CPU) with adapters
+made by ``peft`` on tiny random models, alone, mixed in one batch with the base model, across
+prefix-cache hits and after removal; bad adapters refused before anything is queued."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen3Config
+
+from hearth_llm.engine import LLM, LoRARequest, SamplingParams
+
+from conftest import TINY_COMMON, assert_pool_whole, hf_greedy, random_prompts
+from model_equality import save_tiny_model
+
+peft = pytest.importorskip("peft")
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base_dir, path, seed: int, r: int = 4, alpha: float = 8, target_modules=None, **fields):
+    """A PEFT adapter with random (non-zero) A and B, saved the way users get them."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules or ALL_TARGETS,
+                             init_lora_weights=False, **fields)
+    peft_model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # peft's random init is small; spread it so the adapter changes greedy tokens
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    peft_model.save_pretrained(path)
+    return str(path)
+
+
+@functools.cache
+def _peft_model(base_dir: str, adapter_dir: str):
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def peft_greedy(base_dir, adapter_dir, prompt: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
+    """HF + PEFT greedy continuation, EOS ignored: the independent reference."""
+    if adapter_dir is None:
+        return hf_greedy(base_dir, prompt, max_new_tokens)
+    model = _peft_model(str(base_dir), str(adapter_dir))
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_llama")
+    base = save_tiny_model(LlamaConfig(**TINY_COMMON, architectures=["LlamaForCausalLM"]), root / "base", seed=3)
+    adapters = {"a": make_adapter(base, root / "a", seed=1),
+                "b": make_adapter(base, root / "b", seed=2, r=8, alpha=4, use_rslora=True,
+                                  target_modules=["q_proj", "v_proj", "down_proj"])}
+    return base, adapters
+
+
+@pytest.fixture(scope="module")
+def lora_llm(llama):
+    base, _ = llama
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=8, show_progress=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def served(lora_llm, llama):
+    yield lora_llm, *llama
+    assert_pool_whole(lora_llm.stats())
+
+
+def test_one_adapter_alone_matches_peft(served):
+    llm, base, adapters = served
+    prompt = random_prompts(1, [13], seed=21)[0]
+    [out] = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", adapters["a"]))
+    expected = peft_greedy(base, adapters["a"], prompt)
+    assert out.outputs[0].token_ids == expected
+    assert expected != peft_greedy(base, None, prompt), "the adapter must change the answer for this test to mean anything"
+    assert out.lora_name == "a"
+
+
+def test_mixed_batch_of_two_adapters_and_base_matches_peft(served):
+    llm, base, adapters = served
+    prompts = random_prompts(6, [5, 17, 9], seed=22)
+    choice = [None, "a", "b", "a", None, "b"]
+    loras = [None if name is None else LoRARequest(name, adapters[name]) for name in choice]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    for prompt, name, out in zip(prompts, choice, outputs):
+        assert out.outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
+        assert out.lora_name == name
+
+
+def test_prefix_cached_under_one_adapter_is_not_reused_by_another_or_base(served):
+    llm, base, adapters = served
+    prefix = random_prompts(1, [24], seed=23)[0]
+    prompts = [prefix + suffix for suffix in random_prompts(3, [3, 5, 2], seed=24)]
+    [first] = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", adapters["a"]))
+    others = llm.generate(prompts[1:], GREEDY, use_tqdm=False, lora_request=[LoRARequest("b", adapters["b"]), None])
+    assert [out.num_cached_tokens for out in others] == [0, 0]
+    [again] = llm.generate(prompts[2:], GREEDY, use_tqdm=False, lora_request=LoRARequest("a"))
+    assert again.num_cached_tokens == 24  # the same adapter does hit its own prefix
+    for prompt, name, out in zip(prompts + prompts[2:], ["a", "b", None, "a"], [first, *others, again]):
+        assert out.outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
+
+
+def test_more_adapters_than_slots_swap_and_keep_their_tokens(llama, tmp_path, make_llm):
+    base, adapters = llama
+    third = make_adapter(base, tmp_path / "c", seed=5, r=2, target_modules=["o_proj", "up_proj"])
+    paths = {**adapters, "c": third}
+    llm = make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompts = random_prompts(3, [7, 11, 4], seed=25)
+    loras = [LoRARequest(name, path) for name, path in paths.items()]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    for prompt, path, out in zip(prompts, paths.values(), outputs):
+        assert out.outputs[0].token_ids == peft_greedy(base, path, prompt)
+    assert llm.engine.lora_manager.num_slot_loads >= 3
+
+
+def test_add_list_remove_while_idle(llama, make_llm):
+    base, adapters = llama
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm.add_lora(LoRARequest("a", adapters["a"]))
+    assert llm.list_loras() == ["a"]
+    prompt = random_prompts(1, [9], seed=26)[0]
+    [by_name] = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("a"))
+    assert by_name.outputs[0].token_ids == peft_greedy(base, adapters["a"], prompt)
+    assert llm.remove_lora("a") and llm.list_loras() == []
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("a"))
+    [base_out] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert base_out.outputs[0].token_ids == peft_greedy(base, None, prompt) and base_out.lora_name is None
+
+
+def _bad_copy(adapter_dir, tmp_path, **config_changes):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter_dir, bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    config.update(config_changes)
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    return str(bad)
+
+
+@pytest.mark.parametrize("make_bad, message", [
+    (lambda a, tmp: LoRARequest("nope"), "unknown LoRA adapter 'nope'"),
+    (lambda a, tmp: LoRARequest("big", a["b"]), "r=8 is above max_lora_rank=4"),
+    (lambda a, tmp: LoRARequest("dora", _bad_copy(a["a"], tmp, use_dora=True)), "use_dora"),
+    (lambda a, tmp: LoRARequest("bias", _bad_copy(a["a"], tmp, bias="all")), "bias"),
+    (lambda a, tmp: LoRARequest("head", _bad_copy(a["a"], tmp, target_modules=["lm_head"])), "lm_head"),
+    (lambda a, tmp: LoRARequest("gone", str(tmp / "missing")), "cannot read"),
+])
+def test_bad_adapter_raises_before_anything_is_queued(llama, tmp_path, make_llm, make_bad, message):
+    base, adapters = llama
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=4)
+    prompts = random_prompts(2, [6], seed=27)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[None, make_bad(adapters, tmp_path)])
+    stats = llm.stats()
+    assert stats["num_prompt_tokens"] == 0 and llm.list_loras() == []
+    [out] = llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # the engine keeps serving
+    assert out.outputs[0].token_ids == peft_greedy(base, None, prompts[0])
