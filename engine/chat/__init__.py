@@ -8,9 +8,9 @@
 """
 from .prompt import ChatPrompt, render_chat_prompt
 from .request import ChatRequest, SamplingOptions
-from .result import ChatDelta, ChatResult, logprob_entry
+from .result import ChatDelta, ChatResult, ChatUsage, logprob_entry
 from .service import ChatService
 from .stream import ChatStream
 
-__all__ = ["ChatPrompt", "render_chat_prompt", "ChatRequest", "SamplingOptions", "ChatDelta", "ChatResult",
+__all__ = ["ChatPrompt", "render_chat_prompt", "ChatRequest", "SamplingOptions", "ChatDelta", "ChatResult", "ChatUsage",
            "ChatService", "ChatStream", "logprob_entry"]

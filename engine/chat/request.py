@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 
 from ..sampling_params import SamplingParams
+from ..reasoning import get_reasoning_parser
 from ..structured_output import StructuredOutput
 from ..tool_parsers import get_tool_parser
 
@@ -68,6 +69,13 @@ class ChatRequest:
     ``timeout``: seconds; past it the request is aborted and the stream raises ``TimeoutError``.
     ``priority``: the scheduler's priority (lower runs first; default 0). ``request_id``: the
     engine's id for the request (default a fresh one), e.g. an HTTP request id to find it in logs.
+
+    Thinking models: ``reasoning`` True/False turns thinking on/off through the template's switch
+    (Qwen3's ``enable_thinking``); None keeps the model's default. Either way the think block is
+    split from the answer (``ChatResult.reasoning``) when the model has a reasoning format
+    (``reasoning_parser``, None: read from the chat template). ``max_reasoning_tokens``: a budget
+    after which the think block is closed and the model answers. A grammar (``structured_output``
+    or a forced ``tool_choice``) constrains only the answer, after the think block.
     """
 
     messages: list[dict] | str
@@ -81,6 +89,9 @@ class ChatRequest:
     timeout: float | None = None
     priority: int = 0
     request_id: str | None = None
+    reasoning: bool | None = None
+    reasoning_parser: str | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.messages, str) and (self.tools or self.chat_template_kwargs):
@@ -90,6 +101,16 @@ class ChatRequest:
             raise ValueError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
         if self.tool_parser is not None:
             get_tool_parser(self.tool_parser)  # ValueError naming tool_parser and the known formats
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
+        if self.reasoning is not None and not isinstance(self.reasoning, bool):
+            raise ValueError(f"reasoning must be True, False or None, got {self.reasoning!r}")
+        if self.max_reasoning_tokens is not None:
+            if isinstance(self.max_reasoning_tokens, bool) or not isinstance(self.max_reasoning_tokens, int) \
+                    or self.max_reasoning_tokens < 1:
+                raise ValueError(f"max_reasoning_tokens must be an int >= 1 or None, got {self.max_reasoning_tokens!r}")
+            if self.reasoning is False:
+                raise ValueError("max_reasoning_tokens is a budget for thinking; it cannot be set with reasoning=False")
 
     @property
     def is_preformatted(self) -> bool:

@@ -14,6 +14,17 @@ from ..tool_parsers import InvalidToolCall, InvalidToolCallDelta, ToolCall, Tool
 
 
 @dataclass(slots=True)
+class ChatUsage(Usage):
+    """A chat answer's token counts; ``reasoning_tokens`` of the completion were thinking.
+
+    >>> ChatUsage(prompt_tokens=20, completion_tokens=50, reasoning_tokens=32).total_tokens
+    70
+    """
+
+    reasoning_tokens: int = 0
+
+
+@dataclass(slots=True)
 class ChatResult:
     """A finished chat answer.
 
@@ -21,8 +32,10 @@ class ChatResult:
     >>> result.content, result.finish_reason, result.usage.completion_tokens
     ('The capital of France is Paris.', 'stop', 8)
 
-    ``content`` is the text meant for the user (tool-call markup taken out when tools were
-    offered); ``text`` is the model's output as generated. ``logprobs`` is None unless asked for.
+    ``content`` is the text meant for the user (tool-call markup and the think block taken out);
+    ``reasoning`` the think block's text; ``text`` the model's output as generated (with a think
+    block closed at ``max_reasoning_tokens``, the closing tag that was inserted included).
+    ``logprobs`` is None unless asked for. ``usage`` is a :class:`ChatUsage` (``reasoning_tokens``).
     """
 
     content: str
@@ -34,6 +47,13 @@ class ChatResult:
     stop_reason: str | int | None = None   # the stop string or token that ended it
     logprobs: list[dict] | None = None
     prompt: str | None = None              # the prompt text as the chat template rendered it
+    reasoning: str = ""                    # the think block's text (thinking models), out of ``content``
+
+    @property
+    def is_truncated(self) -> bool:
+        """Whether generation stopped at ``max_tokens`` or the context's end, not where the model (or
+        its grammar) ended it: a JSON answer or a tool call may then be incomplete."""
+        return self.finish_reason == "length"
 
 
 @dataclass(slots=True)
@@ -53,6 +73,7 @@ class ChatDelta:
     logprobs: list[dict] | None = None
     result: ChatResult | None = None                     # on the last delta (of its answer, when n > 1)
     index: int = 0                                       # which of the n answers
+    reasoning: str = ""                                  # the new thinking text (comes before content)
 
     @property
     def is_last(self) -> bool:

@@ -4,8 +4,10 @@ between (the tool-call format, ``tool_choice``, the grammar that forces a call, 
 
 The chat template is not rendered here: the service sends a :class:`ChatPrompt`, which the engine
 renders on its own thread (one place, the same tokenizer that tokenizes the text, no caller waits
-for the model to load just to render). Only choosing the tool-call format needs the loaded model's
-chat template, so only requests that offer tools without naming a format wait for the load.
+for the model to load just to render). Only choosing the tool-call format, the template's thinking
+switch, or a thinking plan (a budget, or a grammar after the think block) needs the loaded model, so
+only such requests wait for the load; the reasoning format of any other request is read from the
+model once its first output arrives.
 """
 from __future__ import annotations
 
@@ -14,13 +16,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model_info import ModelInfo
+from ..reasoning import (ReasoningParser, get_reasoning_parser, prompt_opens_block, select_reasoning_parser,
+                         template_opens_block, thinking_switch)
 from ..sampling_params import SamplingParams
 from ..tool_calling import normalize_tool_choice, normalize_tools, tool_choice_constraint, tool_parser_for
 from ..tool_parsers import ToolParser, get_tool_parser
-from .prompt import ChatPrompt
+from .prompt import ChatPrompt, render_chat_prompt
 from .request import ChatRequest
 from .result import ChatResult
 from .stream import ChatStream
+from .thinking import ThinkingPlan, ThinkingStream
 
 if TYPE_CHECKING:  # engine_core imports this package (ChatPrompt); a runtime import would be a circle
     from ..engine_core import EngineCore
@@ -33,6 +38,11 @@ class _Plan:
     prompt: ChatPrompt | str
     params: SamplingParams
     tool_parser: ToolParser | None
+    reasoning_parser: ReasoningParser | None = None
+    # The reasoning format is read from the model when the first output arrives (no model info yet).
+    reads_reasoning_later: bool = False
+    # Think, then answer, in two requests (see .thinking); needs the tokenizer, so built on submit.
+    thinks_first: bool = False
 
 
 class ChatService:
@@ -78,14 +88,39 @@ class ChatService:
 
     def _submit(self, request: ChatRequest, model_info: ModelInfo | None) -> ChatStream:
         plan = plan_request(request, model_info)
+        if plan.thinks_first:
+            return self._submit_thinking(request, plan)
         stream = self.core.add_request(plan.prompt, plan.params, request.request_id, request.priority,
                                        timeout=request.timeout)
-        return ChatStream(stream, plan.tool_parser, plan.params.logprobs)
+        reasoning_parser = plan.reasoning_parser
+        if plan.reads_reasoning_later:
+            reasoning_parser = lambda: reasoning_parser_for(request, plan.prompt, _loaded_model_info(self.core))  # noqa: E731
+        return ChatStream(stream, plan.tool_parser, plan.params.logprobs, reasoning_parser)
+
+    def _submit_thinking(self, request: ChatRequest, plan: _Plan) -> ChatStream:
+        """Think, then answer (see :mod:`.thinking`); the prompt is sent with its think block open."""
+        tokenizer = self.core.tokenizer  # loaded: planning a thinking request needed the model
+        parser = plan.reasoning_parser
+        prompt = plan.prompt if isinstance(plan.prompt, str) else render_chat_prompt(tokenizer, plan.prompt)
+        if not prompt_opens_block(prompt, parser.start_tag, parser.end_tag):
+            prompt += f"{parser.start_tag}\n"
+        thinking = ThinkingPlan.build(plan.params, request.max_reasoning_tokens, tokenizer, parser.end_tag)
+        first = self.core.add_request(prompt, thinking.thinking_params, request.request_id, request.priority,
+                                      timeout=request.timeout)
+        stream = ThinkingStream(self.core, first, thinking, request.priority, request.timeout)
+        return ChatStream(stream, plan.tool_parser, plan.params.logprobs, type(parser)(starts_in_reasoning=True))
 
 
 def needs_model_info(request: ChatRequest) -> bool:
-    """Whether the tool-call format must be read from the model's chat template."""
-    return bool(request.tools) and request.tool_parser is None and request.tool_choice != "none"
+    """Whether planning needs the loaded model: to read the tool-call format or the thinking switch
+    from its chat template, or to plan thinking before a budget or a grammar."""
+    offers_tools = bool(request.tools) and request.tool_choice != "none"
+    if offers_tools and request.tool_parser is None:
+        return True
+    if request.reasoning is not None and not request.is_preformatted:
+        return True  # the template's switch
+    has_grammar = request.structured_output is not None or (offers_tools and request.tool_choice not in (None, "auto"))
+    return request.reasoning is not False and (request.max_reasoning_tokens is not None or has_grammar)
 
 
 def plan_request(request: ChatRequest, model_info: ModelInfo | None) -> _Plan:
@@ -104,9 +139,55 @@ def plan_request(request: ChatRequest, model_info: ModelInfo | None) -> _Plan:
         structured_output = tool_choice_constraint(tools, tool_choice, tool_parser_name)
     params = request.sampling.to_sampling_params(structured_output)
     prompt = request.messages if request.is_preformatted else ChatPrompt(
-        request.messages, chat_template_kwargs=request.chat_template_kwargs, tools=tools if offers_tools else None)
+        request.messages, chat_template_kwargs=_template_kwargs(request, model_info),
+        tools=tools if offers_tools else None)
     tool_parser = get_tool_parser(tool_parser_name)() if tool_parser_name is not None else None
-    return _Plan(prompt, params, tool_parser)
+    if request.reasoning_parser is None and model_info is None:
+        if request.max_reasoning_tokens is not None:
+            raise ValueError("max_reasoning_tokens needs the model's reasoning format: pass model_info "
+                             "(ChatService does) or name reasoning_parser")
+        return _Plan(prompt, params, tool_parser, reads_reasoning_later=request.reasoning is not False)
+    reasoning_parser = reasoning_parser_for(request, prompt, model_info)
+    thinks_first = reasoning_parser is not None and request.reasoning is not False and (
+        request.max_reasoning_tokens is not None or params.structured_output is not None)
+    return _Plan(prompt, params, tool_parser, reasoning_parser, thinks_first=thinks_first)
+
+
+def reasoning_parser_for(request: ChatRequest, prompt: ChatPrompt | str,
+                         model_info: ModelInfo | None) -> ReasoningParser | None:
+    """The parser that splits the think block from the answer; None for a model that does not think.
+
+    ``reasoning=True`` on a model whose template shows no reasoning format raises ``ValueError``.
+    """
+    name = request.reasoning_parser
+    chat_template = model_info.chat_template if model_info is not None else None
+    if name is None:
+        name = select_reasoning_parser(chat_template)
+    if name is None:
+        if request.reasoning is True:
+            raise ValueError("reasoning=True: this model's chat template shows no think block; name its "
+                             "format with reasoning_parser (e.g. 'think') if it thinks anyway")
+        return None
+    parser_class = get_reasoning_parser(name)
+    if isinstance(prompt, str):
+        opens = prompt_opens_block(prompt, parser_class.start_tag, parser_class.end_tag)
+    else:
+        opens = chat_template is not None and template_opens_block(
+            chat_template, prompt.messages, prompt.chat_template_kwargs, parser_class.start_tag, parser_class.end_tag)
+    return parser_class(starts_in_reasoning=opens)
+
+
+def _template_kwargs(request: ChatRequest, model_info: ModelInfo | None) -> dict | None:
+    """``chat_template_kwargs`` with ``reasoning`` as the template's switch (the caller's own entries win)."""
+    switch = thinking_switch(model_info.chat_template) if model_info is not None else None
+    if request.reasoning is None or switch is None:
+        return request.chat_template_kwargs
+    return {switch: request.reasoning, **(request.chat_template_kwargs or {})}
+
+
+def _loaded_model_info(core) -> ModelInfo | None:
+    """The model's facts once it has loaded; a stand-in core (tests) may have none."""
+    return getattr(core, "model_info", None)
 
 
 def _tool_parser_name(request: ChatRequest, model_info: ModelInfo | None) -> str:

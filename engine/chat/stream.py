@@ -1,32 +1,44 @@
 """``ChatStream``: an engine request's outputs turned into chat deltas and a result.
 
 The turning is written once, in :class:`_ChatAssembler` (plain state, no I/O; one per answer when
-``n > 1``); the sync and the async iterators only move engine outputs through it.
+``n > 1``); the sync and the async iterators only move engine outputs through it. The output goes
+through two splitters in turn: the reasoning parser takes the think block out, and the tool
+parser reads calls from what is left, so thinking is never read as a call.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
-from ..outputs import StreamOutput
+from ..outputs import StreamOutput, Usage
+from ..reasoning import ReasoningParser
 from ..streams import RequestStream
 from ..tool_parsers import ContentDelta, ParsedOutput, ToolParser
-from .result import ChatDelta, ChatResult, logprob_entry
+from .result import ChatDelta, ChatResult, ChatUsage, logprob_entry
+
+# A reasoning parser, or what gives it once the model is loaded (the first output has arrived).
+ReasoningParserSource = ReasoningParser | Callable[[], ReasoningParser | None] | None
 
 
 class _ChatAssembler:
-    """Accumulates one answer's outputs; with a tool parser, splits markup from content as it goes."""
+    """Accumulates one answer's outputs; splits the think block and tool-call markup from content as it goes."""
 
-    def __init__(self, tool_parser: ToolParser | None, num_top_logprobs: int | None):
+    def __init__(self, tool_parser: ToolParser | None, num_top_logprobs: int | None,
+                 reasoning_parser: ReasoningParser | None = None):
         self._tool_parser = tool_parser
         self._streamer = tool_parser.streamer() if tool_parser is not None else None
+        self._reasoning_parser = reasoning_parser
+        self._reasoning_streamer = reasoning_parser.streamer() if reasoning_parser is not None else None
         self._num_top_logprobs = num_top_logprobs  # None: no log-probabilities were asked for
         self._texts: list[str] = []
         self._logprobs: list[dict] = []
+        self._num_reasoning_tokens = 0
+        self._is_reasoning_done = reasoning_parser is None
         self.result: ChatResult | None = None
 
     def add(self, output: StreamOutput) -> list[dict] | None:
         """Take an output into the whole answer; returns its log-probability entries."""
         self._texts.append(output.delta_text)
+        self._count_reasoning_tokens(output)
         logprobs = self._logprob_entries(output)
         if logprobs is not None:
             self._logprobs.extend(logprobs)
@@ -37,13 +49,32 @@ class _ChatAssembler:
     def delta(self, output: StreamOutput) -> ChatDelta:
         """Take an output in and say what it added, tool-call deltas included."""
         logprobs = self.add(output)
+        is_last = _ends_answer(output)
+        reasoning, text = self._split_reasoning(output.delta_text, is_last)
         if self._streamer is None:
-            return ChatDelta(output.delta_text, output.delta_text, logprobs=logprobs, result=self.result,
-                             index=output.index)
-        events = self._streamer.feed(output.delta_text) + (self._streamer.finish() if _ends_answer(output) else [])
+            return ChatDelta(output.delta_text, text, logprobs=logprobs, result=self.result, index=output.index,
+                             reasoning=reasoning)
+        events = self._streamer.feed(text) + (self._streamer.finish() if is_last else [])
         content = "".join(event.text for event in events if isinstance(event, ContentDelta))
         calls = [event for event in events if not isinstance(event, ContentDelta)]
-        return ChatDelta(output.delta_text, content, calls, logprobs, self.result, output.index)
+        return ChatDelta(output.delta_text, content, calls, logprobs, self.result, output.index, reasoning)
+
+    def _split_reasoning(self, text: str, is_last: bool) -> tuple[str, str]:
+        """The new (reasoning, answer text) in a delta; all answer without a reasoning parser."""
+        if self._reasoning_streamer is None:
+            return "", text
+        reasoning, content = self._reasoning_streamer.feed(text)
+        if is_last:
+            more_reasoning, more_content = self._reasoning_streamer.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _count_reasoning_tokens(self, output: StreamOutput) -> None:
+        """Tokens up to and including the one that closed the think block are reasoning tokens."""
+        if self._is_reasoning_done:
+            return
+        self._num_reasoning_tokens += len(output.delta_token_ids)
+        self._is_reasoning_done = self._reasoning_parser.split("".join(self._texts), is_final=False).is_reasoning_done
 
     def close(self, last: StreamOutput) -> ChatResult:
         """The answer as it stands when its request ended without it (an abort of the whole request)."""
@@ -53,13 +84,29 @@ class _ChatAssembler:
 
     def _result(self, last: StreamOutput) -> ChatResult:
         text = "".join(self._texts)
-        # The whole text is parsed again rather than rebuilt from the stream: same calls, one code path.
-        parsed = self._tool_parser.parse(text) if self._tool_parser is not None else ParsedOutput(content=text)
+        # The whole text is parsed again rather than rebuilt from the stream: same split, one code path.
+        reasoning, answer = "", text
+        if self._reasoning_parser is not None:
+            split = self._reasoning_parser.parse(text)
+            reasoning, answer = split.reasoning, split.content
+        parsed = self._tool_parser.parse(answer) if self._tool_parser is not None else ParsedOutput(content=answer)
         return ChatResult(content=parsed.content, text=text, tool_calls=parsed.tool_calls,
-                          invalid_tool_calls=parsed.invalid_tool_calls, usage=last.usage,
+                          invalid_tool_calls=parsed.invalid_tool_calls, usage=self.usage(last.usage),
                           finish_reason=last.finish_reason, stop_reason=last.stop_reason,
                           logprobs=self._logprobs if self._num_top_logprobs is not None else None,
-                          prompt=last.prompt)
+                          prompt=last.prompt, reasoning=reasoning)
+
+    def usage(self, usage: Usage | None) -> Usage | ChatUsage | None:
+        """The engine's usage, with this answer's reasoning tokens when it may have thought (a
+        :class:`ChatUsage`; the engine's :class:`Usage` as is for a model with no reasoning format)."""
+        if usage is None or self._reasoning_parser is None:
+            return usage
+        has_reasoned = self.result.reasoning if self.result is not None else self._has_reasoned()
+        return ChatUsage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+                         reasoning_tokens=self._num_reasoning_tokens if has_reasoned else 0)
+
+    def _has_reasoned(self) -> bool:
+        return self._reasoning_parser is not None and bool(self._reasoning_parser.parse("".join(self._texts)).reasoning)
 
     def _logprob_entries(self, output: StreamOutput) -> list[dict] | None:
         if self._num_top_logprobs is None:
@@ -88,9 +135,11 @@ class ChatStream:
     ``TimeoutError``, :class:`RequestFailedError`, :class:`EngineDeadError`).
     """
 
-    def __init__(self, stream: RequestStream, tool_parser: ToolParser | None, num_top_logprobs: int | None):
-        self._stream = stream
+    def __init__(self, stream: RequestStream, tool_parser: ToolParser | None, num_top_logprobs: int | None,
+                 reasoning_parser: ReasoningParserSource = None):
+        self._stream = stream  # a RequestStream, or a ThinkingStream (two requests read as one)
         self._tool_parser = tool_parser
+        self._reasoning_parser = reasoning_parser
         self._num_top_logprobs = num_top_logprobs
         self._assemblers: dict[int, _ChatAssembler] = {}  # one per answer (n of them), by index
         self._results: list[ChatResult] | None = None
@@ -136,7 +185,10 @@ class ChatStream:
 
     def _assembler(self, index: int) -> _ChatAssembler:
         if index not in self._assemblers:
-            self._assemblers[index] = _ChatAssembler(self._tool_parser, self._num_top_logprobs)
+            if callable(self._reasoning_parser):  # chosen from the model, which has loaded by now
+                self._reasoning_parser = self._reasoning_parser()
+            self._assemblers[index] = _ChatAssembler(self._tool_parser, self._num_top_logprobs,
+                                                     self._reasoning_parser)
         return self._assemblers[index]
 
     def _delta(self, output: StreamOutput) -> ChatDelta:
@@ -152,9 +204,15 @@ class ChatStream:
 
     def _finish(self, last: StreamOutput) -> None:
         """The request's last output: every answer gets the request's usage and rendered prompt."""
-        results = [self._assemblers[index].close(last) for index in sorted(self._assemblers)]
+        assemblers = [self._assemblers[index] for index in sorted(self._assemblers)]
+        results = [assembler.close(last) for assembler in assemblers]
+        # The request's usage counts every answer; its reasoning tokens too.
+        usage = last.usage
+        if usage is not None and self._reasoning_parser is not None:
+            usage = ChatUsage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+                              reasoning_tokens=sum(assembler.usage(usage).reasoning_tokens for assembler in assemblers))
         for result in results:
-            result.usage, result.prompt = last.usage, last.prompt
+            result.usage, result.prompt = usage, last.prompt
         self._results = results
 
     def close(self) -> None:
