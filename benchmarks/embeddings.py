@@ -10,11 +10,14 @@ On a GPU (for the H200; the passages row runs alone):
 
     hearth-llm bench embeddings --passages --device cuda --dtype bfloat16       # bge-m3 shape, 10k × 256 tokens
     hearth-llm bench embeddings --passages --device cpu --shape tiny --num-passages 64   # a dry run
+    hearth-llm bench embeddings --passages --device cuda --shape qwen3-embedding-0.6b   # a decoder embedder
 
 The passages row writes a random encoder of bge-m3's shape (XLM-RoBERTa, 24 layers, 1024 wide,
 CLS pooling, Normalize; the bundled MiniLM tokenizer, which is all the text needs) as a
 sentence-transformers directory and embeds ``--num-passages`` passages of ``--passage-tokens``
-tokens with our engine and with sentence-transformers on the same device in the same run.
+tokens with our engine and with sentence-transformers on the same device in the same run. The
+``qwen3-embedding-*`` shapes are decoders (Qwen3, last-token pooling, Normalize) that our engine
+runs on the LLM engine's model code (``hearth_llm.engine.pooling``).
 
 The reranker is an ms-marco-MiniLM-L6-shaped cross-encoder (BERT, 6 layers, 384 wide: the bundled
 all-MiniLM-L6-v2's encoder and tokenizer with a seeded random one-label head, written to a
@@ -158,23 +161,38 @@ PASSAGE_SHAPES = {  # XLMRobertaConfig fields
 }
 
 
+DECODER_PASSAGE_SHAPES = {  # Qwen3Config fields (Qwen3-Embedding-0.6B's, and a dry-run size)
+    "qwen3-embedding-0.6b": dict(vocab_size=151669, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                                 max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3-embedding-tiny": dict(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                 max_position_embeddings=1024, tie_word_embeddings=True),
+}
+
+
 def write_passage_encoder(path: str, shape: str) -> str:
-    """A random XLM-R encoder of ``shape`` saved by sentence-transformers (CLS pooling, Normalize)."""
+    """A random XLM-R encoder of ``shape`` saved by sentence-transformers (CLS pooling, Normalize),
+    or for a decoder shape a random Qwen3 (last-token pooling, Normalize)."""
     import shutil
 
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules
-    from transformers import AutoModel, XLMRobertaConfig
+    from transformers import AutoModel, Qwen3Config, XLMRobertaConfig
 
     raw = os.path.join(path, "raw")
     torch.manual_seed(0)
-    config = XLMRobertaConfig(**PASSAGE_SHAPES[shape], pad_token_id=1, type_vocab_size=1)
+    if shape in DECODER_PASSAGE_SHAPES:
+        fields, pooling = DECODER_PASSAGE_SHAPES[shape], "lasttoken"
+        config = Qwen3Config(**fields, architectures=["Qwen3ForCausalLM"])
+    else:
+        fields, pooling = PASSAGE_SHAPES[shape], "cls"
+        config = XLMRobertaConfig(**fields, pad_token_id=1, type_vocab_size=1)
     AutoModel.from_config(config).save_pretrained(raw)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, os.path.join(raw, name))
-    hidden = PASSAGE_SHAPES[shape]["hidden_size"]
-    pipeline = [modules.Transformer(raw, max_seq_length=512), modules.Pooling(hidden, pooling_mode="cls"),
-                modules.Normalize()]
+    pipeline = [modules.Transformer(raw, max_seq_length=512),
+                modules.Pooling(fields["hidden_size"], pooling_mode=pooling), modules.Normalize()]
     SentenceTransformer(modules=pipeline, device="cpu").save(os.path.join(path, "st"))
     return os.path.join(path, "st")
 
@@ -237,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--passages", action="store_true", help="only the long-passages row (GPU)")
     parser.add_argument("--device", default="cuda", help="device of the passages row")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--shape", default="bge-m3", choices=sorted(PASSAGE_SHAPES))
+    parser.add_argument("--shape", default="bge-m3", choices=sorted(PASSAGE_SHAPES) + sorted(DECODER_PASSAGE_SHAPES))
     parser.add_argument("--num-passages", type=int, default=10000)
     parser.add_argument("--passage-tokens", type=int, default=256)
     parser.add_argument("--st-batch-size", type=int, default=128, help="sentence-transformers' batch size")
