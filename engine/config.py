@@ -14,6 +14,8 @@ from .spec_decode.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# LLM(quantization=...) values (engine/models/quant implements them).
+QUANTIZATION_METHODS = ("gguf",)
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -60,6 +62,9 @@ class EngineConfig:
       engine: the last handle that gives ``keep_alive`` sets it.
     - ``sleep_level``: what ``keep_alive`` sleep drops: 1 the KV cache (on a GPU the weights move to
       pinned host memory), 2 the KV cache and the weights (reloaded from the checkpoint on wake).
+    - ``quantization``: None runs what the checkpoint holds; ``"gguf"`` keeps a GGUF file's block-quantized
+      weights (Q4_0 .. Q6_K) in their blocks on every device, the CPU included (memory ~1x the file's
+      tensors; CPU decode is slower than a dense copy). Checked against the checkpoint before weights are read.
     """
 
     model: str = "default"
@@ -88,6 +93,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | dict | None = None
     keep_alive: float | str | None = None
     sleep_level: int = 1
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -122,6 +128,9 @@ class EngineConfig:
         if self.speculative is not None and self.async_scheduling:
             raise ValueError("async_scheduling=True cannot be combined with speculative decoding: proposals need "
                              "the previous step's tokens on the host; leave async_scheduling None or False")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got "
+                             f"{self.quantization!r}")
         self.keep_alive = parse_seconds("keep_alive", self.keep_alive)
         if isinstance(self.sleep_level, bool) or self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")

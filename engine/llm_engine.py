@@ -65,6 +65,7 @@ class LLMEngine:
         if checkpoint is None:
             checkpoint = load_checkpoint(config.model, dtype, allow_pickle=config.allow_pickle,
                                          trust_remote_code=config.trust_remote_code, progress=config.show_progress)
+        checkpoint.quantization = config.quantization  # checked with the model before weights are read
         self.tokenizer = checkpoint.tokenizer
         self.hf_config = checkpoint.config
         self.runner = ModelRunner(checkpoint, device, dtype, config.block_size, config.kv_cache_memory,

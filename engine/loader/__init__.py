@@ -29,10 +29,12 @@ def load_checkpoint(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LoadedCheckpoint:
     """Open ``model``: its config and tokenizer are read, its weights only listed (names and
     shapes from the files' headers); ``checkpoint.weights()`` streams them when the model loads
-    (``loader/model_loader.py``).
+    (``loader/model_loader.py``). ``quantization`` (``LLM(quantization=...)``) is kept on the
+    checkpoint and checked with the model before any weight is read (``models/quant``).
 
     >>> checkpoint = load_checkpoint("default", torch.float32)
     >>> checkpoint.config.num_hidden_layers
@@ -43,6 +45,12 @@ def load_checkpoint(
             "trust_remote_code=True is refused: hearth-llm runs only its own model code; "
             "supported architectures are listed in the README"
         )
+    checkpoint = _open(model, dtype, allow_pickle, progress)
+    checkpoint.quantization = quantization
+    return checkpoint
+
+
+def _open(model: str, dtype: torch.dtype, allow_pickle: bool, progress: bool) -> LoadedCheckpoint:
     path = default_model_path() if model == DEFAULT_MODEL else Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

@@ -44,6 +44,8 @@ class LoadedCheckpoint:
         self.source = source
         self.dtype = dtype
         self.weight_formats = dict(weight_formats or {})
+        # The user's LLM(quantization=...), set by load_checkpoint; checked by the model loader.
+        self.quantization: str | None = None
         self._state_dict = state_dict
         self._weight_stream = weight_stream
         self._materialized = None

@@ -2,11 +2,11 @@
 
 The first load reads the file's metadata, builds a transformers config and tokenizer from it,
 converts every tensor under its Hugging Face name, and writes all of that to a cache directory.
-Q4_0 and Q4_1 tensors stay in their llama.cpp blocks (:class:`GGUFBlocks`, the q/k row order
-undone row-wise, which is exact), so a model can run them as 4-bit weights; every other tensor is
-dequantized to the compute dtype. Later loads of the same file read only the cache, which takes
-well under a second for a small model instead of seconds of parsing and dequantizing. Weights
-stream out of the cache file tensor by tensor.
+Matrices in llama.cpp's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay in
+their blocks (:class:`GGUFBlocks`, the q/k row order undone row-wise, which is exact), so a model
+can run them quantized; every other tensor is dequantized to the compute dtype. Later loads of the
+same file read only the cache, which takes well under a second for a small model instead of
+seconds of parsing and dequantizing. Weights stream out of the cache file tensor by tensor.
 
 A cached load does not import transformers' per-architecture config classes: in
 transformers 5 importing ``LlamaConfig`` pulls in ``torch.distributed.tensor`` and sympy, about a
@@ -41,13 +41,14 @@ from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from .checkpoint import LoadedCheckpoint
-from .gguf_blocks import KEPT_TYPES, GGUFBlocks
+from .gguf_blocks import BLOCK_TYPES, GGUFBlocks
 from .gguf_spec import GGUFArchitecture
 
 # Bump when the conversion changes, so caches written by an older loader are not reused.
 # 2: config.json holds every field (not only those that differ from the defaults).
 # 3: Q4_0/Q4_1 tensors kept as uint8 blocks, their types in the weights file's metadata.
-_CACHE_FORMAT_VERSION = 3
+# 4: every block type of gguf_blocks.BLOCK_TYPES kept (Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K too).
+_CACHE_FORMAT_VERSION = 4
 _BLOCKS_METADATA_KEY = "hearth_gguf_blocks"
 _CONFIG_FILE = "config.json"
 _DEFAULT_CACHE_ROOT = Path("~/.cache/hearth_llm/gguf")
@@ -77,7 +78,7 @@ def load_gguf(
 ) -> LoadedCheckpoint:
     """Load a llama.cpp GGUF file as Hugging Face config, weights and tokenizer.
 
-    Tensors are renamed to Hugging Face names; Q4_0/Q4_1 ones stay in their blocks
+    Tensors are renamed to Hugging Face names; block-quantized matrices stay in their blocks
     (:class:`GGUFBlocks`), the others are dequantized to `dtype`; llama.cpp's q/k row permutation
     is undone so the weights work with rotate-half rotary. Weights are not read until
     ``checkpoint.weights()`` streams them. The result is cached
@@ -170,12 +171,12 @@ def _cache_key(gguf_path: Path, dtype: torch.dtype) -> str:
 
 @dataclass(slots=True)
 class _Converted:
-    """A converted file in memory: dense tensors, and Q4 blocks under ``blocks``' names."""
+    """A converted file in memory: dense tensors, and block tensors under ``blocks``' names."""
 
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerFast
     tensors: dict[str, torch.Tensor]      # blocks as their uint8 data
-    blocks: dict[str, str]                # name -> "Q4_0" / "Q4_1"
+    blocks: dict[str, str]                # name -> "Q4_0", "Q4_K", ...
 
     def value(self, name: str):
         quant_type = self.blocks.get(name)
@@ -492,7 +493,7 @@ def _convert_tensors(
     dtype: torch.dtype,
     progress: bool,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """HF name -> tensor (dense in ``dtype``, or Q4 blocks as uint8 data), and the Q4 names' types."""
+    """HF name -> tensor (dense in ``dtype``, or blocks as uint8 data), and the block tensors' types."""
     spec = metadata.spec
     permuted_heads = _permuted_heads(spec, config)
     state_dict, blocks = {}, {}
@@ -507,7 +508,7 @@ def _convert_tensors(
                 f"{metadata.path}: tensor {tensor.name!r} has no Hugging Face {metadata.architecture} name"
             )
         num_heads = permuted_heads.get(hf_name.rsplit(".", 2)[-2])
-        if tensor.tensor_type.name in KEPT_TYPES and len(tensor.data.shape) == 2:
+        if tensor.tensor_type.name in BLOCK_TYPES and len(tensor.data.shape) == 2:
             weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # rows of blocks, out of the mmap
             blocks[hf_name] = tensor.tensor_type.name
         else:

@@ -1,11 +1,13 @@
 """From a checkpoint to a loaded model: every check first, then build, choose methods, stream.
 
-The order is the contract: (1) the model class and every config field are checked
-(``arch_from_hf_config``), (2) the model is built on the ``meta`` device and the checkpoint's
-weight names and shapes (headers only) are checked against it, (3) each linear layer gets its
-method from the checkpoint's tensor formats, (4) memory is allocated and weights stream in one
-at a time. A refusal at (1) or (2) costs no weight read and no allocation; a failure at (4)
-leaves nothing behind (the half-loaded model is freed before the error propagates).
+The order is the contract: (1) the model class, every config field and the quantization (the
+checkpoint's ``quantization_config``; ``checkpoint.quantization``, what the user asked) are
+checked (``arch_from_hf_config``, ``models.quant.check_quantization``), (2) the model is built on
+the ``meta`` device and the checkpoint's weight names and shapes (headers only) are checked
+against it, (3) each linear layer gets its method from the checkpoint's tensor formats, (4) memory
+is allocated and weights stream in one at a time. A refusal at (1) or (2) costs no weight read
+and no allocation; a failure at (4) leaves nothing behind (the half-loaded model is freed before
+the error propagates).
 
 >>> model, arch = load_model(load_checkpoint("default", torch.bfloat16), torch.device("cpu"), torch.bfloat16)
 """
@@ -20,6 +22,7 @@ from ..models import model_class_for
 from ..models.arch import ArchConfig
 from ..models.gguf_linear_method import GGUF_INT4, GGUFInt4LinearMethod
 from ..models.linear import LinearBase, configure_linears
+from ..models.quant import QuantizationPlan, check_quantization, gguf_layer_method
 from .checkpoint import LoadedCheckpoint
 
 
@@ -27,12 +30,14 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
     """The model for ``checkpoint`` on ``device`` in ``dtype``, loaded, in eval mode, and its arch."""
     model_class = model_class_for(checkpoint.config)
     arch = model_class.arch_from_hf_config(checkpoint.config)
+    plan = check_quantization(getattr(checkpoint, "quantization", None), checkpoint.config,
+                              checkpoint.weight_formats, device)
     with torch.device("meta"):
         model = model_class(arch)
     shapes = checkpoint.weight_shapes()
     if shapes is not None:
         model.check_checkpoint(shapes, checkpoint.source)
-    configure_linears(model, _method_chooser(model, checkpoint.weight_formats, device, dtype))
+    configure_linears(model, _method_chooser(model, checkpoint.weight_formats, device, dtype, plan))
     try:
         # Cast on the meta device: casting after to_empty would convert uninitialised float32.
         model = model.to(dtype).to_empty(device=device)
@@ -47,9 +52,11 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
     return model.eval(), arch
 
 
-def _method_chooser(model, weight_formats: dict[str, str], device: torch.device, dtype: torch.dtype):
-    """``(layer name, layer) -> method or None``: GGUF Q4 blocks get the int4 CPU method where it
-    runs; everything else keeps the dense default (which dequantizes quantized values)."""
+def _method_chooser(model, weight_formats: dict[str, str], device: torch.device, dtype: torch.dtype,
+                    plan: QuantizationPlan = QuantizationPlan()):
+    """``(layer name, layer) -> method or None``: GGUF blocks get the block method where the plan
+    keeps them (``models/quant``), else Q4 blocks the int4 CPU method where it runs; everything
+    else keeps the dense default (which dequantizes quantized values)."""
     layer_formats: dict[str, dict] = {}
     for name, quant_type in weight_formats.items():
         target = model.param_for_checkpoint_name(name)
@@ -63,7 +70,12 @@ def _method_chooser(model, weight_formats: dict[str, str], device: torch.device,
     def choose(name: str, layer: LinearBase):
         formats = layer_formats.get(name, {})
         shards = set(layer.shard_ids) if None not in formats else {None}
-        if shards != set(formats) or not set(formats.values()) <= set(GGUFInt4LinearMethod.quant_types):
+        if shards != set(formats):
+            return None
+        block_method = gguf_layer_method(formats, layer, plan, device, dtype)
+        if block_method is not None:
+            return block_method
+        if not set(formats.values()) <= set(GGUFInt4LinearMethod.quant_types):
             return None
         return GGUF_INT4 if GGUFInt4LinearMethod.supports(layer, device, dtype) else None
 

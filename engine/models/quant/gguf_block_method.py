@@ -1,0 +1,97 @@
+"""GGUF weights kept in llama.cpp's block formats: a linear method chosen from the tensor types.
+
+A layer's checkpoint shards (q/k/v, gate/up, or one) each arrive as :class:`GGUFBlocks` of one
+type; Q4_K_M files mix types inside one fused layer (v in Q6_K next to q/k in Q4_K), so the layer
+holds one uint8 buffer per run of consecutive shards of the same type (``gguf_blocks_0``, ...):
+the file's bytes, nothing else. ``apply`` multiplies each run through ``kernels.linear`` with a
+:class:`GGUFBlockWeight` (Triton on CUDA, a tiled dequantize-and-multiply on the CPU) and joins
+the outputs.
+
+>>> method = GGUFBlockLinearMethod({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"})
+>>> configure_linears(model, lambda name, layer: method if name.endswith("qkv_proj") else None)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hearth_llm.engine.loader.gguf_blocks import GGUFBlocks
+from hearth_llm.kernels import linear
+from hearth_llm.kernels.quant import GGUF_BLOCK_FORMATS, GGUFBlockWeight, block_format
+
+from ..linear_method import LinearMethod
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Rows ``start:start + num_rows`` of this rank's weight, all of ``quant_type``, in buffer ``name``."""
+
+    name: str
+    quant_type: str
+    start: int
+    num_rows: int
+
+
+class GGUFBlockLinearMethod(LinearMethod):
+    """See the module docstring. ``shard_types`` maps each shard id of the layer (``None`` for a
+    checkpoint that stores a fused layer whole) to its GGUF type, as the file's tensor types say."""
+
+    quant_types = tuple(GGUF_BLOCK_FORMATS)
+
+    def __init__(self, shard_types: dict) -> None:
+        for shard, quant_type in shard_types.items():
+            block_format(quant_type)  # ValueError naming the supported types
+        self.shard_types = dict(shard_types)
+
+    def _runs(self, layer) -> list[_Run]:
+        runs: list[_Run] = []
+        for shard, num_rows in zip(layer.shard_ids, layer.output_sizes_per_rank):
+            quant_type = self.shard_types.get(shard, self.shard_types.get(None))
+            start = layer.shard_rows(shard)[0]
+            if runs and runs[-1].quant_type == quant_type and runs[-1].start + runs[-1].num_rows == start:
+                last = runs.pop()
+                runs.append(_Run(last.name, quant_type, last.start, last.num_rows + num_rows))
+            else:
+                runs.append(_Run(f"gguf_blocks_{len(runs)}", quant_type, start, num_rows))
+        return runs
+
+    def create_weights(self, layer) -> None:
+        columns = layer.input_size_per_rank
+        for run in self._runs(layer):
+            fmt = block_format(run.quant_type)
+            if columns % fmt.block_size:
+                raise ValueError(f"{layer.prefix}: {columns} input columns are not whole {run.quant_type} blocks of "
+                                 f"{fmt.block_size}")
+            layer.register_buffer(run.name, torch.empty(run.num_rows, fmt.row_bytes(columns), dtype=torch.uint8))
+        # What checkpoint tensors load through (its shape check, its weight_loader); holds no data.
+        layer.register_loadable("weight", torch.empty(0))
+
+    def load_weight(self, layer, name, param, loaded, offset) -> None:
+        run = next(r for r in self._runs(layer) if r.start <= offset < r.start + r.num_rows)
+        if not isinstance(loaded, GGUFBlocks) or loaded.quant_type != run.quant_type:
+            got = loaded.quant_type if isinstance(loaded, GGUFBlocks) else type(loaded).__name__
+            raise ValueError(f"{layer.prefix} rows {offset}.. were set up for GGUF {run.quant_type} blocks (from the "
+                             f"file's tensor types), got {got}")
+        getattr(layer, run.name).narrow(0, offset - run.start, loaded.shape[0]).copy_(loaded.data)
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer._parameters.pop("weight", None)  # the empty loading handle
+        layer.gguf_weights = [(run.num_rows, GGUFBlockWeight(run.quant_type, getattr(layer, run.name)))
+                              for run in self._runs(layer)]
+
+    def apply(self, layer, x, bias):
+        flat = x.reshape(-1, x.shape[-1])
+        weights = layer.gguf_weights
+        if len(weights) == 1:
+            out = linear(flat, weights[0][1], bias)
+        else:
+            out = torch.cat([linear(flat, weight, None) for _, weight in weights], dim=-1)
+            if bias is not None:
+                out = out.add_(bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def resident_bytes(layer) -> int:
+        """Bytes this layer's weight occupies (its block buffers)."""
+        return sum(weight.data.numel() for _, weight in layer.gguf_weights)

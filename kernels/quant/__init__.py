@@ -1,0 +1,56 @@
+"""Quantized-weight kernels, each beside its plain-torch reference, behind ``kernels.linear``.
+
+- GGUF block formats (llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), kept as the
+  file's bytes: ``gguf_reference.py`` (exact dequantizers, bit-equal to gguf-py), ``gguf_triton.py``
+  (CUDA: dequantize in registers inside a GEMM/GEMV), ``gguf_cpu.py`` (dequantize a tile at a time).
+
+Importing this package registers the routines, so ``kernels.linear(x, GGUFBlockWeight(...))`` picks
+Triton for CUDA inputs, the tiled CPU path for CPU ones.
+
+>>> from hearth_llm.kernels import linear
+>>> from hearth_llm.kernels.quant import GGUFBlockWeight, gguf_reference
+>>> weight = GGUFBlockWeight("Q8_0", gguf_reference.quantize(torch.randn(8, 64), "Q8_0"))
+>>> linear(torch.randn(2, 64), weight).shape
+torch.Size([2, 8])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hearth_llm.kernels import register_linear_routine
+
+from . import gguf_cpu, gguf_reference
+from .gguf_reference import GGUF_BLOCK_FORMATS, block_format
+
+__all__ = ["GGUFBlockWeight", "GGUF_BLOCK_FORMATS", "block_format"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GGUFBlockWeight:
+    """A ``[N, K]`` weight as llama.cpp block rows: uint8 ``data`` ``[N, K / block_size * type_size]``."""
+
+    quant_type: str
+    data: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return block_format(self.quant_type).num_columns(self.data.shape[1])
+
+
+def _triton_linear(x, weight: GGUFBlockWeight, bias):
+    from . import gguf_triton  # triton is imported only when a CUDA tensor needs it
+
+    return gguf_triton.gguf_linear(x, weight.data, weight.quant_type, bias)
+
+
+register_linear_routine(GGUFBlockWeight, None,
+                        lambda x, weight, bias: gguf_reference.gguf_linear(x, weight.data, weight.quant_type, bias))
+register_linear_routine(GGUFBlockWeight, "cpu",
+                        lambda x, weight, bias: gguf_cpu.gguf_linear(x, weight.data, weight.quant_type, bias))
+register_linear_routine(GGUFBlockWeight, "cuda", _triton_linear)
