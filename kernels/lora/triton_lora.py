@@ -20,14 +20,16 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, stride_xt, stride_as,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token)
-    has_adapter = slot >= 0
+    # A base token (slot -1) reads nothing: its bound is 0 (a bound, not a scalar mask, which
+    # the interpreter cannot combine with a block).
+    k_bound = tl.where(slot >= 0, K, 0)
     slot = tl.maximum(slot, 0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         cols = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + token * stride_xt + cols, mask=(cols < K) & has_adapter, other=0.0).to(tl.float32)
-        a_mask = (rows[:, None] < R) & (cols[None, :] < K) & has_adapter
+        x = tl.load(x_ptr + token * stride_xt + cols, mask=cols < k_bound, other=0.0).to(tl.float32)
+        a_mask = (rows[:, None] < R) & (cols[None, :] < k_bound)
         a = tl.load(a_ptr + slot * stride_as + rows[:, None] * stride_ar + cols[None, :], mask=a_mask, other=0.0)
         acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
     tl.store(out_ptr + token * stride_ot + rows, acc, mask=rows < R)
@@ -38,15 +40,15 @@ def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R, stride_st, stride_bs, s
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token)
-    has_adapter = slot >= 0
+    n_bound = tl.where(slot >= 0, N, 0)  # a base token loads and stores nothing
     slot = tl.maximum(slot, 0)
     ranks = tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.load(s_ptr + token * stride_st + ranks, mask=(ranks < R) & has_adapter, other=0.0)
-    b_mask = (ranks[:, None] < R) & (cols[None, :] < N) & has_adapter
+    s = tl.load(s_ptr + token * stride_st + ranks, mask=ranks < R, other=0.0)
+    b_mask = (ranks[:, None] < R) & (cols[None, :] < n_bound)
     b = tl.load(b_ptr + slot * stride_bs + ranks[:, None] * stride_br + cols[None, :], mask=b_mask, other=0.0)
     delta = tl.sum(b.to(tl.float32) * s[:, None], axis=0)
-    out_mask = (cols < N) & has_adapter
+    out_mask = cols < n_bound
     y = tl.load(y_ptr + token * stride_yt + cols, mask=out_mask, other=0.0)
     tl.store(y_ptr + token * stride_yt + cols, (y.to(tl.float32) + delta).to(y.dtype), mask=out_mask)
 

@@ -1,0 +1,83 @@
+"""Batched LoRA kernels: the torch reference against the per-token definition, the Triton kernel
+(under the interpreter on CPU, natively on CUDA) against the reference, and the CPU layer path
+that keeps only a step's slots."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearth_llm.engine.lora.adapter import ShardLoRA
+from hearth_llm.engine.models.linear import QKVLinear
+from hearth_llm.engine.models.lora_linear import LoRAStep, LoRALinearMethod
+from hearth_llm.kernels.lora import reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(num_tokens, in_features, out_features, num_slots, rank, seed=0, dtype=torch.float32, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=generator).to(device)
+    return rand(num_tokens, out_features), rand(num_tokens, in_features), slots, rand(num_slots, rank, in_features), \
+        rand(num_slots, rank, out_features)
+
+
+@pytest.mark.parametrize("shape", [(7, 20, 33, 3, 5), (1, 8, 8, 1, 1), (40, 64, 96, 4, 16)])
+def test_reference_matches_the_per_token_definition(shape):
+    y, x, slots, a, b = _inputs(*shape)
+    expected = reference.add_lora_per_token(y.clone(), x, slots, a, b)
+    torch.testing.assert_close(reference.add_lora(y.clone(), x, slots, a, b), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_base_tokens_are_left_bit_identical():
+    y, x, slots, a, b = _inputs(9, 16, 24, 2, 4, seed=1)
+    slots[::2] = -1
+    out = reference.add_lora(y.clone(), x, slots, a, b)
+    assert torch.equal(out[::2], y[::2])
+    assert not torch.equal(out[1::2], y[1::2])
+
+
+@pytest.mark.parametrize("shape", [(5, 20, 33, 3, 6), (3, 130, 70, 2, 48), (2, 16, 16, 1, 1)])
+def test_triton_matches_reference(shape):
+    triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
+    y, x, slots, a, b = _inputs(*shape, seed=2, device=DEVICE)
+    slots[0] = -1
+    expected = reference.add_lora(y.clone(), x, slots, a, b)
+    out = triton_lora.add_lora(y.clone(), x, slots, a, b)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[0], y[0])  # a base token is not even rounded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton on CUDA")
+def test_triton_bf16_is_close_to_fp32_reference():
+    from hearth_llm.kernels.lora import triton_lora
+
+    y, x, slots, a, b = _inputs(300, 4096, 1024, 8, 16, seed=3, dtype=torch.float32, device="cuda")
+    expected = reference.add_lora(y.clone(), x, slots, a, b)
+    out = triton_lora.add_lora(y.bfloat16(), x.bfloat16(), slots, a.bfloat16(), b.bfloat16())
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=0.5)
+
+
+def test_cpu_layer_path_uses_only_the_steps_slots_and_matches_the_full_reference():
+    layer = QKVLinear(hidden_size=16, head_dim=4, num_heads=4, num_kv_heads=2, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    step = LoRAStep(capacity=64, device=torch.device("cpu"))
+    method = LoRALinearMethod(layer.method, layer, num_slots=4, max_rank=2, step=step, dtype=torch.float32,
+                              device=torch.device("cpu"))
+    layer.method = method
+    generator = torch.Generator().manual_seed(4)
+    for slot in range(4):  # q and v of each slot; k left without an adapter
+        method.load_slot(slot, [ShardLoRA(0, 0, torch.randn(2, 16, generator=generator), torch.randn(2, 16, generator=generator)),
+                                ShardLoRA(2, 24, torch.randn(1, 16, generator=generator), torch.randn(1, 8, generator=generator))])
+    x = torch.randn(6, 16, generator=generator)
+    slots = torch.tensor([3, -1, 1, 3, 1, -1])  # slots 1 and 3: not consecutive, an index not a slice
+    base = torch.nn.functional.linear(x, layer.weight)
+    step.begin(slots)
+    out = layer(x)
+    step.end()
+    assert isinstance(step.used_slots, torch.Tensor) and step.used_slots.tolist() == [1, 3]
+    expected = reference.add_lora_per_token(base.clone(), x, slots, method.lora_a, method.lora_b)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out[:, 16:24], base[:, 16:24])  # k rows: no adapter touches them
+    assert torch.equal(layer(x), base)  # after end(): a forward nobody prepared runs the base model
