@@ -15,16 +15,18 @@ from .embeddings import create_embeddings
 from .errors import APIError
 from .middleware import ServerMiddleware
 from .protocol import REFUSED_FIELDS
+from .quotas import APIKey
 from .settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, ServerSettings
 from .state import ServerState
 from .tokenize import detokenize, tokenize
 
 
 def create_app(model: str = "default", *, embedding_model: str | None = "default",
-               api_key: str | list[str] | None = None, served_model_name: str | None = None,
+               api_key: str | APIKey | list[str | APIKey] | None = None, served_model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
                max_tokens_limit: int | None = None, request_timeout: float | None = None,
-               rate_limit: RateLimit | TenantRateLimiter | None = None, preload: bool = True,
+               rate_limit: RateLimit | TenantRateLimiter | None = None, max_queued_requests: int | None = None,
+               preload: bool = True,
                embedding_kwargs: dict | None = None, **engine_kwargs):
     """An ASGI app serving ``model`` (and ``embedding_model``) the OpenAI way; run it with any
     ASGI server, or use :func:`serve` / :func:`start_server`.
@@ -33,15 +35,17 @@ def create_app(model: str = "default", *, embedding_model: str | None = "default
     >>> app = create_app("default", api_key="sk-local", max_tokens_limit=1024)
     >>> # uvicorn.run(app, host="127.0.0.1", port=8000)
 
-    ``api_key``: one key or several (None: no key needed). The other arguments are
+    ``api_key``: one key or several (None: no key needed), each a string or an :class:`APIKey`
+    with its requests and tokens per minute (``APIKey("sk-a", 60, 40_000)``). The other arguments are
     :class:`ServerSettings` fields; any further keyword is an :class:`EngineConfig` field, and the
     server shares its engine with every ``LLM``/``ChatHearth`` on the same model and config.
     """
-    keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    keys = () if api_key is None else (api_key,) if isinstance(api_key, (str, APIKey)) else tuple(api_key)
     settings = ServerSettings(model=model, served_model_name=served_model_name, embedding_model=embedding_model,
                               api_keys=keys, max_body_bytes=max_body_bytes, max_n=max_n,
                               max_tokens_limit=max_tokens_limit, request_timeout=request_timeout,
-                              rate_limit=rate_limit, preload=preload, engine_kwargs=engine_kwargs,
+                              rate_limit=rate_limit, max_queued_requests=max_queued_requests, preload=preload,
+                              engine_kwargs=engine_kwargs,
                               embedding_kwargs=dict(embedding_kwargs or {}))
     return app_for(settings)
 
@@ -63,7 +67,8 @@ def app_for(settings: ServerSettings) -> FastAPI:
     app.state.hearth = state
     _add_routes(app)
     _add_error_handlers(app)
-    app.add_middleware(ServerMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ServerMiddleware, api_keys=tuple(key.key for key in settings.api_keys),
+                       max_body_bytes=settings.max_body_bytes)
     return app
 
 

@@ -36,19 +36,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                    n=body.n or 1)
     chat_request = to_chat_request(body, state, reply.id, state.timeout(request))
     request.state.log.update(model=body.model, user=body.user or body.safety_identifier, engine_request_id=reply.id)
-    await state.throttle(request)
+    await state.admit(request)
     stream = await _start(state, chat_request)
+
+    def close() -> None:
+        stream.close()
+        state.charge(request, reply.num_tokens_used())
+
     try:
         if body.stream:
             deltas = aiter(stream)
             first = await _first(deltas)  # a template that rejects the conversation is still a 400 here
-            return EventStreamResponse(reply.events(first, deltas), on_close=stream.close)
+            return EventStreamResponse(reply.events(first, deltas), on_close=close)
         results = await _collect(stream)
     except BaseException:
-        stream.close()
+        close()
         raise
     request.state.log.update(prompt_tokens=results[0].usage.prompt_tokens,
                              completion_tokens=results[0].usage.completion_tokens)
+    state.charge(request, results[0].usage.total_tokens)
     return JSONResponse(reply.completion(results))
 
 
@@ -152,6 +158,13 @@ class _Reply:
     parallel_tool_calls: bool
     include_usage: bool
     n: int = 1
+    num_deltas: int = 0                 # engine outputs streamed, each at least one token
+    final_usage: Usage | None = None    # the request's, once its last output was streamed
+
+    def num_tokens_used(self) -> int:
+        """The request's prompt + completion tokens once it finished streaming; before that (the
+        client left, an error), the outputs it was sent, a lower bound of its completion tokens."""
+        return self.final_usage.total_tokens if self.final_usage is not None else self.num_deltas
 
     def completion(self, results: list[ChatResult]) -> dict:
         """The whole response: one choice per answer, the request's usage."""
@@ -180,6 +193,7 @@ class _Reply:
         try:
             delta = first
             while delta is not None:
+                self.num_deltas += 1
                 piece = self._delta(delta)
                 if "tool_calls" in piece:
                     has_tool_calls.add(delta.index)
@@ -187,6 +201,7 @@ class _Reply:
                     yield self._chunk(delta.index, piece, logprobs=delta.logprobs)
                 if delta.result is not None:
                     last_result = delta.result
+                    self.final_usage = delta.result.usage or self.final_usage
                     finish_reason = _finish_reason(delta.result.finish_reason, delta.index in has_tool_calls)
                     yield self._chunk(delta.index, {}, finish_reason=finish_reason)
                 delta = await anext(deltas, None)

@@ -2,6 +2,7 @@
 
     hearth-llm serve default                                  # http://127.0.0.1:8000/v1
     HEARTH_API_KEY=sk-local hearth-llm serve ./model.gguf --port 9000 --max-num-seqs 32
+    hearth-llm serve default --api-key sk-team-a:60:40000 --api-keys-file keys.txt   # KEY:RPM:TPM quotas
 
 Importing this module needs nothing of the [server] extra; running the command does.
 """
@@ -22,13 +23,20 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=None,
-                        help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
-                             f"default ${API_KEY_ENV}; none: no key needed)")
+                        help=f"a key clients must send as 'Authorization: Bearer KEY', optionally with its "
+                             f"quotas as KEY:RPM:TPM (requests and tokens per minute; empty: no limit; past "
+                             f"them 429); repeatable; default ${API_KEY_ENV}; none: no key needed")
+    parser.add_argument("--api-keys-file", default=None,
+                        help="a file of keys, one KEY[:RPM[:TPM]] per line (# comments): keeps them out of "
+                             "the process list")
     parser.add_argument("--served-model-name", default=None, help="the chat model's id in /v1/models")
     parser.add_argument("--embedding-model", default="default",
                         help="'default' (all-MiniLM-L6-v2), a sentence-transformers directory, or 'none'")
     parser.add_argument("--max-tokens-limit", type=int, default=None, help="cap on max_tokens of every request")
     parser.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="while this many sequences wait for the engine, new requests get 503 with "
+                             "Retry-After (the engine stays shared; --max-waiting-requests is its own bound)")
     parser.add_argument("--max-body-bytes", type=int, default=None)
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds requests in flight may finish after SIGTERM")
@@ -49,16 +57,29 @@ _ENGINE_OPTIONS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_
 
 
 def serve_kwargs(args: argparse.Namespace) -> dict:
-    """The keyword arguments of ``hearth_llm.server.serve`` for parsed ``args``."""
-    api_keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else None)
-    kwargs = {"host": args.host, "port": args.port, "api_key": api_keys, "served_model_name": args.served_model_name,
+    """The keyword arguments of ``hearth_llm.server.serve`` for parsed ``args``: keys without
+    quotas as strings, keys with them as ``APIKey``."""
+    kwargs = {"host": args.host, "port": args.port, "api_key": api_keys(args),
+              "served_model_name": args.served_model_name,
               "embedding_model": None if args.embedding_model == "none" else args.embedding_model,
               "max_tokens_limit": args.max_tokens_limit, "request_timeout": args.request_timeout,
-              "drain_timeout": args.drain_timeout}
+              "max_queued_requests": args.max_queued_requests, "drain_timeout": args.drain_timeout}
     if args.max_body_bytes is not None:
         kwargs["max_body_bytes"] = args.max_body_bytes
     kwargs.update({name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None})
     return kwargs
+
+
+def api_keys(args: argparse.Namespace) -> list | None:
+    """``--api-key`` specs and ``--api-keys-file`` lines, else ``$HEARTH_API_KEY``; None: no key."""
+    from hearth_llm.server.quotas import APIKey, read_keys_file  # needs nothing of the [server] extra
+
+    keys = [APIKey.parse(spec) for spec in args.api_key or []]
+    if args.api_keys_file:
+        keys += read_keys_file(args.api_keys_file)
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [APIKey.parse(os.environ[API_KEY_ENV])]
+    return [key if key.has_quota else key.key for key in keys] or None
 
 
 def run_serve(args: argparse.Namespace) -> None:

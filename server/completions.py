@@ -38,7 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     reply_id = f"cmpl-{uuid.uuid4().hex}"
     request.state.log.update(model=body.model, user=body.user or body.safety_identifier, engine_request_id=reply_id)
     timeout = state.timeout(request)
-    await state.throttle(request)
+    await state.admit(request)
     try:
         streams = state.core.add_requests(prompts, [params] * len(prompts),
                                           [f"{reply_id}-{index}" for index in range(len(prompts))],
@@ -53,6 +53,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     def close() -> None:
         for stream in streams:
             stream.close()
+        state.charge(request, reply.num_tokens_used())
 
     try:
         if body.stream:
@@ -63,7 +64,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     except BaseException:
         close()
         raise
-    return JSONResponse(reply.completion(outputs))
+    response = reply.completion(outputs)
+    state.charge(request, response["usage"]["total_tokens"])
+    return JSONResponse(response)
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -175,6 +178,11 @@ class _Reply:
     prompts: list[str | list[int]]
     core: object
     include_usage: bool = False
+    # per prompt: its usage once finished, else the tokens streamed so far (what the key is charged)
+    tokens_used: dict[int, int] = field(default_factory=dict)
+
+    def num_tokens_used(self) -> int:
+        return sum(self.tokens_used.values())
 
     def completion(self, outputs_per_prompt: list[list[StreamOutput]]) -> dict:
         choices, total = [], Usage(0, 0, 0)
@@ -219,8 +227,12 @@ class _Reply:
                 offsets[key] = (previous or 0) + len(text)
                 if text or output.finish_reason or logprobs.tokens:
                     yield self._chunk([self._choice(prompt_index, output.index, text, logprobs, output.finish_reason)])
+                num_sent = self.tokens_used.get(prompt_index, 0)
+                self.tokens_used[prompt_index] = num_sent + len(output.delta_token_ids)
                 if output.finished:
                     total = _sum_usage(total, output.usage)
+                    if output.usage is not None:
+                        self.tokens_used[prompt_index] = output.usage.total_tokens
                 item = await anext(merged, None)
             if self.include_usage:
                 yield event({**self._header(), "choices": [], "usage": usage(total)})

@@ -29,7 +29,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
                             f"shortened; leave dimensions out or send {engine.dimension}", param="dimensions")
     request.state.log.update(model=body.model, user=body.user, num_texts=len(texts))
     timeout = state.timeout(request)
-    await state.throttle(request)
+    await state.admit(request, uses_chat_engine=False)
     try:
         vectors = await asyncio.wait_for(engine.aembed(texts), timeout)  # cancelled: its texts are dropped
     except TimeoutError:
@@ -40,6 +40,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
     except Exception as error:
         raise engine_failure(error) or error
     num_tokens = await asyncio.to_thread(_count_tokens, engine, texts)
+    state.charge(request, num_tokens)
     encode = _base64 if body.encoding_format == "base64" else _floats
     data = [{"object": "embedding", "index": index, "embedding": encode(vector)}
             for index, vector in enumerate(vectors.numpy())]

@@ -26,16 +26,17 @@ class APIError(Exception):
     """A request that fails with ``status``; ``param`` names the request field at fault."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, error_type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.error_type = error_type  # None: the status's (OpenAI's quota errors say "requests"/"tokens")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+        return {"error": {"message": self.message, "type": self.error_type or _TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
 

@@ -74,7 +74,7 @@ class ServerMiddleware:
         request_id = _request_id(headers.get("x-request-id"))
         log = {"request_id": request_id, "method": scope["method"], "path": scope["path"]}
         scope.setdefault("state", {}).update(request_id=request_id, log=log)
-        exchange = _Exchange(send, request_id)
+        exchange = _Exchange(send, request_id, scope["state"])
         started = time.monotonic()
         with _span(scope, request_id) as span:
             try:
@@ -159,11 +159,13 @@ class _ClientGone(Exception):
 
 
 class _Exchange:
-    """The response side of one request: adds the request id, remembers the status and the end."""
+    """The response side of one request: adds the request id (and the endpoint's
+    ``request.state.response_headers``: the key's quota), remembers the status and the end."""
 
-    def __init__(self, send, request_id: str):
+    def __init__(self, send, request_id: str, request_state: dict):
         self._send = send
         self.request_id = request_id
+        self._request_state = request_state
         self.status: int | None = None
         self.is_complete = False
         self.is_disconnected = False
@@ -171,8 +173,10 @@ class _Exchange:
     async def send(self, message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-            message = {**message, "headers": [*message.get("headers", []),
-                                              (b"x-request-id", self.request_id.encode())]}
+            extra = self._request_state.get("response_headers") or {}
+            headers = [*message.get("headers", []), (b"x-request-id", self.request_id.encode()),
+                       *((name.lower().encode(), value.encode()) for name, value in extra.items())]
+            message = {**message, "headers": headers}
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.is_complete = True
         await self._send(message)

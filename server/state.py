@@ -1,6 +1,6 @@
 """What the endpoints share: the settings, the chat engine and its chat service, the embedding
 engine, and the per-request rules that every endpoint applies the same way (which model a name
-means, the timeout, the rate limit)."""
+means, the timeout, the queue bound, the key's quotas and rate limit)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,8 @@ from hearth_llm.embeddings import EmbeddingEngine, get_embedding_engine
 from hearth_llm.engine import EngineCore, get_engine
 from hearth_llm.engine.chat import ChatService
 
-from .errors import APIError
+from .errors import RETRY_AFTER_S, APIError
+from .quotas import KeyQuotas, QuotaExceededError
 from .settings import ServerSettings
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -30,6 +31,8 @@ class ServerState:
         if settings.embedding_model is not None:
             self.embedding_engine = get_embedding_engine(
                 settings.embedding_model, **{"show_progress": False, **settings.embedding_kwargs})
+        # tenants are keys by position (what the middleware puts in request.state.tenant)
+        self.quotas = KeyQuotas({f"key-{index}": key for index, key in enumerate(settings.api_keys)})
         self.created = int(time.time())
         self._is_attached = False
 
@@ -79,10 +82,34 @@ class ServerState:
                            param="X-Request-Timeout")
         return asked if limit is None else min(asked, limit)
 
-    async def throttle(self, request: Request) -> None:
-        """Wait until the request's API key is within its rate (a no-op without ``rate_limit``)."""
+    async def admit(self, request: Request, *, uses_chat_engine: bool = True) -> None:
+        """Let a request on, or refuse it before it reaches an engine: 503 while the chat engine's
+        queue is at ``max_queued_requests``, 429 when its key is over a quota; then wait until
+        the key is within its ``rate_limit``. The quota headers go out with the response."""
+        if uses_chat_engine:
+            self._check_queue()
+        try:
+            request.state.response_headers = self.quotas.admit(request.state.tenant)
+        except QuotaExceededError as error:
+            raise APIError(429, str(error), code="rate_limit_exceeded", error_type=error.kind,
+                           headers=error.headers) from None
         if self.settings.rate_limit is not None:
             await self.settings.rate_limit.acquire(request.state.tenant)
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        """Count a request's tokens (prompt + completion) against its key's tokens per minute."""
+        self.quotas.charge(request.state.tenant, num_tokens)
+
+    def _check_queue(self) -> None:
+        bound = self.settings.max_queued_requests
+        if bound is None:
+            return
+        stats = self.core.stats()  # waiting as of the engine's last step, plus requests added since
+        num_waiting = stats.get("num_waiting", 0) + stats.get("num_queued", 0)
+        if num_waiting >= bound:
+            raise APIError(503, f"{num_waiting} sequences are waiting for the engine, this server's "
+                                f"max_queued_requests={bound}; retry later", code="engine_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def max_tokens(self, asked: int | None, field: str = "max_tokens") -> int | None:
         """``asked`` within ``max_tokens_limit``; a request that names none gets the limit."""
