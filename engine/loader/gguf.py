@@ -267,7 +267,9 @@ class GGUFMetadata:
 
     @property
     def spec(self) -> GGUFArchitecture:
-        return _spec_for(self.architecture)
+        """The registered entry for this file: a variant under its architecture name (Mixtral
+        under ``llama``) when one applies to these metadata, else the architecture's own."""
+        return _spec_for(self.architecture, self)
 
     def model_value(self, key: str, default: Any = _MISSING) -> Any:
         """The value of ``<architecture>.<key>``, e.g. ``llama.block_count``."""
@@ -291,8 +293,11 @@ def _registered() -> dict[str, GGUFArchitecture]:
     return GGUF_ARCHITECTURES
 
 
-def _spec_for(architecture) -> GGUFArchitecture | None:
-    return _registered().get(architecture) if isinstance(architecture, str) else None
+def _spec_for(architecture, metadata: GGUFMetadata | None = None) -> GGUFArchitecture | None:
+    from ..models.registry import gguf_architecture
+
+    _registered()
+    return gguf_architecture(architecture, metadata)
 
 
 def _convert_gguf(gguf_path: Path, dtype: torch.dtype, progress: bool) -> _Converted:

@@ -13,7 +13,12 @@ A model file declares it when it registers (``engine/models/registry.py``)::
     class Gemma2ForCausalLM(DecoderModel): ...
 
 The loader reads ``general.architecture`` from the file and looks the entry up, so supporting a
-new GGUF architecture never means editing the loader.
+new GGUF architecture never means editing the loader. llama.cpp writes some models under another
+architecture's name (Mixtral is ``llama`` with expert tensors and ``llama.expert_count``); such a
+model registers a variant of that name with ``applies_to``, which the loader prefers when it holds::
+
+    @register_model("MixtralForCausalLM", gguf={"llama": GGUFArchitecture(
+        config_class="MixtralConfig", applies_to=lambda metadata: metadata.model_value("expert_count", 0) > 0)})
 """
 from __future__ import annotations
 
@@ -57,6 +62,8 @@ class GGUFArchitecture:
         differently from Hugging Face (Gemma's norms hold ``1 + w``); applied after dequantizing.
         Tensors it may change are never kept in their quantized blocks.
     ignored_tensors: llama.cpp tensor names to skip (e.g. precomputed rope tables).
+    applies_to: ``metadata -> bool`` for a variant registered under another model's architecture
+        name; the loader uses the first registered variant it holds for, else the plain entry.
     """
 
     config_class: str
@@ -66,6 +73,7 @@ class GGUFArchitecture:
     config_fields: Callable[[Any], dict] | None = None
     transform_tensor: Callable[[str, Any, Any], Any] | None = None
     ignored_tensors: frozenset[str] = frozenset()
+    applies_to: Callable[[Any], bool] | None = None
 
     @property
     def layer_tensor_names(self) -> dict[str, str]:

@@ -22,20 +22,27 @@ from hearth_llm.engine.loader.gguf_spec import GGUFArchitecture
 MODEL_CLASSES: dict[str, type] = {}
 MODEL_TYPES: dict[str, str] = {}
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {}
+# llama.cpp architecture name -> variants registered under it (``GGUFArchitecture.applies_to``).
+GGUF_VARIANTS: dict[str, list[GGUFArchitecture]] = {}
 
 
 def register_model(*architectures: str, model_types: tuple[str, ...] = (),
                    gguf: Mapping[str, GGUFArchitecture] | None = None):
     """Class decorator: ``architectures`` are the HF ``config.architectures`` names the class runs,
     ``model_types`` the ``config.model_type`` values (checkpoints without ``architectures``, as
-    GGUF-built configs), ``gguf`` its llama.cpp architecture names. The i-th model type maps to
-    the i-th architecture name (or the first when there are fewer)."""
+    GGUF-built configs), ``gguf`` its llama.cpp architecture names (an entry with ``applies_to``
+    is a variant of a name another model owns). The i-th model type maps to the i-th
+    architecture name (or the first when there are fewer)."""
     def register(model_class):
         for name in architectures:
             MODEL_CLASSES[name] = model_class
         for index, model_type in enumerate(model_types):
             MODEL_TYPES[model_type] = architectures[min(index, len(architectures) - 1)]
-        GGUF_ARCHITECTURES.update(gguf or {})
+        for gguf_name, spec in (gguf or {}).items():
+            if spec.applies_to is None:
+                GGUF_ARCHITECTURES[gguf_name] = spec
+            else:
+                GGUF_VARIANTS.setdefault(gguf_name, []).append(spec)
         return model_class
 
     return register
@@ -54,9 +61,16 @@ def model_class_for(config: PretrainedConfig):
     raise ValueError(f"model architecture {architectures} is not supported; supported: {sorted(MODEL_CLASSES)}{broken}")
 
 
-def gguf_architecture(name) -> GGUFArchitecture | None:
-    """The registered entry for a llama.cpp ``general.architecture`` value, or None."""
-    return GGUF_ARCHITECTURES.get(name) if isinstance(name, str) else None
+def gguf_architecture(name, metadata=None) -> GGUFArchitecture | None:
+    """The registered entry for a llama.cpp ``general.architecture`` value, or None; given the
+    file's ``metadata``, the first variant registered under that name that applies to it."""
+    if not isinstance(name, str) or name not in GGUF_ARCHITECTURES:
+        return None
+    if metadata is not None:
+        for variant in GGUF_VARIANTS.get(name, ()):
+            if variant.applies_to(metadata):
+                return variant
+    return GGUF_ARCHITECTURES[name]
 
 
 # Model files that failed to import: module name -> the error, named when their architecture is asked for.
