@@ -15,7 +15,7 @@ from .spec_decode.config import SpeculativeConfig
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # LLM(quantization=...) values (engine/models/quant implements them).
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "fp8")
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -64,7 +64,9 @@ class EngineConfig:
       pinned host memory), 2 the KV cache and the weights (reloaded from the checkpoint on wake).
     - ``quantization``: None runs what the checkpoint holds; ``"gguf"`` keeps a GGUF file's block-quantized
       weights (Q4_0 .. Q6_K) in their blocks on every device, the CPU included (memory ~1x the file's
-      tensors; CPU decode is slower than a dense copy). Checked against the checkpoint before weights are read.
+      tensors; CPU decode is slower than a dense copy); ``"fp8"`` quantizes a 16/32-bit checkpoint's linear
+      layers to FP8 e4m3 at load (per-channel weight scales, dynamic per-token activation scales; CUDA of
+      compute capability >= 8.9, the CPU emulates it slowly). Checked against the checkpoint before weights are read.
     """
 
     model: str = "default"

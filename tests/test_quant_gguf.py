@@ -167,10 +167,10 @@ def test_every_block_type_runs_from_its_blocks_like_the_dequantized_file(all_typ
     for ours, reference in zip(blocks, dense):
         assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
         np.testing.assert_allclose(_token_logprobs(ours.outputs[0]), _token_logprobs(reference.outputs[0]), atol=1e-4)
-    resident = sum(GGUFBlockLinearMethod.resident_bytes(layer) for layer in decoder_layers)
+    resident = sum(layer.method.resident_bytes(layer) for layer in decoder_layers)
     assert resident == linear_bytes  # the file's bytes, no copy (limit: 1.15x)
     mixed_qkv = dict(block_layers)["layers.0.self_attn.qkv_proj"]
-    assert [weight.quant_type for _, weight in mixed_qkv.gguf_weights] == ["Q4_K", "Q6_K"]
+    assert [weight.quant_type for weight in mixed_qkv.method.block_weights(mixed_qkv)] == ["Q4_K", "Q6_K"]
 
 
 def test_quantization_gguf_is_refused_for_a_checkpoint_without_blocks(tmp_path):

@@ -22,7 +22,7 @@ from ..models import model_class_for
 from ..models.arch import ArchConfig
 from ..models.gguf_linear_method import GGUF_INT4, GGUFInt4LinearMethod
 from ..models.linear import LinearBase, configure_linears
-from ..models.quant import QuantizationPlan, check_quantization, gguf_layer_method
+from ..models.quant import QuantizationPlan, check_quantization, dense_layer_method, gguf_layer_method
 from .checkpoint import LoadedCheckpoint
 
 
@@ -55,8 +55,9 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
 def _method_chooser(model, weight_formats: dict[str, str], device: torch.device, dtype: torch.dtype,
                     plan: QuantizationPlan = QuantizationPlan()):
     """``(layer name, layer) -> method or None``: GGUF blocks get the block method where the plan
-    keeps them (``models/quant``), else Q4 blocks the int4 CPU method where it runs; everything
-    else keeps the dense default (which dequantizes quantized values)."""
+    keeps them (``models/quant``), else Q4 blocks the int4 CPU method where it runs; unquantized
+    layers get the plan's method (FP8 under ``quantization="fp8"``); everything else keeps the
+    dense default (which dequantizes quantized values)."""
     layer_formats: dict[str, dict] = {}
     for name, quant_type in weight_formats.items():
         target = model.param_for_checkpoint_name(name)
@@ -69,6 +70,8 @@ def _method_chooser(model, weight_formats: dict[str, str], device: torch.device,
 
     def choose(name: str, layer: LinearBase):
         formats = layer_formats.get(name, {})
+        if not formats:  # stored unquantized
+            return dense_layer_method(layer, plan)
         shards = set(layer.shard_ids) if None not in formats else {None}
         if shards != set(formats):
             return None

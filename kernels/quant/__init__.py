@@ -3,6 +3,8 @@
 - GGUF block formats (llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), kept as the
   file's bytes: ``gguf_reference.py`` (exact dequantizers, bit-equal to gguf-py), ``gguf_triton.py``
   (CUDA: dequantize in registers inside a GEMM/GEMV), ``gguf_cpu.py`` (dequantize a tile at a time).
+- FP8 W8A8 (e4m3, per-channel weight scales, dynamic per-token activation scales): ``fp8.py``
+  (``torch._scaled_mm``, and its float32 reference).
 
 Importing this package registers the routines, so ``kernels.linear(x, GGUFBlockWeight(...))`` picks
 Triton for CUDA inputs, the tiled CPU path for CPU ones.
@@ -21,10 +23,10 @@ import torch
 
 from hearth_llm.kernels import register_linear_routine
 
-from . import gguf_cpu, gguf_reference
+from . import fp8, gguf_cpu, gguf_reference
 from .gguf_reference import GGUF_BLOCK_FORMATS, block_format
 
-__all__ = ["GGUFBlockWeight", "GGUF_BLOCK_FORMATS", "block_format"]
+__all__ = ["Fp8Weight", "GGUFBlockWeight", "GGUF_BLOCK_FORMATS", "block_format"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -43,6 +45,22 @@ class GGUFBlockWeight:
         return block_format(self.quant_type).num_columns(self.data.shape[1])
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Fp8Weight:
+    """A ``[N, K]`` weight as e4m3 values ``weight`` and float32 per-row scales ``scale`` ``[N]``."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+
 def _triton_linear(x, weight: GGUFBlockWeight, bias):
     from . import gguf_triton  # triton is imported only when a CUDA tensor needs it
 
@@ -54,3 +72,4 @@ register_linear_routine(GGUFBlockWeight, None,
 register_linear_routine(GGUFBlockWeight, "cpu",
                         lambda x, weight, bias: gguf_cpu.gguf_linear(x, weight.data, weight.quant_type, bias))
 register_linear_routine(GGUFBlockWeight, "cuda", _triton_linear)
+register_linear_routine(Fp8Weight, None, lambda x, weight, bias: fp8.fp8_linear(x, weight.weight, weight.scale, bias))

@@ -6,9 +6,12 @@ loading, from the checkpoint (the GGUF tensor types in ``checkpoint.weight_forma
 
 - ``gguf_block_method.py``: GGUF Q4_0 .. Q6_K kept as the file's blocks (Triton on CUDA, a tiled
   dequantize-and-multiply on the CPU).
+- ``fp8_method.py``: ``quantization="fp8"``, a 16/32-bit checkpoint quantized to e4m3 at load
+  (per-channel weight scales, dynamic per-token activation scales, ``torch._scaled_mm``).
 
 :func:`check_quantization` runs before any weight is read and refuses, by name, what is not
-implemented; :func:`gguf_layer_method` picks a GGUF layer's method.
+implemented; :func:`gguf_layer_method` picks a GGUF layer's method, :func:`dense_layer_method`
+the method of a layer the checkpoint stores unquantized.
 
 >>> plan = check_quantization("gguf", config, weight_formats, torch.device("cpu"))
 >>> gguf_layer_method({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}, layer, plan, torch.device("cpu"), torch.float32)
@@ -19,13 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hearth_llm.kernels.quant.fp8 import has_fp8_gemm
+
+from ...config import QUANTIZATION_METHODS
+from .fp8_method import FP8, Fp8LinearMethod
 from .gguf_block_method import GGUFBlockLinearMethod
 
-__all__ = ["GGUFBlockLinearMethod", "QuantizationPlan", "QUANTIZATION_METHODS", "check_quantization",
-           "gguf_layer_method"]
-
-# What ``LLM(quantization=...)`` accepts; None: whatever the checkpoint holds.
-QUANTIZATION_METHODS = ("gguf",)
+__all__ = ["Fp8LinearMethod", "GGUFBlockLinearMethod", "QuantizationPlan", "QUANTIZATION_METHODS",
+           "check_quantization", "dense_layer_method", "gguf_layer_method"]
 # HF ``quantization_config.quant_method`` values this engine runs.
 HF_QUANT_METHODS: tuple[str, ...] = ()
 
@@ -60,6 +64,13 @@ def check_quantization(requested: str | None, config, weight_formats: dict[str, 
     _check_hf_quantization_config(config)
     if requested == "gguf" and not weight_formats:
         raise ValueError("quantization='gguf' needs a GGUF file with block-quantized tensors; this checkpoint has none")
+    if requested == "fp8":
+        if weight_formats:
+            raise ValueError("quantization='fp8' quantizes a 16/32-bit checkpoint at load; this GGUF file is "
+                             "already quantized (use quantization=None or 'gguf')")
+        if not has_fp8_gemm(device):
+            raise ValueError(f"quantization='fp8' needs FP8 GEMMs: a CUDA GPU of compute capability 8.9 or newer "
+                             f"(Ada, Hopper); {device} has {torch.cuda.get_device_capability(device)}")
     return QuantizationPlan(requested)
 
 
@@ -82,3 +93,11 @@ def gguf_layer_method(shard_types: dict, layer, plan: QuantizationPlan, device: 
     if not set(shard_types.values()) <= set(GGUFBlockLinearMethod.quant_types) or not plan.keeps_gguf_blocks(device):
         return None
     return GGUFBlockLinearMethod(shard_types)
+
+
+def dense_layer_method(layer, plan: QuantizationPlan):
+    """The method of a layer the checkpoint stores unquantized: FP8 under ``quantization="fp8"``
+    (where the layer's sizes fit the FP8 GEMM), else None (dense)."""
+    if plan.requested == "fp8" and Fp8LinearMethod.supports(layer):
+        return FP8
+    return None

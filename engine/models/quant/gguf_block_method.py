@@ -77,21 +77,25 @@ class GGUFBlockLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         layer._parameters.pop("weight", None)  # the empty loading handle
-        layer.gguf_weights = [(run.num_rows, GGUFBlockWeight(run.quant_type, getattr(layer, run.name)))
-                              for run in self._runs(layer)]
+        layer.gguf_runs = tuple(self._runs(layer))
+
+    def block_weights(self, layer) -> list[GGUFBlockWeight]:
+        """The layer's runs as kernel weight formats, in output-row order (made per call from the
+        buffers, so a model moved between devices keeps working)."""
+        runs = getattr(layer, "gguf_runs", None) or self._runs(layer)
+        return [GGUFBlockWeight(run.quant_type, getattr(layer, run.name)) for run in runs]
 
     def apply(self, layer, x, bias):
         flat = x.reshape(-1, x.shape[-1])
-        weights = layer.gguf_weights
+        weights = self.block_weights(layer)
         if len(weights) == 1:
-            out = linear(flat, weights[0][1], bias)
+            out = linear(flat, weights[0], bias)
         else:
-            out = torch.cat([linear(flat, weight, None) for _, weight in weights], dim=-1)
+            out = torch.cat([linear(flat, weight, None) for weight in weights], dim=-1)
             if bias is not None:
                 out = out.add_(bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    @staticmethod
-    def resident_bytes(layer) -> int:
+    def resident_bytes(self, layer) -> int:
         """Bytes this layer's weight occupies (its block buffers)."""
-        return sum(weight.data.numel() for _, weight in layer.gguf_weights)
+        return sum(weight.data.numel() for weight in self.block_weights(layer))

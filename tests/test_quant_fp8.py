@@ -1,0 +1,83 @@
+"""FP8 W8A8 (``quantization="fp8"``): the row quantizer's error bound, ``torch._scaled_mm`` with
+row-wise scales against the float32 reference (the CPU emulates it; the H200 runs
+tests/test_gpu_quant.py), and a tiny Llama quantized at load: FP8 buffers only, the logits close to
+the dense model's, refusals by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hearth_llm.engine import LLM, SamplingParams
+from hearth_llm.engine.models.linear import linear_layers
+from hearth_llm.engine.models.quant import Fp8LinearMethod
+from hearth_llm.kernels.quant import fp8
+
+from conftest import TINY_CONFIGS, random_prompts
+from model_equality import save_tiny_model
+
+
+def test_quantize_rows_maps_each_rows_largest_magnitude_to_448_within_e4m3_rounding():
+    weight = torch.randn(24, 80, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 24)[:, None]
+    weight[5] = 0  # a zero row stays zero
+    quantized, scale = fp8.quantize_rows(weight)
+    assert quantized.dtype == torch.float8_e4m3fn and scale.shape == (24,)
+    assert quantized.float().abs().amax(dim=1)[torch.arange(24) != 5].eq(448).all()
+    error = (quantized.float() * scale[:, None] - weight).abs()
+    # e4m3: 3 mantissa bits (half a step: 2^-4 relative), subnormal steps of 2^-9 of the scale.
+    assert (error <= weight.abs() * 2**-4 + scale[:, None] * 2**-9 + 1e-12).all()
+    assert quantized[5].float().eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_matches_the_float32_reference(dtype):
+    generator = torch.Generator().manual_seed(1)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(48, 64, generator=generator))
+    x, bias = torch.randn(5, 64, generator=generator).to(dtype), torch.randn(48, generator=generator).to(dtype)
+    expected = fp8.fp8_linear_reference(x, weight_fp8, weight_scale, bias)
+    out = fp8.fp8_linear(x, weight_fp8, weight_scale, bias)
+    assert out.dtype == dtype
+    # _scaled_mm rounds its output to bf16 (row-wise scaling has no fp32 output).
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return save_tiny_model(TINY_CONFIGS["llama"](), tmp_path_factory.mktemp("fp8") / "llama")
+
+
+def _run(path, **kwargs):
+    prompts = random_prompts(6, [7, 19, 3], seed=31)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    with LLM(str(path), dtype="float32", device="cpu", show_progress=False, **kwargs) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return outputs, list(linear_layers(llm.engine.runner.model))
+
+
+def test_fp8_quantizes_every_decoder_linear_at_load_and_stays_close_to_dense(tiny_llama):
+    quantized, layers = _run(tiny_llama, quantization="fp8")
+    dense, _ = _run(tiny_llama)
+    for name, layer in layers:
+        assert isinstance(layer.method, Fp8LinearMethod), name
+        assert layer.weight_fp8.dtype == torch.float8_e4m3fn and not hasattr(layer, "weight")
+        assert layer.weight_scale.shape == (layer.output_size,)
+    agree = [q.outputs[0].token_ids == d.outputs[0].token_ids for q, d in zip(quantized, dense)]
+    assert sum(agree) >= 5, agree  # fp8 noise may flip a near tie, not most choices
+    for q, d in zip(quantized, dense):
+        token = d.outputs[0].token_ids[0]
+        top = q.outputs[0].logprobs[0]
+        if token in top:  # the dense choice is in FP8's top 5; its log-probability moved little
+            assert abs(top[token].logprob - d.outputs[0].logprobs[0][token].logprob) < 0.3
+
+
+def test_fp8_is_refused_for_a_gguf_file():
+    with pytest.raises(ValueError, match="quantization='fp8' quantizes a 16/32-bit checkpoint"):
+        LLM("default", device="cpu", quantization="fp8", show_progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_is_refused_on_a_gpu_without_fp8():
+    if fp8.has_fp8_gemm(torch.device("cuda")):
+        pytest.skip("this GPU has FP8 GEMMs")
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        LLM("default", device="cuda", quantization="fp8", show_progress=False)
