@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
 
+from ..lora.request import LoRARequest, as_lora_request
 from ..sampling_params import SamplingParams
 from ..reasoning import get_reasoning_parser
 from ..structured_output import StructuredOutput
@@ -76,6 +77,9 @@ class ChatRequest:
     (``reasoning_parser``, None: read from the chat template). ``max_reasoning_tokens``: a budget
     after which the think block is closed and the model answers. A grammar (``structured_output``
     or a forced ``tool_choice``) constrains only the answer, after the think block.
+
+    ``lora_request``: the LoRA adapter to answer with (a :class:`LoRARequest`, an adapter name the
+    engine knows or a PEFT directory; the engine needs ``enable_lora=True``); None: the base model.
     """
 
     messages: list[dict] | str
@@ -92,8 +96,10 @@ class ChatRequest:
     reasoning: bool | None = None
     reasoning_parser: str | None = None
     max_reasoning_tokens: int | None = None
+    lora_request: LoRARequest | str | None = None
 
     def __post_init__(self) -> None:
+        self.lora_request = as_lora_request(self.lora_request)  # ValueError naming lora for other types
         if isinstance(self.messages, str) and (self.tools or self.chat_template_kwargs):
             raise ValueError("messages: a preformatted prompt (a str) takes no tools or chat_template_kwargs; "
                              "send the conversation as message dicts")

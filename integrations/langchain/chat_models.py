@@ -37,7 +37,7 @@ PROVIDER = "hearth"
 _SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "logprobs", "top_logprobs",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "stop")
 # Per-call options that are not sampling parameters: bound by bind_tools and with_structured_output.
-_CALL_OPTIONS = ("tools", "tool_choice", "structured_output")
+_CALL_OPTIONS = ("tools", "tool_choice", "structured_output", "lora")
 # Content blocks that carry no text for the model to read again (tool calls travel in ``tool_calls``).
 _SKIPPED_BLOCK_TYPES = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "tool_use", "reasoning",
                                   "thinking"})
@@ -153,6 +153,9 @@ class ChatHearth(BaseChatModel):
     tool_parser: str | None = None
     tool_choice: str | dict | bool | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # A LoRA adapter: a name the engine knows, a PEFT directory or a LoRARequest (engine_kwargs
+    # enable_lora=True); per call with .bind(lora=...). response_metadata["lora_name"] names it.
+    lora: Any = None
 
     @field_validator("tool_parser")
     @classmethod
@@ -313,7 +316,8 @@ class ChatHearth(BaseChatModel):
                               tool_choice=tool_choice if tools else None,  # the field applies to calls with tools
                               structured_output=kwargs.pop("structured_output", None),
                               sampling=SamplingOptions(**self._options(stop, kwargs)),
-                              tool_parser=self.tool_parser, timeout=self.timeout)
+                              tool_parser=self.tool_parser, timeout=self.timeout,
+                              lora_request=kwargs.pop("lora", self.lora))
         core = get_engine(model, **{"show_progress": False, **self.engine_kwargs})
         return _Call(ChatService(core), request, model)
 
@@ -382,8 +386,11 @@ class _Call:
         return tool_call_chunk(name=call.name, args=raw + _unreadable_tail(raw), id=call.id, index=index)
 
     def _final_metadata(self, result: HearthChatResult) -> dict[str, Any]:
-        return {"model_name": self.model_name, "model_provider": PROVIDER, "finish_reason": result.finish_reason,
-                "stop_reason": result.stop_reason}
+        metadata = {"model_name": self.model_name, "model_provider": PROVIDER, "finish_reason": result.finish_reason,
+                    "stop_reason": result.stop_reason}
+        if self.request.lora_request is not None:
+            metadata["lora_name"] = self.request.lora_request.name  # the adapter that answered
+        return metadata
 
 
 def _unreadable_tail(arguments: str) -> str:

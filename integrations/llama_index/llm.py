@@ -58,6 +58,9 @@ class HearthLLM(FunctionCallingLLM):
     hub id; ``engine_kwargs`` are :class:`EngineConfig` fields. Every HearthLLM, ChatHearth,
     ``AsyncLLM`` and ``LLM`` on the same model and config shares one engine and its prefix cache.
     ``complete`` renders the prompt as one user turn of the chat template; ``formatted=True`` sends it raw.
+    ``lora``: a LoRA adapter to answer with (a name the engine knows, a PEFT directory or a
+    ``LoRARequest``; needs ``engine_kwargs={"enable_lora": True}``), per call as ``llm.chat(..., lora=...)``;
+    ``response.raw["lora_name"]`` names it.
     """
 
     model: str = Field(default="default", description="'default' (SmolLM2-135M-Instruct), a dir, .gguf or hub id.")
@@ -73,6 +76,7 @@ class HearthLLM(FunctionCallingLLM):
     context_window: int | None = Field(default=None, description="None: the engine's max_model_len.")
     tool_parser: str | None = Field(default=None, description="Tool-call format; None: read from the chat template.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields.")
+    lora: Any = Field(default=None, description="LoRA adapter: a known name, a PEFT dir or a LoRARequest; None: base.")
 
     @classmethod
     def class_name(cls) -> str:
@@ -180,11 +184,12 @@ class HearthLLM(FunctionCallingLLM):
 
     def _chat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponse:
         request = self._request(messages, kwargs)
-        return _chat_response(self._service().stream(request).collect(), self.model)
+        return _chat_response(self._service().stream(request).collect(), self.model, _lora_name(request))
 
     async def _achat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponse:
         request = self._request(messages, kwargs)
-        return _chat_response(await (await self._service().astream(request)).acollect(), self.model)
+        return _chat_response(await (await self._service().astream(request)).acollect(), self.model,
+                              _lora_name(request))
 
     def _stream_chat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponseGen:
         request = self._request(messages, kwargs)  # bad options raise now; the request is queued on first next()
@@ -194,7 +199,7 @@ class HearthLLM(FunctionCallingLLM):
             with self._service().stream(request) as stream:  # leaving early aborts the request at once
                 for delta in stream:
                     content += delta.content
-                    yield _chat_chunk(delta, content, self.model)
+                    yield _chat_chunk(delta, content, self.model, _lora_name(request))
         return chunks()
 
     def _astream_chat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponseAsyncGen:
@@ -205,7 +210,7 @@ class HearthLLM(FunctionCallingLLM):
             with await self._service().astream(request) as stream:
                 async for delta in stream:
                     content += delta.content
-                    yield _chat_chunk(delta, content, self.model)
+                    yield _chat_chunk(delta, content, self.model, _lora_name(request))
         return chunks()
 
     def _service(self) -> ChatService:
@@ -214,6 +219,7 @@ class HearthLLM(FunctionCallingLLM):
     def _request(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatRequest:
         kwargs = dict(kwargs)
         tools, tool_choice = kwargs.pop("tools", None) or None, kwargs.pop("tool_choice", None)
+        lora = kwargs.pop("lora", self.lora)
         unknown = sorted(set(kwargs) - set(_SAMPLING_OPTIONS))
         if unknown:
             raise TypeError(f"HearthLLM got unknown call option(s) {unknown}; known: "
@@ -221,7 +227,7 @@ class HearthLLM(FunctionCallingLLM):
         options = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_OPTIONS}
         return ChatRequest(messages if isinstance(messages, str) else to_chat_messages(messages), tools=tools,
                            tool_choice=tool_choice, sampling=SamplingOptions(**options),
-                           tool_parser=self.tool_parser, timeout=self.timeout)
+                           tool_parser=self.tool_parser, timeout=self.timeout, lora_request=lora)
 
 
 def _chat_input(prompt: str, formatted: bool) -> list[ChatMessage] | str:
@@ -229,16 +235,21 @@ def _chat_input(prompt: str, formatted: bool) -> list[ChatMessage] | str:
     return prompt if formatted else [ChatMessage(role=MessageRole.USER, content=prompt)]
 
 
-def _chat_response(result: HearthChatResult, model_name: str) -> ChatResponse:
-    return ChatResponse(message=_message(result), raw=_raw(result, model_name), additional_kwargs=_usage_kwargs(result))
+def _lora_name(request: ChatRequest) -> str | None:
+    return None if request.lora_request is None else request.lora_request.name
 
 
-def _chat_chunk(delta: ChatDelta, content: str, model_name: str) -> ChatResponse:
+def _chat_response(result: HearthChatResult, model_name: str, lora_name: str | None = None) -> ChatResponse:
+    return ChatResponse(message=_message(result), raw=_raw(result, model_name, lora_name),
+                        additional_kwargs=_usage_kwargs(result))
+
+
+def _chat_chunk(delta: ChatDelta, content: str, model_name: str, lora_name: str | None = None) -> ChatResponse:
     """A streamed response: ``delta`` is the new user-facing text, ``message`` all of it so far;
     tool calls (their markup held out of the text) arrive whole on the last chunk."""
     if delta.result is None:
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content), delta=delta.content)
-    response = _chat_response(delta.result, model_name)
+    response = _chat_response(delta.result, model_name, lora_name)
     response.delta = delta.content
     return response
 
@@ -252,9 +263,12 @@ def _message(result: HearthChatResult) -> ChatMessage:
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
 
 
-def _raw(result: HearthChatResult, model_name: str) -> dict[str, Any]:
-    return {"model": model_name, "finish_reason": result.finish_reason, "stop_reason": result.stop_reason,
-            "usage": _usage_kwargs(result)}
+def _raw(result: HearthChatResult, model_name: str, lora_name: str | None = None) -> dict[str, Any]:
+    raw = {"model": model_name, "finish_reason": result.finish_reason, "stop_reason": result.stop_reason,
+           "usage": _usage_kwargs(result)}
+    if lora_name is not None:
+        raw["lora_name"] = lora_name  # the adapter that answered
+    return raw
 
 
 def _usage_kwargs(result: HearthChatResult) -> dict[str, int]:
