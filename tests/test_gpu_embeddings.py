@@ -1,0 +1,70 @@
+"""The embedding engine on CUDA: the encoders (BERT, XLM-RoBERTa, NomicBert, ModernBERT), the
+cross-encoder, the decoder embedder and the LLM reranker (the LLM engine's model code and Triton
+kernels) in float32 against our CPU float32 path or HF, and in bfloat16/float16 close to it.
+Skipped without CUDA; needs no sentence-transformers. On the H200:
+``python -m pytest -q tests/test_gpu_embeddings.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from embedding_dirs import write_cross_encoder, write_encoder
+from test_embeddings_bf16 import check_close_in_low_precision, check_scores_in_low_precision, embed
+from test_embeddings_decoder import DOCUMENTS, QUERY, embedding_dir, model_card_scores, reranker_dir  # noqa: F401
+
+from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# float32 on CUDA: cuBLAS and SDPA (no TF32: torch's default), the Triton kernels in IEEE float32.
+FLOAT32_MIN_COSINE = 0.9999
+LOW_PRECISION_MIN_COSINE = 0.999
+
+
+def check_float32_on_cuda(path) -> None:
+    exact, _ = embed(path, "cpu", "float32")
+    on_cuda, precision = embed(path, "cuda", "float32")
+    assert precision == "float32"
+    cosine = F.cosine_similarity(on_cuda, exact, dim=1)
+    assert cosine.min().item() >= FLOAT32_MIN_COSINE, cosine
+
+
+@pytest.mark.parametrize("kind", ["xlm-roberta", "nomic_bert", "modernbert"])
+def test_encoders_on_cuda_match_the_cpu_in_float32_and_half_precision(tmp_path, kind):
+    path = write_encoder(tmp_path, kind, "mean")
+    check_float32_on_cuda(path)
+    for dtype in ("bfloat16", "float16"):
+        check_close_in_low_precision(path, "cuda", dtype, LOW_PRECISION_MIN_COSINE)
+
+
+def test_the_default_model_on_cuda():
+    check_float32_on_cuda("default")
+    check_close_in_low_precision("default", "cuda", "bfloat16", LOW_PRECISION_MIN_COSINE)
+
+
+def test_decoder_embedder_on_cuda_matches_the_cpu(embedding_dir):  # noqa: F811
+    check_float32_on_cuda(embedding_dir)
+    check_close_in_low_precision(embedding_dir, "cuda", "bfloat16", LOW_PRECISION_MIN_COSINE)
+
+
+def test_llm_reranker_on_cuda_matches_hf(reranker_dir):  # noqa: F811
+    expected = model_card_scores(reranker_dir, QUERY, DOCUMENTS)
+    with EmbeddingEngine(EmbeddingConfig(model=str(reranker_dir), task="score", device="cuda", dtype="float32",
+                                         max_seq_length=512)) as engine:
+        scores = torch.tensor(engine.score(QUERY, DOCUMENTS))
+    assert torch.allclose(scores, expected, atol=1e-4), (scores - expected).abs().max()
+    check_scores_in_low_precision(reranker_dir, "cuda", "bfloat16")
+
+
+def test_cross_encoder_on_cuda_matches_the_cpu(tmp_path):
+    path = write_cross_encoder(tmp_path, "xlm-roberta")
+
+    def scores(device: str, dtype: str) -> torch.Tensor:
+        with EmbeddingEngine(EmbeddingConfig(model=str(path), device=device, dtype=dtype, max_seq_length=64)) as engine:
+            assert engine.implementation == "hearth"
+            return torch.tensor(engine.score(QUERY, DOCUMENTS))
+
+    exact = scores("cpu", "float32")
+    assert torch.allclose(scores("cuda", "float32"), exact, atol=1e-4)
+    assert torch.allclose(scores("cuda", "bfloat16"), exact, atol=0.02)
