@@ -26,7 +26,7 @@ def create_app(model: str = "default", *, embedding_model: str | None = "default
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
                max_tokens_limit: int | None = None, request_timeout: float | None = None,
                rate_limit: RateLimit | TenantRateLimiter | None = None, max_queued_requests: int | None = None,
-               preload: bool = True,
+               tracer_provider=None, preload: bool = True,
                embedding_kwargs: dict | None = None, **engine_kwargs):
     """An ASGI app serving ``model`` (and ``embedding_model``) the OpenAI way; run it with any
     ASGI server, or use :func:`serve` / :func:`start_server`.
@@ -45,7 +45,7 @@ def create_app(model: str = "default", *, embedding_model: str | None = "default
                               api_keys=keys, max_body_bytes=max_body_bytes, max_n=max_n,
                               max_tokens_limit=max_tokens_limit, request_timeout=request_timeout,
                               rate_limit=rate_limit, max_queued_requests=max_queued_requests, preload=preload,
-                              engine_kwargs=engine_kwargs,
+                              tracer_provider=tracer_provider, engine_kwargs=engine_kwargs,
                               embedding_kwargs=dict(embedding_kwargs or {}))
     return app_for(settings)
 
@@ -68,7 +68,7 @@ def app_for(settings: ServerSettings) -> FastAPI:
     _add_routes(app)
     _add_error_handlers(app)
     app.add_middleware(ServerMiddleware, api_keys=tuple(key.key for key in settings.api_keys),
-                       max_body_bytes=settings.max_body_bytes)
+                       max_body_bytes=settings.max_body_bytes, tracer_provider=settings.tracer_provider)
     return app
 
 

@@ -41,7 +41,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
     def close() -> None:
         stream.close()
-        state.charge(request, reply.num_tokens_used())
+        state.charge(request, reply.num_tokens_used(), reply.final_usage)
 
     try:
         if body.stream:
@@ -52,9 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     except BaseException:
         close()
         raise
-    request.state.log.update(prompt_tokens=results[0].usage.prompt_tokens,
-                             completion_tokens=results[0].usage.completion_tokens)
-    state.charge(request, results[0].usage.total_tokens)
+    state.charge(request, results[0].usage.total_tokens, results[0].usage)
     return JSONResponse(reply.completion(results))
 
 

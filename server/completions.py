@@ -53,7 +53,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     def close() -> None:
         for stream in streams:
             stream.close()
-        state.charge(request, reply.num_tokens_used())
+        state.charge(request, reply.num_tokens_used(), reply.final_usage)
 
     try:
         if body.stream:
@@ -65,7 +65,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         close()
         raise
     response = reply.completion(outputs)
-    state.charge(request, response["usage"]["total_tokens"])
+    state.charge(request, reply.final_usage.total_tokens, reply.final_usage)
     return JSONResponse(response)
 
 
@@ -180,6 +180,7 @@ class _Reply:
     include_usage: bool = False
     # per prompt: its usage once finished, else the tokens streamed so far (what the key is charged)
     tokens_used: dict[int, int] = field(default_factory=dict)
+    final_usage: Usage | None = None  # every prompt's, once the last one finished
 
     def num_tokens_used(self) -> int:
         return sum(self.tokens_used.values())
@@ -192,6 +193,7 @@ class _Reply:
                 mine = [output for output in outputs if output.index == sample_index]
                 choices.append(self._whole_choice(prompt_index, sample_index, mine, last))
             total = _sum_usage(total, last.usage)
+        self.final_usage = total
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(total), "system_fingerprint": None}
 
@@ -234,6 +236,7 @@ class _Reply:
                     if output.usage is not None:
                         self.tokens_used[prompt_index] = output.usage.total_tokens
                 item = await anext(merged, None)
+            self.final_usage = total
             if self.include_usage:
                 yield event({**self._header(), "choices": [], "usage": usage(total)})
         except Exception as error:  # headers are sent: the error travels as an event

@@ -5,7 +5,10 @@
 3. the body, read whole up to ``max_body_bytes`` (413 past it, from ``Content-Length`` or as it arrives);
 4. the endpoint, cancelled the moment the client disconnects: the engine streams it reads close,
    which aborts their requests and frees their KV blocks before the engine's next step;
-5. one JSON log line (and an OpenTelemetry span when a tracer is configured).
+5. one JSON log line, and an OpenTelemetry span (a no-op until the process configures a tracer
+   provider: ``pip install 'hearth-llm[otel]'``, then ``opentelemetry-instrument hearth-llm serve ...``
+   or ``trace.set_tracer_provider(...)`` in-process). The span covers the whole exchange, a stream
+   to its last event; its attributes are in :data:`SPAN_ATTRIBUTES`.
 
 The endpoint sees the body replayed from memory, so it never reads the socket itself and the
 disconnect watcher is the only reader.
@@ -32,11 +35,10 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json"})
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 try:  # fastapi depends on opentelemetry-api; spans are no-ops until an SDK is configured
+    from opentelemetry import propagate as _propagate
     from opentelemetry import trace as _trace
-
-    _tracer = _trace.get_tracer("hearth_llm.server")
 except ImportError:  # pragma: no cover - an install without it
-    _tracer = None
+    _trace = None
 
 
 def key_digest(key: str) -> bytes:
@@ -61,10 +63,13 @@ def find_key(authorization: str | None, key_digests: tuple[bytes, ...]) -> int |
 class ServerMiddleware:
     """The ASGI wrapper of the module docstring around the FastAPI app."""
 
-    def __init__(self, app, *, api_keys: tuple[str, ...], max_body_bytes: int):
+    def __init__(self, app, *, api_keys: tuple[str, ...], max_body_bytes: int, tracer_provider=None):
         self.app = app
         self.key_digests = tuple(key_digest(key) for key in api_keys)
         self.max_body_bytes = max_body_bytes
+        # the global provider's tracer is a proxy: a provider the process sets later is used too
+        self.tracer = None if _trace is None else _trace.get_tracer("hearth_llm.server",
+                                                                    tracer_provider=tracer_provider)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -76,15 +81,15 @@ class ServerMiddleware:
         scope.setdefault("state", {}).update(request_id=request_id, log=log)
         exchange = _Exchange(send, request_id, scope["state"])
         started = time.monotonic()
-        with _span(scope, request_id) as span:
+        with _span(self.tracer, scope, headers, request_id) as span:
             try:
                 await self._handle(scope, receive, exchange, headers)
             finally:
                 log.update(status=exchange.status, duration_ms=round(1000 * (time.monotonic() - started), 1))
                 if exchange.is_disconnected:
                     log["client_disconnected"] = True
-                if span is not None and exchange.status is not None:
-                    span.set_attribute("http.response.status_code", exchange.status)
+                if span is not None:
+                    _end_span(span, log)
                 logger.info(json.dumps(log, default=str))
 
     async def _handle(self, scope, receive, exchange: _Exchange, headers: dict[str, str]) -> None:
@@ -105,7 +110,8 @@ class ServerMiddleware:
             raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         # the rate limiter's tenant and the log's: which key (by position), never the key itself
-        scope["state"]["tenant"] = scope["state"]["log"]["tenant"] = f"key-{index}" if index is not None else "anonymous"
+        tenant = f"key-{index}" if index is not None else "anonymous"
+        scope["state"]["tenant"] = scope["state"]["log"]["tenant"] = tenant
 
     async def _read_body(self, receive, headers: dict[str, str]) -> bytes:
         declared = headers.get("content-length")
@@ -195,12 +201,28 @@ def _request_id(client_id: str | None) -> str:
     return uuid.uuid4().hex
 
 
+# The log's fields a request's span carries (OpenTelemetry's HTTP and GenAI names where they have one).
+SPAN_ATTRIBUTES = {"status": "http.response.status_code", "model": "gen_ai.request.model",
+                   "prompt_tokens": "gen_ai.usage.input_tokens", "completion_tokens": "gen_ai.usage.output_tokens",
+                   "tenant": "hearth.tenant", "engine_request_id": "hearth.engine_request_id",
+                   "client_disconnected": "hearth.client_disconnected"}
+
+
+def _end_span(span, log: dict) -> None:
+    for field, attribute in SPAN_ATTRIBUTES.items():
+        if isinstance(log.get(field), (str, int, bool)):
+            span.set_attribute(attribute, log[field])
+    if isinstance(log.get("status"), int) and log["status"] >= 500:
+        span.set_status(_trace.Status(_trace.StatusCode.ERROR, f"HTTP {log['status']}"))
+
+
 @contextlib.contextmanager
-def _span(scope, request_id: str):
-    if _tracer is None:
+def _span(tracer, scope, headers: dict[str, str], request_id: str):
+    if tracer is None:
         yield None
         return
-    with _tracer.start_as_current_span(f"{scope['method']} {scope['path']}", kind=_trace.SpanKind.SERVER,
-                                       attributes={"http.request.method": scope["method"],
-                                                   "url.path": scope["path"], "hearth.request_id": request_id}) as span:
+    # a client's W3C traceparent header makes this span a child of the client's
+    attributes = {"http.request.method": scope["method"], "url.path": scope["path"], "hearth.request_id": request_id}
+    with tracer.start_as_current_span(f"{scope['method']} {scope['path']}", kind=_trace.SpanKind.SERVER,
+                                       context=_propagate.extract(headers), attributes=attributes) as span:
         yield span

@@ -37,6 +37,8 @@ class ServerSettings:
     - ``max_queued_requests``: while this many sequences wait for the engine (every user's, this
       server's or not), new requests are refused with 503 and ``Retry-After``; None: only the
       engine's own ``max_waiting_requests`` bound.
+    - ``tracer_provider``: the OpenTelemetry ``TracerProvider`` of the per-request spans (None: the
+      process's global one, a no-op until one is set).
     - ``preload``: load the models when the server starts, so the first request does not wait.
     - ``engine_kwargs``: :class:`EngineConfig` fields; the server shares its engine (and KV cache)
       with every ``LLM``, ``AsyncLLM`` and ``ChatHearth`` on the same model and config.
@@ -52,6 +54,7 @@ class ServerSettings:
     request_timeout: float | None = None
     rate_limit: RateLimit | TenantRateLimiter | None = None
     max_queued_requests: int | None = None
+    tracer_provider: object | None = None
     preload: bool = True
     engine_kwargs: dict = field(default_factory=dict)
     embedding_kwargs: dict = field(default_factory=dict)

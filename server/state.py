@@ -96,9 +96,12 @@ class ServerState:
         if self.settings.rate_limit is not None:
             await self.settings.rate_limit.acquire(request.state.tenant)
 
-    def charge(self, request: Request, num_tokens: int) -> None:
-        """Count a request's tokens (prompt + completion) against its key's tokens per minute."""
+    def charge(self, request: Request, num_tokens: int, usage=None) -> None:
+        """Count a request's tokens (prompt + completion) against its key's tokens per minute;
+        its ``usage`` (when it finished) goes to the log line and the span."""
         self.quotas.charge(request.state.tenant, num_tokens)
+        if usage is not None:
+            request.state.log.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
 
     def _check_queue(self) -> None:
         bound = self.settings.max_queued_requests
