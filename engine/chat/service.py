@@ -91,7 +91,7 @@ class ChatService:
         if plan.thinks_first:
             return self._submit_thinking(request, plan)
         stream = self.core.add_request(plan.prompt, plan.params, request.request_id, request.priority,
-                                       timeout=request.timeout)
+                                       timeout=request.timeout, **_adapter(request))
         reasoning_parser = plan.reasoning_parser
         if plan.reads_reasoning_later:
             reasoning_parser = lambda: reasoning_parser_for(request, plan.prompt, _loaded_model_info(self.core))  # noqa: E731
@@ -106,8 +106,8 @@ class ChatService:
             prompt += f"{parser.start_tag}\n"
         thinking = ThinkingPlan.build(plan.params, request.max_reasoning_tokens, tokenizer, parser.end_tag)
         first = self.core.add_request(prompt, thinking.thinking_params, request.request_id, request.priority,
-                                      timeout=request.timeout)
-        stream = ThinkingStream(self.core, first, thinking, request.priority, request.timeout)
+                                      timeout=request.timeout, **_adapter(request))
+        stream = ThinkingStream(self.core, first, thinking, request.priority, request.timeout, _adapter(request))
         return ChatStream(stream, plan.tool_parser, plan.params.logprobs, type(parser)(starts_in_reasoning=True))
 
 
@@ -183,6 +183,13 @@ def _template_kwargs(request: ChatRequest, model_info: ModelInfo | None) -> dict
     if request.reasoning is None or switch is None:
         return request.chat_template_kwargs
     return {switch: request.reasoning, **(request.chat_template_kwargs or {})}
+
+
+def _adapter(request: ChatRequest) -> dict:
+    """The LoRA adapter a request names (a ``lora_request`` field, once the chat request has one),
+    for every engine request it makes."""
+    lora_request = getattr(request, "lora_request", None)
+    return {} if lora_request is None else {"lora_request": lora_request}
 
 
 def _loaded_model_info(core) -> ModelInfo | None:

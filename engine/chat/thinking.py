@@ -87,8 +87,9 @@ class ThinkingStream:
     """
 
     def __init__(self, core: EngineCore, thinking: RequestStream, plan: ThinkingPlan, priority: int,
-                 timeout: float | None):
+                 timeout: float | None, request_kwargs: dict | None = None):
         self._core = core
+        self._request_kwargs = request_kwargs or {}  # e.g. the LoRA adapter, for the answer request too
         self._current: RequestStream | None = thinking
         self._plan = plan
         self._priority = priority
@@ -171,4 +172,5 @@ class ThinkingStream:
         prompt, params = self._answer
         self._answer = None
         timeout = None if self._deadline is None else max(self._deadline - time.monotonic(), 1e-3)
-        return self._core.add_request(prompt, params, f"{self.request_id}.answer", self._priority, timeout=timeout)
+        return self._core.add_request(prompt, params, f"{self.request_id}.answer", self._priority, timeout=timeout,
+                                      **self._request_kwargs)
