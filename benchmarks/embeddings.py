@@ -41,11 +41,14 @@ import os
 import random
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from hearth_llm.embeddings import default_model_path
-from hearth_llm.integrations.langchain import HearthEmbeddings
+
+if TYPE_CHECKING:
+    from hearth_llm.integrations.langchain import HearthEmbeddings
 
 
 def make_sentences(count: int, seed: int = 0) -> list[str]:
@@ -273,6 +276,9 @@ def main(argv: list[str] | None = None) -> dict:
     sentences = make_sentences(args.num_sentences)
     model_path = str(default_model_path())
     engine_kwargs = {} if args.num_workers is None else {"num_workers": args.num_workers}
+    # imported here: the passages row runs where langchain-core is not installed (the GPU box)
+    from hearth_llm.integrations.langchain import HearthEmbeddings
+
     ours = HearthEmbeddings(show_progress=False, engine_kwargs=engine_kwargs)
     theirs = sentence_transformers_baseline(model_path)
     ours.embed_documents(sentences[:64])            # load and warm up both before timing
