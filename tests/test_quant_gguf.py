@@ -67,12 +67,13 @@ def test_reference_refuses_an_unknown_type_and_partial_blocks():
 def test_triton_kernel_matches_the_reference(quant_type, num_rows):
     from hearth_llm.kernels.quant import gguf_triton
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton's interpreter
     num_columns = 2 * GGUF_BLOCK_FORMATS[quant_type].block_size
     data = random_blocks(quant_type, 40, num_columns, seed=num_rows)  # 40 rows: a partial tile of outputs
     generator = torch.Generator().manual_seed(2)
     x, bias = torch.randn(num_rows, num_columns, generator=generator), torch.randn(40, generator=generator)
     expected = gguf_reference.gguf_linear(x, data, quant_type, bias)
-    out = gguf_triton.gguf_linear(x, data, quant_type, bias)
+    out = gguf_triton.gguf_linear(x.to(device), data.to(device), quant_type, bias.to(device)).cpu()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 

@@ -1,0 +1,76 @@
+"""On CUDA: the quantized kernels and methods of issue 16 against their torch references at real
+layer sizes, and tiny models run quantized against the same models dense. Skipped without a GPU
+(the CPU runs the same kernels under TRITON_INTERPRET in test_quant_gguf.py / test_quant_fp8.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearth_llm.engine import LLM, SamplingParams
+from hearth_llm.engine.models.linear import linear_layers
+from hearth_llm.engine.models.quant import Fp8LinearMethod, GGUFBlockLinearMethod
+from hearth_llm.kernels.quant import GGUF_BLOCK_FORMATS, fp8, gguf_reference
+
+from conftest import TINY_CONFIGS, random_prompts
+from model_equality import save_tiny_model
+from test_quant_gguf import all_types_gguf, random_blocks  # noqa: F401  (a fixture, used by name)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TYPES = sorted(GGUF_BLOCK_FORMATS)
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+@pytest.mark.parametrize("num_rows", [1, 4, 37, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gguf_kernel_matches_the_reference_on_gpu(quant_type, num_rows, dtype):
+    from hearth_llm.kernels.quant import gguf_triton
+
+    data = random_blocks(quant_type, 1000, 2048, seed=num_rows).cuda()
+    x = torch.randn(num_rows, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    bias = torch.randn(1000, device="cuda")
+    expected = gguf_reference.gguf_linear(x, data, quant_type, bias)  # float32, exact weights
+    out = gguf_triton.gguf_linear(x.to(dtype), data, quant_type, bias.to(dtype))
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def _greedy(path, dtype, **kwargs):
+    prompts = random_prompts(4, [5, 17, 1, 40], seed=21)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), dtype=dtype, device="cuda", show_progress=False, **kwargs) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], list(linear_layers(llm.engine.runner.model))
+
+
+def test_gguf_blocks_on_gpu_give_the_dense_tokens(all_types_gguf):  # noqa: F811
+    path, linear_bytes = all_types_gguf
+    blocks, layers = _greedy(path, "float32", quantization="gguf")
+    dense, _ = _greedy(path, "float32")
+    decoder = [layer for name, layer in layers if name.startswith("layers.")]
+    assert all(isinstance(layer.method, GGUFBlockLinearMethod) for layer in decoder)
+    assert sum(layer.method.resident_bytes(layer) for layer in decoder) == linear_bytes
+    assert blocks == dense
+
+
+@pytest.mark.parametrize("num_rows", [1, 16, 300])
+def test_fp8_scaled_mm_matches_the_reference_on_gpu(num_rows):
+    if not fp8.has_fp8_gemm(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 GEMMs")
+    generator = torch.Generator("cuda").manual_seed(1)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(4096, 2048, device="cuda", generator=generator))
+    x = torch.randn(num_rows, 2048, device="cuda", generator=generator).bfloat16()
+    expected = fp8.fp8_linear_reference(x.float(), weight_fp8, weight_scale)
+    out = fp8.fp8_linear(x, weight_fp8, weight_scale)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_fp8_engine_on_gpu_stays_close_to_bf16(tmp_path):
+    if not fp8.has_fp8_gemm(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 GEMMs")
+    path = save_tiny_model(TINY_CONFIGS["llama"](), tmp_path / "llama")
+    quantized, layers = _greedy(path, "bfloat16", quantization="fp8")
+    dense, _ = _greedy(path, "bfloat16")
+    assert all(isinstance(layer.method, Fp8LinearMethod) for _, layer in layers)
+    first_tokens_agree = [q[0] == d[0] for q, d in zip(quantized, dense)]
+    assert sum(first_tokens_agree) >= 3, (quantized, dense)
