@@ -103,8 +103,10 @@ class DraftModelProposer:
         num_common = _common_prefix_length(shadow.token_ids, request.token_ids, num_synced)
         shadow.token_ids = list(request.token_ids)
         self.shadows[request.request_id] = (request, shadow, request.num_tokens)
-        if num_common < shadow.num_computed_tokens:
-            shadow.num_computed_tokens = num_common
+        # The last token is always fed again: the next proposal comes from its logits.
+        num_reusable = min(num_common, request.num_tokens - 1)
+        if num_reusable < shadow.num_computed_tokens:
+            shadow.num_computed_tokens = num_reusable
             self.kv_cache.free_uncomputed_blocks(shadow)
         return shadow
 
