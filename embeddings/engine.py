@@ -14,6 +14,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import weakref
@@ -105,6 +106,7 @@ class EmbeddingEngine:
         self._in_flight: dict[concurrent.futures.Future, list[_Item]] = {}   # batches on the workers
         self._stop_error: EmbeddingEngineDeadError | None = None
         self._is_closing = False
+        self._memory = None   # the weights' booking in the device's memory budget (hearth_llm.engine.memory)
         self._stats = dict(num_requests=0, num_texts=0, num_steps=0, num_batches=0, num_tokens=0,
                            num_padded_tokens=0)
         _live_engines.add(self)
@@ -333,6 +335,7 @@ class EmbeddingEngine:
     def _load_and_serve(self) -> None:
         try:
             self._runner = make_runner(self.spec, self.config)
+            self._memory = _book_weights(self.config.torch_device, self.config.model, self._runner.model)
         except BaseException as error:  # noqa: BLE001 - every waiting caller must hear of it
             self._stop(EmbeddingEngineDeadError(f"loading the embedding model {self.spec.path} failed: "
                                                 f"{type(error).__name__}: {error}"), error)
@@ -525,6 +528,17 @@ class EmbeddingEngine:
             copy.__cause__ = cause
             self._fail(request, copy)
         self._runner = None   # let the weights go
+        if self._memory is not None:
+            self._memory.release()
+            self._memory = None
+
+
+def _book_weights(device, model_name, model):
+    """Book the weights in the device's memory budget, shared with the LLM engines of the process
+    (they give back free KV blocks if needed); MemoryBudgetError if they do not fit."""
+    from hearth_llm.engine.memory import book_weights
+
+    return book_weights(device, f"embedding engine {os.path.basename(str(model_name))!r}", model)
 
 
 def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:

@@ -22,3 +22,7 @@ __all__ += ["AsyncLLM", "RateLimit", "TenantRateLimiter", "get_engine", "shutdow
 from .lora import LoRARequest  # noqa: E402
 
 __all__ += ["LoRARequest"]
+
+from .memory import MemoryBudgetError, get_memory_budget, memory_report, set_memory_budget  # noqa: E402
+
+__all__ += ["set_memory_budget", "get_memory_budget", "memory_report", "MemoryBudgetError"]

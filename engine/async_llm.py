@@ -1,6 +1,7 @@
 """``AsyncLLM``: stream generations into coroutines while the model runs on the shared engine thread."""
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import AsyncIterator
@@ -144,8 +145,17 @@ class AsyncLLM:
         self.core.abort(request_id)
 
     def stats(self) -> dict:
-        """Scheduler and KV cache counters as of the engine's last step."""
+        """Scheduler and KV cache counters as of the engine's last step, and its memory share."""
         return self.core.stats()
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the shared engine's memory once its running requests finish (level 1: the KV cache,
+        weights to pinned host memory on a GPU; level 2: the weights too); the next request wakes it."""
+        await asyncio.to_thread(self.core.sleep, level)
+
+    async def wake_up(self) -> None:
+        """Bring the weights and a fresh KV cache back now, instead of at the next request."""
+        await asyncio.to_thread(self.core.wake_up)
 
     def close(self) -> None:
         """Release this handle; the shared engine stops when its last handle closes."""

@@ -86,6 +86,7 @@ def chat(args) -> None:
 
 def info(args) -> None:
     from .llm import LLM
+    from .memory import memory_report
 
     llm = LLM(args.model, show_progress=False)
     engine = llm.engine
@@ -100,7 +101,9 @@ def info(args) -> None:
         "kv_capacity_tokens": stats["num_total_blocks"] * engine.config.block_size,
         "block_size": engine.config.block_size,
         "features": ["paged-kv-cache", "prefix-caching", "continuous-batching", "chunked-prefill", "preemption",
-                     "priorities", "seeded-sampling", "logprobs", "stop-strings"],
+                     "priorities", "seeded-sampling", "logprobs", "stop-strings", "memory-budget", "sleep-mode"],
+        # each device's budget and every engine's share of it (here: this command's engine)
+        "memory": memory_report(),
     }, indent=2))
 
 
@@ -146,7 +149,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     chat_parser.add_argument("--max-tokens", type=int, default=256)
     chat_parser.add_argument("--temperature", type=float, default=0.0)
     chat_parser.set_defaults(run=chat)
-    info_parser = commands.add_parser("info", help="model, dtype, device and KV cache capacity")
+    info_parser = commands.add_parser("info", help="model, dtype, device, KV cache capacity and memory budget")
     info_parser.add_argument("--model", default="default")
     info_parser.set_defaults(run=info)
     generate_parser = commands.add_parser("generate", help="prompts (one per line) to JSONL")

@@ -113,6 +113,16 @@ class LLM:
         """Scheduler and KV cache counters: running/waiting, free/total blocks, preemptions, prefix hits."""
         return self._core.stats()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory once its running requests finish: level 1 drops the KV cache (on a
+        GPU the weights move to pinned host memory), level 2 the weights too. The next request (from
+        any handle on this engine) or :meth:`wake_up` wakes it; ``keep_alive=`` does this when idle."""
+        self._core.sleep(level)
+
+    def wake_up(self) -> None:
+        """Bring the weights and a fresh KV cache back now, instead of at the next request."""
+        self._core.wake_up()
+
     def close(self) -> None:
         """Release this handle; the shared engine stops when its last handle closes."""
         if self._core is not None:

@@ -292,4 +292,8 @@ def _cgroup_memory_limit() -> int | None:
 
 
 def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f} MiB"
+    """Bytes for a person: KiB, MiB or GiB, one decimal."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB"

@@ -62,7 +62,7 @@ def _blocks_to_keep(pool: BlockPool, num_blocks: int) -> list[int]:
     in_use = [block.block_id for block in pool.blocks if block.ref_count > 0]
     room = num_blocks - len(in_use)
     cached_free = [block_id for block_id in pool.free_queue if pool.blocks[block_id].block_hash is not None]
-    kept_cached = cached_free[len(cached_free) - room:] if room > 0 else []
+    kept_cached = cached_free[max(0, len(cached_free) - room):] if room > 0 else []
     return sorted(in_use + kept_cached)
 
 
