@@ -349,3 +349,32 @@ def test_info_lists_the_engines_memory(tiny_model_dirs, fresh_cpu_budget):
     assert engine["name"] == "engine 'llama'" and engine["weights_bytes"] > 0 and engine["kv_cache_bytes"] > 0
     assert report["capacity_bytes"] == 64 * 2**20
     get_engine(str(path)).close()
+
+
+def test_level_2_sleep_is_refused_with_lora_and_the_engine_keeps_serving(tiny_model_dirs, fresh_cpu_budget, llms):
+    fresh_cpu_budget(64 * 2**20)
+    llm = llms(tiny_model_dirs["llama"], kv_cache_memory="1MiB", enable_lora=True)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.sleep(level=2)
+    assert not llm.stats()["is_sleeping"]
+    llm.sleep(level=1)
+    assert llm.stats()["is_sleeping"]
+
+
+def test_chat_hearth_and_hearth_llm_pass_keep_alive_to_the_shared_engine(tiny_model_dirs):
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from langchain_core.messages import HumanMessage
+
+    from hearth_llm.integrations.langchain import ChatHearth
+    from hearth_llm.integrations.llama_index import HearthLLM
+
+    path, engine_kwargs = str(tiny_model_dirs["llama"]), {"dtype": "float32", "kv_cache_memory": "1MiB"}
+    core = get_engine(path, **engine_kwargs)
+    try:
+        ChatHearth(model=path, keep_alive="5m", engine_kwargs=engine_kwargs)._prepare([HumanMessage("hi")], None, {})
+        assert core.keep_alive == 300
+        assert HearthLLM(model=path, keep_alive=2, engine_kwargs=engine_kwargs).core is core
+        assert core.keep_alive == 2
+    finally:
+        core.close()

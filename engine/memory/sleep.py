@@ -44,18 +44,21 @@ def check_sleep_level(level: object) -> int:
     return level
 
 
-def check_can_sleep(engine) -> None:
+def check_can_sleep(engine, level: int) -> None:
     """What sleeping cannot handle yet raises ValueError naming it."""
     draft = getattr(getattr(engine, "proposer", None), "runner", None)
     if draft is not None:
         raise ValueError("sleep is not supported with a draft model (speculative method 'draft_model'): "
                          "its weights and KV cache are not moved")
+    if level == 2 and getattr(engine.runner, "lora", None) is not None:
+        raise ValueError("sleep level 2 is not supported with enable_lora=True: the LoRA manager wraps the "
+                         "loaded model's layers, which a reload would replace; use level 1")
 
 
 def put_to_sleep(engine, level: int) -> SleepState:
     """Drop what ``level`` drops; the engine must hold no request (the caller waits for that)."""
     check_sleep_level(level)
-    check_can_sleep(engine)
+    check_can_sleep(engine, level)
     if engine.has_unfinished_requests():
         raise RuntimeError("an engine sleeps only when it holds no request")
     runner = engine.runner
@@ -76,6 +79,7 @@ def put_to_sleep(engine, level: int) -> SleepState:
 
 def deepen_sleep(engine, state: SleepState) -> None:
     """From level 1 to level 2: the weights go too (host copies included)."""
+    check_can_sleep(engine, 2)
     state.level, state.offloaded = 2, None
     engine.scheduler.kv_regime_of = None
     engine.runner.model = None
@@ -103,6 +107,7 @@ def _reload_model(engine):
     config = engine.config
     checkpoint = load_checkpoint(config.model, engine.runner.dtype, allow_pickle=config.allow_pickle,
                                  trust_remote_code=config.trust_remote_code, progress=False)
+    checkpoint.quantization = getattr(config, "quantization", None)  # as LLMEngine loads it
     model, _ = load_model(checkpoint, engine.runner.device, engine.runner.dtype)
     return model
 

@@ -66,6 +66,9 @@ class ChatHearth(BaseChatModel):
         engine_kwargs: :class:`EngineConfig` fields (``max_num_seqs``, ``kv_cache_memory``, ...).
             Every ChatHearth, ``AsyncLLM`` and ``LLM`` on the same model and config shares one
             engine, its KV cache and its prefix cache.
+        keep_alive: put that shared engine to sleep after it has been idle this long (seconds, or
+            ``"30s"``, ``"5m"``), as ChatOllama's ``keep_alive``; the next call wakes it. None: leave
+            the engine's setting as it is (by default it never sleeps).
 
     Instantiate (cheap: the model loads on the first call):
         .. code-block:: python
@@ -153,6 +156,7 @@ class ChatHearth(BaseChatModel):
     tool_parser: str | None = None
     tool_choice: str | dict | bool | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    keep_alive: float | str | None = None
     # A LoRA adapter: a name the engine knows, a PEFT directory or a LoRARequest (engine_kwargs
     # enable_lora=True); per call with .bind(lora=...). response_metadata["lora_name"] names it.
     lora: Any = None
@@ -318,7 +322,8 @@ class ChatHearth(BaseChatModel):
                               sampling=SamplingOptions(**self._options(stop, kwargs)),
                               tool_parser=self.tool_parser, timeout=self.timeout,
                               lora_request=kwargs.pop("lora", self.lora))
-        core = get_engine(model, **{"show_progress": False, **self.engine_kwargs})
+        keep_alive = {} if self.keep_alive is None else {"keep_alive": self.keep_alive}
+        core = get_engine(model, **{"show_progress": False, **self.engine_kwargs, **keep_alive})
         return _Call(ChatService(core), request, model)
 
 

@@ -76,6 +76,8 @@ class HearthLLM(FunctionCallingLLM):
     context_window: int | None = Field(default=None, description="None: the engine's max_model_len.")
     tool_parser: str | None = Field(default=None, description="Tool-call format; None: read from the chat template.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields.")
+    keep_alive: float | str | None = Field(default=None, description="Idle seconds (or '5m') before the shared "
+                                           "engine sleeps; the next call wakes it. None: the engine's setting.")
     lora: Any = Field(default=None, description="LoRA adapter: a known name, a PEFT dir or a LoRARequest; None: base.")
 
     @classmethod
@@ -85,7 +87,8 @@ class HearthLLM(FunctionCallingLLM):
     @property
     def core(self) -> EngineCore:
         """The shared engine; the same object ChatHearth gets for this model and config."""
-        return get_engine(self.model, **{"show_progress": False, **self.engine_kwargs})
+        keep_alive = {} if self.keep_alive is None else {"keep_alive": self.keep_alive}
+        return get_engine(self.model, **{"show_progress": False, **self.engine_kwargs, **keep_alive})
 
     @property
     def metadata(self) -> LLMMetadata:
