@@ -10,6 +10,10 @@ torch.Size([2, 384])
 torch.Size([1, 256])
 >>> reranker = get_embedding_engine("/models/bge-reranker-v2-m3")                 # a cross-encoder
 >>> reranker.score("Where is Paris?", ["Paris is in France.", "Rome is in Italy."])
+>>> qwen = get_embedding_engine("/models/Qwen3-Embedding-0.6B", dimensions=512)    # a decoder, last token
+>>> qwen.embed(["Where is Paris?"], prompt_name="query").shape
+torch.Size([1, 512])
+>>> llm_reranker = get_embedding_engine("/models/Qwen3-Reranker-0.6B", task="score")   # P("yes")
 """
 from .config import EmbeddingConfig
 from .engine import EmbeddingEngine

@@ -23,9 +23,10 @@ class EmbeddingConfig:
 
     - ``model``: ``"default"`` (all-MiniLM-L6-v2, bundled) or a sentence-transformers directory
       (a plain BERT-family HF directory works too: mean pooling, no normalization). Our encoders:
-      BERT, RoBERTa, XLM-RoBERTa (bge-m3, multilingual-e5), NomicBert, ModernBERT; a directory
-      whose config.json names a ``*ForSequenceClassification`` head with one label is a
-      cross-encoder reranker (``EmbeddingEngine.score``).
+      BERT, RoBERTa, XLM-RoBERTa (bge-m3, multilingual-e5), NomicBert, ModernBERT; decoders the
+      LLM engine runs (Qwen3-Embedding; see ``task``); a directory whose config.json names a
+      ``*ForSequenceClassification`` head with one label is a cross-encoder reranker
+      (``EmbeddingEngine.score``).
     - ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
     - ``dtype``: ``"auto"`` (default): float32, and on CPUs with bf16 matmuls (AVX-512 BF16, AMX)
       our encoder's mixed precision — the attention output projections and the last feed-forward

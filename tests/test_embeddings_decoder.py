@@ -195,3 +195,18 @@ def test_rerankers_in_the_integrations_pick_the_llm_reranker(reranker_dir):
     best = expected.argsort(descending=True)[:2].tolist()
     assert [doc.page_content for doc in kept] == [DOCUMENTS[i] for i in best]
     assert abs(kept[0].metadata["relevance_score"] - expected[best[0]].item()) < 1e-5
+
+
+def test_hearth_embeddings_and_hearth_embedding_serve_a_decoder_embedder_with_its_prompts(embedding_dir):
+    from hearth_llm.integrations.langchain import HearthEmbeddings
+    from hearth_llm.integrations.llama_index import HearthEmbedding
+
+    queries = model_card_embeddings(embedding_dir, [QUERY_PROMPT + text for text in TEXTS[:2]])
+    documents = model_card_embeddings(embedding_dir, TEXTS[:2])          # the document prompt is ""
+    options = {"dtype": "float32"}
+    langchain = HearthEmbeddings(model=str(embedding_dir), engine_kwargs=options)
+    assert_close(torch.tensor([langchain.embed_query(text) for text in TEXTS[:2]]), queries)
+    assert_close(torch.tensor(langchain.embed_documents(TEXTS[:2])), documents)
+    llama_index = HearthEmbedding(model_name=str(embedding_dir), engine_kwargs=options)
+    assert_close(torch.tensor([llama_index.get_query_embedding(text) for text in TEXTS[:2]]), queries)
+    assert_close(torch.tensor(llama_index.get_text_embedding_batch(TEXTS[:2])), documents)

@@ -19,8 +19,9 @@ class HearthEmbeddings(BaseModel, Embeddings):
 
     Key init args:
         model: ``"default"`` (all-MiniLM-L6-v2, bundled, 384 dimensions, unit length) or a
-            sentence-transformers directory (BERT, XLM-RoBERTa, NomicBert, ModernBERT). Queries get
-            the model's ``"query"`` prompt and documents its document prompt, when it has them.
+            sentence-transformers directory (BERT, XLM-RoBERTa, NomicBert, ModernBERT, or a decoder
+            embedder such as Qwen3-Embedding, run on the LLM engine's model code). Queries get the
+            model's ``"query"`` prompt and documents its document prompt, when it has them.
         truncate: cut texts longer than the model's ``max_seq_length`` (default); with ``False``
             such a text raises ``TextTooLongError``.
         show_progress: progress bar for ``embed_documents``; ``None`` shows one for 1000+ texts.

@@ -19,7 +19,8 @@ class HearthEmbedding(BaseEmbedding):
     >>> index.as_retriever(similarity_top_k=1).retrieve("Which city is France's capital?")[0].score
     >>> await HearthEmbedding().aget_text_embedding_batch(texts)    # native async; calls share batches
 
-    ``model_name`` is ``"default"`` or a sentence-transformers directory; ``engine_kwargs`` are
+    ``model_name`` is ``"default"`` or a sentence-transformers directory (an encoder, or a decoder
+    embedder such as Qwen3-Embedding: last token, its query prompt); ``engine_kwargs`` are
     :class:`~hearth_llm.embeddings.EmbeddingConfig` fields. Every HearthEmbedding and LangChain
     ``HearthEmbeddings`` on the same model and config shares one engine. ``embed_batch_size`` is how
     many texts LlamaIndex hands over per call; the engine forms its own forward batches from them.
