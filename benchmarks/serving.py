@@ -154,7 +154,8 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(records: list[RequestRecord], expected_tokens: list[int]) -> dict:
     """Throughput and latency percentiles (ms) of one run; a request that failed or came back with
     other than its ``max_tokens`` counts as failed."""
-    done = [r for r, n in zip(records, expected_tokens) if r.error is None and r.num_output_tokens == n and r.token_times]
+    done = [r for r, n in zip(records, expected_tokens)
+            if r.error is None and r.num_output_tokens == n and r.token_times]
     failed = [r.error or f"{r.num_output_tokens} tokens, expected {n}" for r, n in zip(records, expected_tokens)
               if r not in done]
     started = min(r.sent for r in records)
@@ -288,10 +289,11 @@ def in_process_sender(core):
     return send
 
 
-async def warm_up(send) -> None:
-    """Batches of 1, 16 and 17 short requests (as bench throughput's warm-up) on other prompts."""
+async def warm_up(send, input_lengths: tuple[int, int]) -> None:
+    """Batches of 1, 16 and 17 requests of 4 tokens (as bench throughput's warm-up: every kernel
+    specialization the runs meet is compiled before them) on other prompts of the runs' lengths."""
     for count in (1, 16, 17):
-        requests = workload(count, (16, 64), (4, 4), seed=1000 + count)
+        requests = workload(count, input_lengths, (4, 4), seed=1000 + count)
         records = await run_requests(send, requests, [0.0] * count)
         errors = [r.error for r in records if r.error]
         if errors:
@@ -300,7 +302,8 @@ async def warm_up(send) -> None:
 
 def measure(send, requests: list[BenchRequest], rates: list[float], seed: int) -> dict[str, dict]:
     async def run() -> dict[str, dict]:
-        await warm_up(send)
+        low, high = min(len(r.prompt_token_ids) for r in requests), max(len(r.prompt_token_ids) for r in requests)
+        await warm_up(send, (low, high))
         results = {}
         for index, rate in enumerate(rates):
             # other token ids per rate: no run reads the prefix cache an earlier one filled
@@ -500,7 +503,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, the engine's choice on cpu")
     parser.add_argument("--peers", default=None,
                         help="comma-separated: in-process, vllm, or none (default: in-process on cpu, vllm on cuda)")
-    parser.add_argument("--num-prompts", type=int, default=None, help="default 200 on cuda, 16 on cpu")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 128 on cuda, 16 on cpu")
     parser.add_argument("--input-lengths", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="prompt lengths uniform in [LOW, HIGH] (default 100 1024 on cuda, 32 128 on cpu)")
     parser.add_argument("--output-lengths", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
@@ -530,10 +533,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--peers: unknown {sorted(unknown)}; known: in-process, vllm")
     if "vllm" in args.peers and not args.shape:
         parser.error("--peers vllm needs --shape (vLLM serves the random-weight checkpoint directory)")
-    args.num_prompts = args.num_prompts or (200 if on_gpu else 16)
+    args.num_prompts = args.num_prompts or (128 if on_gpu else 16)
     if args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    args.input_lengths = _lengths(parser, "--input-lengths", args.input_lengths or ((100, 1024) if on_gpu else (32, 128)))
+    args.input_lengths = _lengths(parser, "--input-lengths",
+                                  args.input_lengths or ((100, 1024) if on_gpu else (32, 128)))
     args.output_lengths = _lengths(parser, "--output-lengths",
                                    args.output_lengths or ((100, 1024) if on_gpu else (16, 64)))
     args.rates = args.rates or ([16.0, 64.0, math.inf] if on_gpu else [2.0, math.inf])

@@ -22,10 +22,15 @@ SIGTERM, and runs on a background thread for in-process use. The endpoints are t
 chat goes through the chat service (``hearth_llm.engine.chat``) exactly as ``ChatHearth`` does;
 completions and embeddings go to the public engine APIs.
 
+Limits: per-key quotas (``--api-key KEY:RPM:TPM`` or ``APIKey``: past them 429 with OpenAI's
+body and ``Retry-After``), a queue bound (``--max-queued-requests``: 503), per-key waiting rates
+(``rate_limit``), body/``n``/``max_tokens`` caps, timeouts (504). Each request is one JSON log line
+and one OpenTelemetry span (``pip install 'hearth-llm[otel]'`` and configure a tracer provider).
+
 The layout: ``app`` (routes, error handlers), ``middleware`` (request id, API key, body cap,
-disconnect → abort, JSON log), ``protocol`` (request bodies), ``chat`` / ``completions`` /
-``embeddings`` / ``tokenize`` (one endpoint family each), ``sse``, ``errors``, ``settings``,
-``state``, ``launch`` (uvicorn: ``serve``, ``start_server``), ``cli`` (``hearth-llm serve``).
+disconnect → abort, JSON log, span), ``protocol`` (request bodies), ``chat`` / ``completions`` /
+``embeddings`` / ``tokenize`` (one endpoint family each), ``sse``, ``errors``, ``quotas``,
+``settings``, ``state``, ``launch`` (uvicorn: ``serve``, ``start_server``), ``cli`` (``hearth-llm serve``).
 """
 from __future__ import annotations
 
