@@ -73,6 +73,15 @@ def lora_llm(llama):
     llm.close()
 
 
+@pytest.fixture(scope="module")
+def strict_llm(llama):
+    """An engine that accepts ranks up to 4 only (adapter "b" has r=8)."""
+    llm = LLM(str(llama[0]), enable_lora=True, max_loras=2, max_lora_rank=4, show_progress=False)
+    yield llm
+    assert_pool_whole(llm.stats())
+    llm.close()
+
+
 @pytest.fixture
 def served(lora_llm, llama):
     yield lora_llm, *llama
@@ -152,6 +161,26 @@ def _bad_copy(adapter_dir, tmp_path, **config_changes):
     return str(bad)
 
 
+def _bad_weights(adapter_dir, tmp_path, transform=None, raw: bytes | None = None):
+    from safetensors.torch import load_file, save_file
+
+    bad = _bad_copy(adapter_dir, tmp_path)
+    weights = f"{bad}/adapter_model.safetensors"
+    if raw is not None:
+        open(weights, "wb").write(raw)
+    else:
+        save_file(transform(load_file(weights)), weights)
+    return bad
+
+
+def _renamed(tensors):
+    return {key.replace("q_proj", "query_key_value"): value for key, value in tensors.items()}
+
+
+def _narrowed(tensors):  # as if made for a base model with a smaller hidden size
+    return {key: value[:, :32].contiguous() if "q_proj.lora_A" in key else value for key, value in tensors.items()}
+
+
 @pytest.mark.parametrize("make_bad, message", [
     (lambda a, tmp: LoRARequest("nope"), "unknown LoRA adapter 'nope'"),
     (lambda a, tmp: LoRARequest("big", a["b"]), "r=8 is above max_lora_rank=4"),
@@ -159,14 +188,57 @@ def _bad_copy(adapter_dir, tmp_path, **config_changes):
     (lambda a, tmp: LoRARequest("bias", _bad_copy(a["a"], tmp, bias="all")), "bias"),
     (lambda a, tmp: LoRARequest("head", _bad_copy(a["a"], tmp, target_modules=["lm_head"])), "lm_head"),
     (lambda a, tmp: LoRARequest("gone", str(tmp / "missing")), "cannot read"),
+    (lambda a, tmp: LoRARequest("other", _bad_weights(a["a"], tmp, _renamed)), "query_key_value is not a linear"),
+    (lambda a, tmp: LoRARequest("narrow", _bad_weights(a["a"], tmp, _narrowed)), r"shape \(4, 32\)"),
+    (lambda a, tmp: LoRARequest("corrupt", _bad_weights(a["a"], tmp, raw=b"\x00garbage")), "cannot be read"),
 ])
-def test_bad_adapter_raises_before_anything_is_queued(llama, tmp_path, make_llm, make_bad, message):
+def test_bad_adapter_raises_before_anything_is_queued(llama, strict_llm, tmp_path, make_bad, message):
     base, adapters = llama
-    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=4)
+    llm = strict_llm
     prompts = random_prompts(2, [6], seed=27)
+    num_prompt_tokens = llm.stats()["num_prompt_tokens"]
+    bad = make_bad(adapters, tmp_path)
     with pytest.raises(ValueError, match=message):
-        llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[None, make_bad(adapters, tmp_path)])
-    stats = llm.stats()
-    assert stats["num_prompt_tokens"] == 0 and llm.list_loras() == []
+        llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[None, bad])
+    assert llm.stats()["num_prompt_tokens"] == num_prompt_tokens and llm.list_loras() == []
     [out] = llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # the engine keeps serving
     assert out.outputs[0].token_ids == peft_greedy(base, None, prompts[0])
+
+
+FAMILIES = {
+    # q/k norm after the projections an adapter changes
+    "qwen3": (lambda: Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=True,
+                                  architectures=["Qwen3ForCausalLM"]), ALL_TARGETS),
+    # HF stores qkv_proj and gate_up_proj fused: the adapter's B covers all of the fused rows
+    "phi3": (lambda: Phi3Config(**TINY_COMMON, sliding_window=12, partial_rotary_factor=0.75,
+                                architectures=["Phi3ForCausalLM"]), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_alone_and_mixed_with_base_match_peft(family, tmp_path, make_llm):
+    make_config, targets = FAMILIES[family]
+    base = save_tiny_model(make_config(), tmp_path / "base", seed=6)
+    adapter = make_adapter(base, tmp_path / "adapter", seed=9, target_modules=targets)
+    llm = make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
+    prompts = random_prompts(3, [15, 6], seed=28)
+    lora = LoRARequest(family, adapter)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora, None, lora])
+    for prompt, path, out in zip(prompts, [adapter, None, adapter], outputs):
+        assert out.outputs[0].token_ids == peft_greedy(base, path, prompt), path
+    assert outputs[0].outputs[0].token_ids != peft_greedy(base, None, prompts[0])
+
+
+def test_forced_preemption_with_adapters_keeps_their_tokens(llama, make_llm):
+    base, adapters = llama
+    with LLM(str(base), block_size=4, show_progress=False) as probe:
+        bytes_per_block = probe.engine.runner.bytes_per_block
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4,
+                   kv_cache_memory=14 * bytes_per_block, max_model_len=56)
+    prompts = random_prompts(6, [20, 9, 14], seed=29)
+    names = ["a", "b", None, "b", "a", None]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                           lora_request=[None if n is None else LoRARequest(n, adapters[n]) for n in names])
+    assert llm.stats()["num_preemptions"] > 0
+    for prompt, name, out in zip(prompts, names, outputs):
+        assert out.outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
