@@ -21,7 +21,7 @@ from hearth_llm.engine.pooling import DecoderPooler, check_poolable
 
 from .config import EmbeddingConfig
 from .model_dir import EncoderSpec
-from .pooling import pool
+from .pooling import pool_packed
 from .runner import EncoderRunner
 
 # Qwen3-Reranker's prompt (its model card): a system turn that asks for "yes" or "no", the pair in
@@ -86,9 +86,8 @@ class DecoderEmbeddingRunner(EncoderRunner):
 
     def run(self, token_ids: list[list[int]]) -> torch.Tensor:
         hidden, bounds = self.pooler.hidden_states(token_ids)
-        padded, attention_mask = _right_padded(hidden, bounds)
         dimensions = self.spec.dimension if self.spec.is_truncated else None
-        return pool(padded, attention_mask, self.spec.pooling, self.spec.normalize, dimensions).cpu()
+        return pool_packed(hidden, bounds, self.spec.pooling, self.spec.normalize, dimensions).cpu()
 
 
 class LLMRerankerRunner(DecoderEmbeddingRunner):
@@ -132,13 +131,3 @@ def _single_token_id(tokenizer, token: str) -> int:
                          f"{json.dumps(YES_TOKEN if token == NO_TOKEN else NO_TOKEN)}); this one has none")
     return int(token_id)
 
-
-def _right_padded(hidden: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat rows of each sequence → ``[batch, longest, width]`` and its attention mask."""
-    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-    padded = hidden.new_zeros(len(lengths), max(lengths), hidden.shape[-1])
-    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long, device=hidden.device)
-    for row, (start, length) in enumerate(zip(bounds, lengths)):
-        padded[row, :length] = hidden[start:start + length]
-        mask[row, :length] = 1
-    return padded, mask

@@ -210,3 +210,38 @@ def test_hearth_embeddings_and_hearth_embedding_serve_a_decoder_embedder_with_it
     llama_index = HearthEmbedding(model_name=str(embedding_dir), engine_kwargs=options)
     assert_close(torch.tensor([llama_index.get_query_embedding(text) for text in TEXTS[:2]]), queries)
     assert_close(torch.tensor(llama_index.get_text_embedding_batch(TEXTS[:2])), documents)
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls", "max", "mean_sqrt_len", "lasttoken"])
+def test_pooling_unpadded_rows_equals_pooling_the_padded_batch(mode):
+    from hearth_llm.embeddings.pooling import pool, pool_packed
+
+    lengths, generator = [5, 1, 3, 7], torch.Generator().manual_seed(0)
+    hidden = torch.randn(sum(lengths), 8, generator=generator)
+    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    padded, mask = torch.zeros(len(lengths), max(lengths), 8), torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, (start, length) in enumerate(zip(bounds, lengths)):
+        padded[row, :length], mask[row, :length] = hidden[start:start + length], 1
+    for normalize in (True, False):
+        expected = pool(padded, mask, mode, normalize, dimensions=5)
+        assert torch.allclose(pool_packed(hidden, bounds, mode, normalize, dimensions=5), expected, atol=1e-6)
+
+
+def test_a_decoder_config_the_engine_refuses_names_the_field(reranker_dir, tmp_path):
+    """A rope type the engine's model code does not implement: the LLM reranker refuses it by name
+    when the engine is made; an embedder may fall back to transformers' AutoModel, or refuse by name
+    under implementation='hearth'."""
+    import shutil
+
+    path = tmp_path / "dynamic_rope"
+    shutil.copytree(reranker_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported"):
+        EmbeddingEngine(EmbeddingConfig(model=str(path), task="score"))
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported"):
+        EmbeddingEngine(EmbeddingConfig(model=str(path), pooling="lasttoken", implementation="hearth"))
+    with EmbeddingEngine(EmbeddingConfig(model=str(path), pooling="lasttoken", dtype="float32")) as engine:
+        assert engine.implementation == "transformers"
+        assert engine.embed(["x y"]).shape == (1, 32)
