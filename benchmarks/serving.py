@@ -14,7 +14,7 @@ server sees the same prompts at the same offsets. Measured per request: TTFT (se
 event), ITL (gaps between token events), TPOT ((end - first token) / (tokens - 1)); per run:
 requests/s and output tokens/s from the first send to the last answer.
 
-Servers run in their own processes (``hearth-llm serve``, ``python -m vllm.entrypoints.openai.api_server``),
+Servers run in their own processes (``hearth-llm serve``, ``vllm serve``),
 one after the other, so they never share the device. The peers:
 
 - ``in-process``: the same engine driven from this process through ``EngineCore.add_request`` with the
@@ -381,8 +381,12 @@ def ours_command(model: str, port: int, engine_args: list[str]) -> list[str]:
             SERVED_NAME, "--embedding-model", "none", *engine_args]
 
 
+# `vllm serve` as its console script runs it (vllm.entrypoints.cli.main:main), without needing the script
+_VLLM_SERVE = "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"
+
+
 def vllm_command(model_dir: str, port: int, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+    return [sys.executable, "-c", _VLLM_SERVE, "serve", model_dir, "--port", str(port),
             "--served-model-name", SERVED_NAME, "--load-format", "dummy", "--dtype", args.dtype or "auto",
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", "0.85", "--seed", "0",
@@ -583,7 +587,8 @@ def main(argv=None) -> None:
         if "in-process" in args.peers:
             results["hearth-in-process"] = measure_in_process(model, engine_kwargs, requests, args)
         if "vllm" in args.peers:
-            vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+            vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
             port = free_port()
             results["vllm"] = measure_server("vllm", vllm_command(model, port, args), vllm_env, port, args, requests,
                                              work_dir)
