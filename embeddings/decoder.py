@@ -84,6 +84,14 @@ class DecoderEmbeddingRunner(EncoderRunner):
     def is_mixed_precision(self) -> bool:
         return False
 
+    def tokenize(self, texts: list, truncate: bool) -> tuple[list[list[int]], list[bool]]:
+        """As the encoders'; a text with no tokens at all (``""`` where the tokenizer adds no end
+        token) raises, and the engine then fails only that text's request."""
+        token_ids, is_too_long = super().tokenize(texts, truncate)
+        if not all(token_ids):
+            raise ValueError("the text has no tokens (this tokenizer adds no special token to an empty text)")
+        return token_ids, is_too_long
+
     def run(self, token_ids: list[list[int]]) -> torch.Tensor:
         hidden, bounds = self.pooler.hidden_states(token_ids)
         dimensions = self.spec.dimension if self.spec.is_truncated else None

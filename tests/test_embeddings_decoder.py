@@ -245,3 +245,12 @@ def test_a_decoder_config_the_engine_refuses_names_the_field(reranker_dir, tmp_p
     with EmbeddingEngine(EmbeddingConfig(model=str(path), pooling="lasttoken", dtype="float32")) as engine:
         assert engine.implementation == "transformers"
         assert engine.embed(["x y"]).shape == (1, 32)
+
+
+def test_an_empty_text_without_tokens_fails_only_its_own_request(reranker_dir):
+    """The reranker directory's tokenizer adds no end token: "" has no token to pool."""
+    with EmbeddingEngine(EmbeddingConfig(model=str(reranker_dir), pooling="lasttoken", dtype="float32")) as engine:
+        empty, fine = engine.submit(["a", ""]), engine.submit(["b"])
+        with pytest.raises(ValueError, match=r"texts\[1\] cannot be tokenized.*no tokens"):
+            empty.result(timeout=60)
+        assert fine.result(timeout=60).shape == (1, 32)
