@@ -38,7 +38,8 @@ def test_base_tokens_are_left_bit_identical():
     assert not torch.equal(out[1::2], y[1::2])
 
 
-@pytest.mark.parametrize("shape", [(5, 20, 33, 3, 6), (3, 130, 70, 2, 48), (2, 16, 16, 1, 1)])
+@pytest.mark.parametrize("shape", [(5, 20, 33, 3, 6), (3, 130, 70, 2, 48), (2, 16, 16, 1, 1),
+                                   (150, 40, 72, 3, 5), (200, 24, 20, 5, 20)])  # > 128 tokens: the sorted blocks
 def test_triton_matches_reference(shape):
     triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
     y, x, slots, a, b = _inputs(*shape, seed=2, device=DEVICE)
@@ -50,10 +51,11 @@ def test_triton_matches_reference(shape):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton on CUDA")
-def test_triton_bf16_is_close_to_fp32_reference():
+@pytest.mark.parametrize("num_tokens", [64, 300])  # per token, sorted blocks
+def test_triton_bf16_is_close_to_fp32_reference(num_tokens):
     from hearth_llm.kernels.lora import triton_lora
 
-    y, x, slots, a, b = _inputs(300, 4096, 1024, 8, 16, seed=3, dtype=torch.float32, device="cuda")
+    y, x, slots, a, b = _inputs(num_tokens, 4096, 1024, 8, 48, seed=3, dtype=torch.float32, device="cuda")
     expected = reference.add_lora(y.clone(), x, slots, a, b)
     out = triton_lora.add_lora(y.bfloat16(), x.bfloat16(), slots, a.bfloat16(), b.bfloat16())
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=0.5)
