@@ -61,7 +61,9 @@ class DecodeGraphs:
                 self._forward(size)  # warm up: compiles the Triton kernels for this shape
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                # thread_local: other engines of the process keep running (allocating, syncing) on
+                # their threads while this one captures, e.g. when it wakes from sleep or is shrunk.
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     self.outputs[size] = self._forward(size)
                 graph.replay()  # the first replay uploads the graph: keep that out of serving
                 self.graphs[size] = graph

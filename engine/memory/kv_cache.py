@@ -43,8 +43,14 @@ def shrink_kv_cache(engine, num_blocks: int) -> int:
     num_blocks = max(num_blocks, kv_floor_blocks(engine), num_used_blocks(engine))
     if num_blocks >= pool.num_blocks:
         return 0
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)  # a step in flight writes KV into the blocks we move
+    if runner.device.type != "cuda":
+        return _shrink(engine, runner, pool, num_blocks)
+    with torch.cuda.device(runner.device):       # (called on another engine's thread)
+        torch.cuda.synchronize()                 # a step in flight writes KV into the blocks we move
+        return _shrink(engine, runner, pool, num_blocks)
+
+
+def _shrink(engine, runner, pool: BlockPool, num_blocks: int) -> int:
     keep = _blocks_to_keep(pool, num_blocks)
     new_id = {old: new for new, old in enumerate(keep)}
     runner.decode_graphs = None  # captured over the old tensor (re-captured below)
