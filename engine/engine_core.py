@@ -545,8 +545,9 @@ class EngineCore:
             waiter.error = _error_like(error)
             waiter.done.set()
         self._engine = None  # let the weights and the KV cache go
-        self._memory.engine = None
-        self._memory.release_all()
+        with self._step_lock:  # not while another engine's load is shrinking this one
+            self._memory.engine = None
+            self._memory.release_all()
         self._started.set()
         if self._on_stop is not None:
             self._on_stop(self)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .budget import MemoryBudget, get_memory_budget
+from .budget import MemoryBudget, MemoryBudgetError, get_memory_budget
 from .kv_cache import kv_cache_bytes, kv_floor_blocks, num_reclaimable_blocks, shrink_kv_cache
 from .weights import weights_bytes
 
@@ -36,8 +36,9 @@ class LoadPlan:
 
 def plan_load(checkpoint, config) -> LoadPlan:
     """Weights (the model built on the ``meta`` device: shapes, no memory) and KV sizes for
-    ``config``: ``kv_cache_memory`` exactly when given, else the runner's default (1 GiB on the CPU,
-    90 % of the free GPU memory after the weights), at least one ``max_model_len`` or
+    ``config``: ``kv_cache_memory`` exactly when given, else 1 GiB on the CPU (the runner's default)
+    and on a GPU its share of the budget (capped by the device's real free memory once granted:
+    :meth:`EngineMemory.reserve_for_load`); at least one ``max_model_len`` or
     :data:`MIN_AUTO_CONTEXT_TOKENS` sequence."""
     from ..models import model_class_for
 
@@ -55,8 +56,7 @@ def plan_load(checkpoint, config) -> LoadPlan:
     if config.kv_cache_memory is not None:
         return LoadPlan(weights, config.kv_cache_memory, config.kv_cache_memory, tokens)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return LoadPlan(weights, max(minimum, int((free - weights) * GPU_KV_FRACTION_OF_FREE)), minimum, tokens)
+        return LoadPlan(weights, None, minimum, tokens)
     return LoadPlan(weights, max(minimum, DEFAULT_CPU_KV_CACHE_BYTES), minimum, tokens)
 
 
@@ -93,8 +93,29 @@ class EngineMemory:
     def reserve_for_load(self, plan: LoadPlan) -> int:
         """The KV bytes granted; raises :class:`MemoryBudgetError`, booking nothing, if even the
         minimum does not fit."""
-        return self.budget.reserve(self, plan.weights_bytes, plan.kv_wanted_bytes, plan.kv_minimum_bytes,
-                                   what=f"{plan.minimum_tokens} tokens")
+        granted = self.budget.reserve(self, plan.weights_bytes, plan.kv_wanted_bytes, plan.kv_minimum_bytes,
+                                      what=f"{plan.minimum_tokens} tokens")
+        if self.device.type == "cuda" and plan.kv_wanted_bytes is None:
+            granted = self._within_free_gpu_memory(plan, granted)
+        return granted
+
+    def _within_free_gpu_memory(self, plan: LoadPlan, granted: int) -> int:
+        """The budget counts only this process's engines: as before budgets, an automatic KV cache
+        also keeps to 90 % of what the device really has free after the weights (other
+        processes, activations, CUDA graphs)."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        real = int((free - plan.weights_bytes) * GPU_KV_FRACTION_OF_FREE)
+        if real >= granted:
+            return granted
+        if real < plan.kv_minimum_bytes:
+            self.budget.release(self)
+            raise MemoryBudgetError(
+                f"{self.name} fits its {self.budget.device} memory budget but not the device: "
+                f"{free / 2**30:.2f} GiB are free, it needs {(plan.weights_bytes + plan.kv_minimum_bytes) / 2**30:.2f} "
+                f"GiB (weights + KV cache for {plan.minimum_tokens} tokens) with 10 % kept aside; another process "
+                f"may hold the GPU, or lower the budget (hearth_llm.engine.set_memory_budget)")
+        self.budget.book(self, plan.weights_bytes, real)
+        return real
 
     def book_loaded(self, engine) -> None:
         """Book what the loaded engine really holds (the plan was an estimate)."""
@@ -150,7 +171,7 @@ class EngineMemory:
             return 0
         try:
             engine = self.engine
-            if engine is None or self.state != "serving":
+            if engine is None or self.state != "serving":   # loading, asleep or closed: nothing to give
                 return 0
             before = kv_cache_bytes(engine)
             shrink_kv_cache(engine, engine.runner.num_blocks - -(-num_bytes // self.bytes_per_block))
