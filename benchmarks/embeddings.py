@@ -11,13 +11,16 @@ On a GPU (for the H200; the passages row runs alone):
     hearth-llm bench embeddings --passages --device cuda --dtype bfloat16       # bge-m3 shape, 10k × 256 tokens
     hearth-llm bench embeddings --passages --device cpu --shape tiny --num-passages 64   # a dry run
     hearth-llm bench embeddings --passages --device cuda --shape qwen3-embedding-0.6b   # a decoder embedder
+    hearth-llm bench embeddings --llm-rerank --device cuda --shape qwen3-embedding-0.6b # Qwen3-Reranker shape
 
 The passages row writes a random encoder of bge-m3's shape (XLM-RoBERTa, 24 layers, 1024 wide,
 CLS pooling, Normalize; the bundled MiniLM tokenizer, which is all the text needs) as a
 sentence-transformers directory and embeds ``--num-passages`` passages of ``--passage-tokens``
 tokens with our engine and with sentence-transformers on the same device in the same run. The
 ``qwen3-embedding-*`` shapes are decoders (Qwen3, last-token pooling, Normalize) that our engine
-runs on the LLM engine's model code (``hearth_llm.engine.pooling``).
+runs on the LLM engine's model code (``hearth_llm.engine.pooling``). ``--llm-rerank`` scores
+(query, document) pairs with such a decoder as an LLM reranker (Qwen3-Reranker's prompt, P("yes"))
+against the model card's recipe in transformers (batches of ``--st-batch-size``).
 
 The reranker is an ms-marco-MiniLM-L6-shaped cross-encoder (BERT, 6 layers, 384 wide: the bundled
 all-MiniLM-L6-v2's encoder and tokenizer with a seeded random one-label head, written to a
@@ -174,7 +177,7 @@ DECODER_PASSAGE_SHAPES = {  # Qwen3Config fields (Qwen3-Embedding-0.6B's, and a 
 }
 
 
-def write_passage_encoder(path: str, shape: str) -> str:
+def write_passage_encoder(path: str, shape: str, device: str = "cpu") -> str:
     """A random XLM-R encoder of ``shape`` as a sentence-transformers directory (CLS pooling,
     Normalize), or for a decoder shape a random Qwen3 (last-token pooling, Normalize). Written
     without sentence-transformers, so our side runs where it is not installed."""
@@ -191,7 +194,8 @@ def write_passage_encoder(path: str, shape: str) -> str:
     else:
         fields, pooling = PASSAGE_SHAPES[shape], "cls"
         config = XLMRobertaConfig(**fields, pad_token_id=1, type_vocab_size=1)
-    AutoModel.from_config(config).save_pretrained(path)
+    with torch.device(device):            # random init of a 0.6B model: seconds on a CPU, instant on a GPU
+        AutoModel.from_config(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, os.path.join(path, name))
     return str(write_pipeline_files(path, fields["hidden_size"], pooling, normalize=True, max_seq_length=512))
@@ -207,7 +211,7 @@ def passages_row(args) -> dict:
     passages = [text * 12 for text in make_sentences(args.num_passages, seed=2)]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     with tempfile.TemporaryDirectory() as path:
-        model_path = write_passage_encoder(path, args.shape)
+        model_path = write_passage_encoder(path, args.shape, args.device)
         ours = EmbeddingEngine(EmbeddingConfig(model=model_path, device=args.device, dtype=args.dtype,
                                                max_seq_length=args.passage_tokens, show_progress=False))
         sides = {"hearth": lambda texts: ours.embed(texts)}
@@ -247,6 +251,84 @@ def passages_row(args) -> dict:
     return row
 
 
+def hf_llm_reranker(model_path: str, device: str, dtype: torch.dtype, batch_size: int, max_length: int):
+    """The Qwen3-Reranker model card's scoring with transformers (left padding, the last position,
+    softmax over "no"/"yes"), asking for the last position's logits only: the peer of ours."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hearth_llm.embeddings.decoder import RERANK_PREFIX, RERANK_SUFFIX, rerank_text
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    prefix = tokenizer.encode(RERANK_PREFIX, add_special_tokens=False)
+    suffix = tokenizer.encode(RERANK_SUFFIX, add_special_tokens=False)
+    no_yes = [tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")]
+
+    @torch.inference_mode()
+    def score(query: str, documents: list[str]) -> list[float]:
+        scores = []
+        for start in range(0, len(documents), batch_size):
+            texts = [rerank_text(query, document) for document in documents[start:start + batch_size]]
+            inputs = tokenizer(texts, truncation=True, return_attention_mask=False,
+                               max_length=max_length - len(prefix) - len(suffix))
+            inputs["input_ids"] = [prefix + ids + suffix for ids in inputs["input_ids"]]
+            batch = tokenizer.pad(inputs, padding=True, return_tensors="pt").to(device)
+            logits = model(**batch, logits_to_keep=1).logits[:, -1, no_yes].float()
+            scores += torch.softmax(logits, dim=1)[:, 1].tolist()
+        return scores
+
+    return score
+
+
+def llm_rerank_row(args) -> dict:
+    """Pairs per second of a Qwen3-Reranker-shaped random decoder: ours (``task="score"``) against
+    the model card's recipe in transformers, same device, same run, 10 queries per round."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine
+
+    sentences = make_sentences(args.rerank_pairs + 10, seed=3)
+    queries = [sentence.split(".")[0][:60] + "?" for sentence in sentences[:10]]
+    documents = [text * 6 for text in sentences[10:]]           # ~150 tokens each
+    groups = [(queries[i], documents[i::10]) for i in range(10)]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    with tempfile.TemporaryDirectory() as path:
+        torch.manual_seed(0)
+        config = Qwen3Config(**DECODER_PASSAGE_SHAPES[args.shape], architectures=["Qwen3ForCausalLM"])
+        with torch.device(args.device):
+            AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            shutil.copy(default_model_path() / name, os.path.join(path, name))   # has "yes" and "no"
+        ours = EmbeddingEngine(EmbeddingConfig(model=path, task="score", device=args.device, dtype=args.dtype,
+                                               max_seq_length=512, show_progress=False))
+        theirs = hf_llm_reranker(path, args.device, dtype, args.st_batch_size, max_length=512)
+        sides = {"hearth": lambda: [ours.score(q, docs) for q, docs in groups],
+                 "transformers": lambda: [theirs(q, docs) for q, docs in groups]}
+        scores = {name: side() for name, side in sides.items()}           # load and warm up
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        for round_index in range(args.rounds):
+            for name in (reversed(sides) if round_index % 2 == 0 else sides):
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                scores[name] = sides[name]()
+                rates[name].append(len(documents) / (time.perf_counter() - start))
+        ratios = [a / b for a, b in zip(rates["hearth"], rates["transformers"], strict=True)]
+        flat = {name: torch.tensor([x for group in value for x in group]) for name, value in scores.items()}
+        row = {"shape": args.shape, "device": args.device, "dtype": args.dtype, "num_pairs": len(documents),
+               "rounds": args.rounds, "precision": ours.precision,
+               "hearth_pairs_per_s": round(statistics.median(rates["hearth"]), 1),
+               "transformers_pairs_per_s": round(statistics.median(rates["transformers"]), 1),
+               "speedup": round(statistics.median(ratios), 2), "speedup_rounds": [round(r, 2) for r in ratios],
+               "max_abs_score_difference": (flat["hearth"] - flat["transformers"]).abs().max().item(),
+               "load_average": [round(load, 2) for load in os.getloadavg()]}
+        ours.close()
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-sentences", type=int, default=1000)
@@ -258,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-rerank", action="store_true", help="skip the reranker row")
     parser.add_argument("--only-rerank", action="store_true", help="only the reranker row")
     parser.add_argument("--passages", action="store_true", help="only the long-passages row (GPU)")
+    parser.add_argument("--llm-rerank", action="store_true",
+                        help="only the LLM reranker row (a qwen3-* --shape; --rerank-pairs pairs per round)")
     parser.add_argument("--device", default="cuda", help="device of the passages row")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--shape", default="bge-m3", choices=sorted(PASSAGE_SHAPES) + sorted(DECODER_PASSAGE_SHAPES))
@@ -266,6 +350,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--st-batch-size", type=int, default=128, help="sentence-transformers' batch size")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.llm_rerank:
+        if args.shape not in DECODER_PASSAGE_SHAPES:
+            parser.error(f"--llm-rerank needs a decoder --shape: one of {sorted(DECODER_PASSAGE_SHAPES)}")
+        return _report({"llm_reranker": llm_rerank_row(args)}, args.json)
     if args.passages:
         return _report({"passages": passages_row(args)}, args.json)
     if args.only_rerank:
