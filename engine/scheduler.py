@@ -116,10 +116,11 @@ class Scheduler:
         return max(candidates, key=_queue_key)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled_ids: set[str]) -> int:
+        running_loras = self._running_loras()
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if request.is_waiting_for_grammar or request.num_pending_tokens or not self._has_lora_slot(request):
+            if request.is_waiting_for_grammar or request.num_pending_tokens or not self._has_lora_slot(request, running_loras):
                 continue  # (a preempted request's last token is still in flight)
             if request.waits_for is not None and not _prompt_is_cached(request.waits_for):
                 continue
@@ -136,18 +137,22 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora is not None:
+                running_loras.add(request.lora.cache_key)
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             scheduled_ids.add(request.request_id)
             budget -= num_new
         return budget
 
-    def _has_lora_slot(self, request: Request) -> bool:
+    def _running_loras(self) -> set[str]:
+        return {r.lora.cache_key for r in self.running if r.lora is not None} if self.max_loras is not None else set()
+
+    def _has_lora_slot(self, request: Request, running_loras: set[str]) -> bool:
         """Whether running ``request`` keeps the running adapters within ``max_loras``."""
         if request.lora is None or self.max_loras is None:
             return True
-        running = {r.lora.cache_key for r in self.running if r.lora is not None}
-        return request.lora.cache_key in running or len(running) < self.max_loras
+        return request.lora.cache_key in running_loras or len(running_loras) < self.max_loras
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it; it recomputes (often from the prefix cache)."""

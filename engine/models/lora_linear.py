@@ -54,8 +54,11 @@ class LoRAStep:
             self._compact(slots)
 
     def end(self) -> None:
-        """After the forward pass: a forward the runner did not prepare runs the base model."""
+        """After the forward pass: a forward the runner did not prepare (a pooling pass, a graph
+        warm-up) runs the base model. On CUDA the kernels always run, so the slots go back to -1
+        (stream-ordered after this pass's kernels)."""
         self.has_adapters = False
+        self.token_slots.fill_(-1)
 
     def _compact(self, slots: torch.Tensor) -> None:
         used = torch.unique(slots[slots >= 0])
