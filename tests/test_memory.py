@@ -171,6 +171,22 @@ def test_offloading_keeps_tied_weights_tied_and_views_views():
     assert torch.equal(model.packed[1], torch.arange(3.0))
 
 
+def test_offloading_a_loaded_model_and_back_keeps_its_greedy_tokens(tiny_model_dirs, fresh_cpu_budget, llms):
+    """What level 1 does to a GPU model's weights, done here host to host."""
+    fresh_cpu_budget(64 * 2**20)
+    llm = llms(tiny_model_dirs["qwen3"], kv_cache_memory="1MiB")
+    prompts = random_prompts(2, [6, 19], seed=7)
+    expected = tokens(llm, prompts)
+    with llm._core._step_lock:
+        model = llm.engine.runner.model
+        storage = model.lm_head.weight.untyped_storage().data_ptr()
+        offloaded = offload_weights(model, torch.device("cpu"), pin_memory=False)
+        assert model.lm_head.weight.untyped_storage().data_ptr() != storage      # really moved
+        assert offloaded.num_bytes == weights_bytes(model) == llm.stats()["weights_bytes"]
+        offloaded.restore()
+    assert tokens(llm, prompts) == expected
+
+
 # ---- shrinking a live KV cache ------------------------------------------------------------------
 
 def test_shrinking_moves_a_running_requests_blocks_and_keeps_the_prefix_cache(tiny_model_dirs, make_engine):

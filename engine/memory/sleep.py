@@ -68,7 +68,7 @@ def put_to_sleep(engine, level: int) -> SleepState:
     engine.kv_cache.pool = BlockPool(0, engine.kv_cache.enable_prefix_caching)   # its contents are gone
     engine.kv_cache.num_cached_blocks.clear()
     if level == 1 and runner.device.type == "cuda":
-        state.offloaded = offload_weights(runner.model, pin_memory=True)
+        state.offloaded = offload_weights(runner.model, runner.device, pin_memory=True)
     elif level == 2:
         # The scheduler's hook is a bound method of the model: it would keep the weights alive.
         engine.scheduler.kv_regime_of = None

@@ -75,15 +75,15 @@ class OffloadedWeights:
         _move(self.slots, device or self.device, pin_memory=False)
 
 
-def offload_weights(model: nn.Module, pin_memory: bool = True) -> OffloadedWeights:
-    """Move every tensor of ``model`` to host memory (pinned, for fast copies back to a GPU)."""
+def offload_weights(model: nn.Module, device: torch.device | None = None, pin_memory: bool = True) -> OffloadedWeights:
+    """Move the model's tensors on ``device`` (default: wherever they are) to host memory (pinned,
+    for fast copies back to a GPU). Tensors elsewhere (a CPU-side table of a GPU model) stay."""
     slots = model_tensors(model)
-    devices = {slot.tensor.device for slot in slots}
-    if len(devices) > 1:
-        raise ValueError(f"the model's tensors are on several devices {sorted(map(str, devices))}; "
-                         "offloading moves one device's")
-    device = devices.pop() if devices else torch.device("cpu")
-    num_bytes = weights_bytes(model)
+    if device is None:
+        devices = {slot.tensor.device for slot in slots}
+        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    slots = [slot for slot in slots if slot.tensor.device == device]
+    num_bytes = sum(dict(_storage_key(slot.tensor) for slot in slots).values())
     _move(slots, torch.device("cpu"), pin_memory=pin_memory)
     return OffloadedWeights(slots, device, num_bytes)
 
