@@ -35,8 +35,10 @@ class EngineConfig:
     - ``enable_prefix_caching``: reuse the KV of shared prompt prefixes across requests.
     - ``max_num_seqs``: most sequences in one step.
     - ``max_num_batched_tokens``: the per-step token budget shared by prefill chunks and decodes.
-    - ``kv_cache_memory``: bytes (int or ``"2GiB"``) for the KV cache; default 1 GiB on CPU,
-      90 % of free GPU memory after the weights on CUDA.
+    - ``kv_cache_memory``: bytes (int or ``"2GiB"``) for the KV cache; default 1 GiB on CPU, on CUDA an
+      equal share of the device's memory budget (``set_memory_budget``, 90 % of the GPU by default; at
+      most 90 % of the free memory after the weights). Every engine of the process draws from that
+      budget: a later engine may take back free blocks, down to one ``max_model_len`` sequence.
     - ``allow_pickle``: allow pickled ``.bin`` weights (read with ``weights_only=True``).
     - ``trust_remote_code``: always refused; present so the refusal is explicit.
     - ``seed``: seeds sampling of requests without their own seed.
