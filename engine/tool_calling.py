@@ -179,17 +179,20 @@ def tool_choice_constraint(tools: list | None, tool_choice, tool_parser: str = "
 def _call_grammar(tools: list[dict], tool_parser: str) -> str:
     import xgrammar as xgr
 
-    arguments_key = {"hermes": "arguments", "llama3_json": "parameters"}.get(tool_parser)
+    arguments_key = {"hermes": "arguments", "llama3_json": "parameters", "granite": "arguments",
+                     "phi4_mini": "arguments"}.get(tool_parser)
     if arguments_key is None:
-        raise ValueError(f"tool_choice other than 'auto'/'none' is supported for tool_parser 'hermes' and "
-                         f"'llama3_json', not {tool_parser!r}")
+        raise ValueError(f"tool_choice other than 'auto'/'none' is supported for tool_parser 'hermes', "
+                         f"'llama3_json', 'granite' and 'phi4_mini', not {tool_parser!r}")
     schema = {"anyOf": [{
         "type": "object",
         "properties": {"name": {"const": tool["function"]["name"]}, arguments_key: tool["function"]["parameters"]},
         "required": ["name", arguments_key],
     } for tool in tools]}
     call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    if tool_parser == "hermes":
-        call = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), call,
-                                  xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+    wrapper = {"hermes": ("<tool_call>\\n", "\\n</tool_call>"), "granite": ("<|tool_call|>[", "]"),
+               "phi4_mini": ("functools[", "]")}.get(tool_parser)
+    if wrapper is not None:
+        call = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= "{wrapper[0]}"'), call,
+                                  xgr.Grammar.from_ebnf(f'root ::= "{wrapper[1]}"'))
     return str(call)

@@ -186,10 +186,8 @@ def _template_kwargs(request: ChatRequest, model_info: ModelInfo | None) -> dict
 
 
 def _adapter(request: ChatRequest) -> dict:
-    """The LoRA adapter a request names (a ``lora_request`` field, once the chat request has one),
-    for every engine request it makes."""
-    lora_request = getattr(request, "lora_request", None)
-    return {} if lora_request is None else {"lora_request": lora_request}
+    """The LoRA adapter a request names, for every engine request it makes."""
+    return {} if request.lora_request is None else {"lora_request": request.lora_request}
 
 
 def _loaded_model_info(core) -> ModelInfo | None:

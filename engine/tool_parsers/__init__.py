@@ -10,25 +10,31 @@
 >>> stream.finish()                               # the last events
 
 One module per format; ``base`` holds the types and the streamer, ``json_calls`` the JSON reading
-that hermes, llama3_json and mistral share.
+that hermes, llama3_json, mistral, granite and phi4_mini share.
 """
 from __future__ import annotations
 
 from .base import (ContentDelta, InvalidToolCall, InvalidToolCallDelta, ParsedOutput, StreamEvent, ToolCall,
                    ToolCallDelta, ToolCallStreamer, ToolParser, arguments_json)
 from .hermes import HermesToolParser
+from .json_list import GraniteToolParser, Phi4MiniToolParser
 from .llama3_json import Llama3JsonToolParser
 from .mistral import MistralToolParser
 from .pythonic import PythonicToolParser
+from .qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+                   Qwen3CoderToolParser, GraniteToolParser, Phi4MiniToolParser)
 }
 
 # What a chat template shows about the format it asks for, most specific first.
 _TEMPLATE_HINTS = (
     ("[TOOL_CALLS]", "mistral"),
+    ("<function=", "qwen3_coder"),      # Qwen3-Coder's template also shows <tool_call>
+    ("<|tool_call|>", "granite"),
+    ("<|tool|>", "phi4_mini"),
     ("<tool_call>", "hermes"),
     ("[func_name1(", "pythonic"),
     ("<|python_start|>", "pythonic"),
@@ -70,4 +76,5 @@ def select_tool_parser(chat_template: str | None = None, model_type: str | None 
 __all__ = ["get_tool_parser", "select_tool_parser", "TOOL_PARSERS", "DEFAULT_TOOL_PARSER", "ToolParser",
            "ToolCallStreamer", "ParsedOutput", "ToolCall", "InvalidToolCall", "ContentDelta", "ToolCallDelta",
            "InvalidToolCallDelta", "StreamEvent", "arguments_json", "HermesToolParser", "Llama3JsonToolParser",
-           "MistralToolParser", "PythonicToolParser"]
+           "MistralToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "GraniteToolParser",
+           "Phi4MiniToolParser"]

@@ -15,10 +15,11 @@ from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, Cha
                                      SystemMessage, ToolMessage)
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import ToolCallChunk, invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
@@ -30,6 +31,7 @@ from hearth_llm.engine import EngineCore, Usage, get_engine
 from hearth_llm.engine.chat import ChatDelta, ChatRequest, ChatService, ChatStream, SamplingOptions
 from hearth_llm.engine.chat import ChatResult as HearthChatResult
 from hearth_llm.engine.tool_calling import normalize_tool_choice, tool_parser_for
+from hearth_llm.engine.reasoning import get_reasoning_parser
 from hearth_llm.engine.tool_parsers import InvalidToolCallDelta, ToolCallDelta, get_tool_parser
 
 PROVIDER = "hearth"
@@ -37,7 +39,7 @@ PROVIDER = "hearth"
 _SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "logprobs", "top_logprobs",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "stop")
 # Per-call options that are not sampling parameters: bound by bind_tools and with_structured_output.
-_CALL_OPTIONS = ("tools", "tool_choice", "structured_output", "lora")
+_CALL_OPTIONS = ("tools", "tool_choice", "structured_output", "lora", "reasoning", "max_reasoning_tokens")
 # Content blocks that carry no text for the model to read again (tool calls travel in ``tool_calls``).
 _SKIPPED_BLOCK_TYPES = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "tool_use", "reasoning",
                                   "thinking"})
@@ -63,6 +65,13 @@ class ChatHearth(BaseChatModel):
             ``"pythonic"``); by default chosen from the model's chat template and family.
         tool_choice: the ``tool_choice`` of calls that offer tools but name none (default ``"auto"``);
             ``"any"`` makes a model too small to call tools on its own call one every turn.
+        reasoning: thinking models (Qwen3, SmolLM3, DeepSeek-R1 distills): True/False turns thinking
+            on/off through the chat template's switch; None keeps the model's default. The think block
+            comes back in ``additional_kwargs["reasoning_content"]`` (and as a ``reasoning`` content
+            block), never in ``content``, tool calls or structured output.
+        max_reasoning_tokens: a thinking budget; past it the think block is closed and the model answers.
+        reasoning_parser: the think-block format (``"think"``, ``"deepseek_r1"``, ``"qwen3"``,
+            ``"mistral"``); by default read from the chat template.
         engine_kwargs: :class:`EngineConfig` fields (``max_num_seqs``, ``kv_cache_memory``, ...).
             Every ChatHearth, ``AsyncLLM`` and ``LLM`` on the same model and config shares one
             engine, its KV cache and its prefix cache.
@@ -137,6 +146,17 @@ class ChatHearth(BaseChatModel):
 
         ``method="json_schema"`` (default) constrains the output to the schema; ``"function_calling"``
         binds the schema as a tool and forces a call to it; ``"json_mode"`` allows any JSON object.
+        An output cut by ``max_tokens`` before its JSON is complete raises ``OutputParserException``
+        (it is never auto-closed into an object that violates the schema).
+
+    Thinking models:
+        .. code-block:: python
+
+            chat = ChatHearth(model="Qwen/Qwen3-0.6B", reasoning=True, max_reasoning_tokens=256)
+            msg = chat.invoke("What is 17 * 23?")
+            msg.additional_kwargs["reasoning_content"]   # the think block
+            msg.content                                  # the answer
+            msg.usage_metadata["output_token_details"]   # {'reasoning': 180}
     """
 
     model: str = "default"
@@ -160,12 +180,22 @@ class ChatHearth(BaseChatModel):
     # A LoRA adapter: a name the engine knows, a PEFT directory or a LoRARequest (engine_kwargs
     # enable_lora=True); per call with .bind(lora=...). response_metadata["lora_name"] names it.
     lora: Any = None
+    reasoning: bool | None = None
+    max_reasoning_tokens: int | None = None
+    reasoning_parser: str | None = None
 
     @field_validator("tool_parser")
     @classmethod
     def _check_tool_parser(cls, value: str | None) -> str | None:
         if value is not None:
             get_tool_parser(value)  # raises ValueError naming tool_parser and the known formats
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _check_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None:
+            get_reasoning_parser(value)  # raises ValueError naming reasoning_parser and the known formats
         return value
 
     @property
@@ -239,6 +269,7 @@ class ChatHearth(BaseChatModel):
             guide = {"json": convert_to_json_schema(schema) if method == "json_schema" else {"type": "object"}}
             llm = self.bind(structured_output=guide, ls_structured_output_format=trace_format)
             parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        parser = _refuse_cut_output | parser
         if not include_raw:
             return llm | parser
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -321,7 +352,10 @@ class ChatHearth(BaseChatModel):
                               structured_output=kwargs.pop("structured_output", None),
                               sampling=SamplingOptions(**self._options(stop, kwargs)),
                               tool_parser=self.tool_parser, timeout=self.timeout,
-                              lora_request=kwargs.pop("lora", self.lora))
+                              lora_request=kwargs.pop("lora", self.lora),
+                              reasoning=kwargs.pop("reasoning", self.reasoning),
+                              max_reasoning_tokens=kwargs.pop("max_reasoning_tokens", self.max_reasoning_tokens),
+                              reasoning_parser=self.reasoning_parser)
         keep_alive = {} if self.keep_alive is None else {"keep_alive": self.keep_alive}
         core = get_engine(model, **{"show_progress": False, **self.engine_kwargs, **keep_alive})
         return _Call(ChatService(core), request, model)
@@ -360,13 +394,15 @@ class _Call:
     def chunk(self, delta: ChatDelta) -> ChatGenerationChunk:
         tool_call_chunks = [self._tool_call_chunk(event) for event in delta.tool_calls]
         metadata = _logprobs_metadata(delta.logprobs)
+        # Merged chunks concatenate additional_kwargs strings: the reasoning arrives whole in the sum.
+        reasoning = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
         if delta.result is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=delta.content, tool_call_chunks=tool_call_chunks,
-                                                              response_metadata=metadata))
+                                                              response_metadata=metadata, additional_kwargs=reasoning))
         message = AIMessageChunk(content=delta.content, tool_call_chunks=tool_call_chunks,
                                  usage_metadata=_usage_metadata(delta.result.usage),
                                  response_metadata={**metadata, **self._final_metadata(delta.result)},
-                                 chunk_position="last")
+                                 additional_kwargs=reasoning, chunk_position="last")
         return ChatGenerationChunk(message=message)
 
     def result(self, result: HearthChatResult) -> ChatResult:
@@ -376,6 +412,7 @@ class _Call:
             invalid_tool_calls=[invalid_tool_call(name=call.name, args=call.raw_arguments, id=call.id,
                                                   error=call.error) for call in result.invalid_tool_calls],
             usage_metadata=_usage_metadata(result.usage),
+            additional_kwargs={"reasoning_content": result.reasoning} if result.reasoning else {},
             response_metadata={**_logprobs_metadata(result.logprobs), **self._final_metadata(result)})
         return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -396,6 +433,36 @@ class _Call:
         if self.request.lora_request is not None:
             metadata["lora_name"] = self.request.lora_request.name  # the adapter that answered
         return metadata
+
+
+def _cut_output_error(message: BaseMessage) -> OutputParserException | None:
+    """The error for structured output that ``max_tokens`` (or the context's end) cut short: its
+    JSON would only parse auto-closed, as an object the schema may not admit."""
+    if message.response_metadata.get("finish_reason") != "length":
+        return None
+    usage = getattr(message, "usage_metadata", None) or {}
+    return OutputParserException(
+        f"the structured output was cut after {usage.get('output_tokens', '?')} tokens by max_tokens (or the end of "
+        f"the context) before it was complete (finish_reason='length'); raise max_tokens or leave it None",
+        llm_output=message.text)
+
+
+def _refuse_cut_message(chunks: Iterator[BaseMessage]) -> Iterator[BaseMessage]:
+    for chunk in chunks:
+        yield chunk
+        if (error := _cut_output_error(chunk)) is not None:  # the last chunk carries the finish reason
+            raise error
+
+
+async def _arefuse_cut_message(chunks: AsyncIterator[BaseMessage]) -> AsyncIterator[BaseMessage]:
+    async for chunk in chunks:
+        yield chunk
+        if (error := _cut_output_error(chunk)) is not None:
+            raise error
+
+
+# Passes the model's message (or chunks) on to the structured-output parser, raising for a cut one.
+_refuse_cut_output = RunnableGenerator(_refuse_cut_message, _arefuse_cut_message, name="refuse_cut_output")
 
 
 def _unreadable_tail(arguments: str) -> str:
@@ -422,8 +489,12 @@ def _logprobs_metadata(logprobs: list[dict] | None) -> dict[str, Any]:
 def _usage_metadata(usage: Usage | None) -> UsageMetadata | None:
     if usage is None:
         return None
-    return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                         total_tokens=usage.total_tokens, input_token_details={"cache_read": usage.cached_tokens})
+    metadata = UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                             total_tokens=usage.total_tokens, input_token_details={"cache_read": usage.cached_tokens})
+    reasoning_tokens = getattr(usage, "reasoning_tokens", 0)  # a ChatUsage when the model has a reasoning format
+    if reasoning_tokens:
+        metadata["output_token_details"] = {"reasoning": reasoning_tokens}
+    return metadata
 
 
 def to_chat_messages(messages: list[BaseMessage]) -> list[dict[str, Any]]:

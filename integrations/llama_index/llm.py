@@ -61,6 +61,15 @@ class HearthLLM(FunctionCallingLLM):
     ``lora``: a LoRA adapter to answer with (a name the engine knows, a PEFT directory or a
     ``LoRARequest``; needs ``engine_kwargs={"enable_lora": True}``), per call as ``llm.chat(..., lora=...)``;
     ``response.raw["lora_name"]`` names it.
+
+    Thinking models (Qwen3, SmolLM3, DeepSeek-R1 distills): ``thinking`` True/False turns thinking on/off
+    through the chat template's switch (None: the model's default); the think block comes back as a
+    ``ThinkingBlock`` of the message (streamed as ``additional_kwargs["thinking_delta"]``), never in
+    ``content`` or tool calls; ``max_reasoning_tokens`` closes it after that many tokens.
+
+    >>> llm = HearthLLM(model="Qwen/Qwen3-0.6B", thinking=True, max_reasoning_tokens=256)
+    >>> response = llm.chat([ChatMessage(role="user", content="17 * 23?")])
+    >>> [b.content for b in response.message.blocks if isinstance(b, ThinkingBlock)], response.message.content
     """
 
     model: str = Field(default="default", description="'default' (SmolLM2-135M-Instruct), a dir, .gguf or hub id.")
@@ -79,6 +88,9 @@ class HearthLLM(FunctionCallingLLM):
     keep_alive: float | str | None = Field(default=None, description="Idle seconds (or '5m') before the shared "
                                            "engine sleeps; the next call wakes it. None: the engine's setting.")
     lora: Any = Field(default=None, description="LoRA adapter: a known name, a PEFT dir or a LoRARequest; None: base.")
+    thinking: bool | None = Field(default=None, description="Thinking models: on, off, or None for the default.")
+    max_reasoning_tokens: int | None = Field(default=None, description="Thinking budget; then the model answers.")
+    reasoning_parser: str | None = Field(default=None, description="Think-block format; None: from the template.")
 
     @classmethod
     def class_name(cls) -> str:
@@ -179,6 +191,10 @@ class HearthLLM(FunctionCallingLLM):
                                tool_kwargs=block.tool_kwargs if isinstance(block.tool_kwargs, dict) else {})
                  for block in response.message.blocks if isinstance(block, ToolCallBlock)]
         if not calls and error_on_no_tool_call:
+            if (response.raw or {}).get("finish_reason") == "length":  # a call cut short is no call
+                raise ValueError(f"the tool call was cut after {response.raw.get('usage', {}).get('completion_tokens')} "
+                                 f"tokens by max_tokens (or the end of the context) before it was complete "
+                                 f"(finish_reason='length'); raise max_tokens or leave it None")
             raise ValueError(f"expected at least one tool call in the response, got none: "
                              f"{response.message.content!r}")
         return calls
@@ -198,22 +214,22 @@ class HearthLLM(FunctionCallingLLM):
         request = self._request(messages, kwargs)  # bad options raise now; the request is queued on first next()
 
         def chunks() -> Iterator[ChatResponse]:
-            content = ""
+            content, thinking = "", ""
             with self._service().stream(request) as stream:  # leaving early aborts the request at once
                 for delta in stream:
-                    content += delta.content
-                    yield _chat_chunk(delta, content, self.model, _lora_name(request))
+                    content, thinking = content + delta.content, thinking + delta.reasoning
+                    yield _chat_chunk(delta, content, thinking, self.model, _lora_name(request))
         return chunks()
 
     def _astream_chat(self, messages: Sequence[ChatMessage] | str, kwargs: dict[str, Any]) -> ChatResponseAsyncGen:
         request = self._request(messages, kwargs)
 
         async def chunks() -> AsyncIterator[ChatResponse]:
-            content = ""
+            content, thinking = "", ""
             with await self._service().astream(request) as stream:
                 async for delta in stream:
-                    content += delta.content
-                    yield _chat_chunk(delta, content, self.model, _lora_name(request))
+                    content, thinking = content + delta.content, thinking + delta.reasoning
+                    yield _chat_chunk(delta, content, thinking, self.model, _lora_name(request))
         return chunks()
 
     def _service(self) -> ChatService:
@@ -223,14 +239,18 @@ class HearthLLM(FunctionCallingLLM):
         kwargs = dict(kwargs)
         tools, tool_choice = kwargs.pop("tools", None) or None, kwargs.pop("tool_choice", None)
         lora = kwargs.pop("lora", self.lora)
+        thinking = kwargs.pop("thinking", self.thinking)
+        max_reasoning_tokens = kwargs.pop("max_reasoning_tokens", self.max_reasoning_tokens)
         unknown = sorted(set(kwargs) - set(_SAMPLING_OPTIONS))
         if unknown:
             raise TypeError(f"HearthLLM got unknown call option(s) {unknown}; known: "
-                            f"{['tools', 'tool_choice', *_SAMPLING_OPTIONS]}")
+                            f"{['tools', 'tool_choice', 'lora', 'thinking', 'max_reasoning_tokens', *_SAMPLING_OPTIONS]}")
         options = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_OPTIONS}
         return ChatRequest(messages if isinstance(messages, str) else to_chat_messages(messages), tools=tools,
                            tool_choice=tool_choice, sampling=SamplingOptions(**options),
-                           tool_parser=self.tool_parser, timeout=self.timeout, lora_request=lora)
+                           tool_parser=self.tool_parser, timeout=self.timeout, lora_request=lora,
+                           reasoning=thinking, max_reasoning_tokens=max_reasoning_tokens,
+                           reasoning_parser=self.reasoning_parser)
 
 
 def _chat_input(prompt: str, formatted: bool) -> list[ChatMessage] | str:
@@ -247,18 +267,26 @@ def _chat_response(result: HearthChatResult, model_name: str, lora_name: str | N
                         additional_kwargs=_usage_kwargs(result))
 
 
-def _chat_chunk(delta: ChatDelta, content: str, model_name: str, lora_name: str | None = None) -> ChatResponse:
-    """A streamed response: ``delta`` is the new user-facing text, ``message`` all of it so far;
+def _chat_chunk(delta: ChatDelta, content: str, thinking: str, model_name: str,
+                lora_name: str | None = None) -> ChatResponse:
+    """A streamed response: ``delta`` is the new user-facing text, ``message`` all of it so far (the
+    thinking so far as a ``ThinkingBlock``, its new text in ``additional_kwargs["thinking_delta"]``);
     tool calls (their markup held out of the text) arrive whole on the last chunk."""
+    thinking_delta = {"thinking_delta": delta.reasoning} if delta.reasoning else {}
     if delta.result is None:
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content), delta=delta.content)
+        blocks = ([ThinkingBlock(content=thinking)] if thinking else []) + [TextBlock(text=content)]
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks), delta=delta.content,
+                            additional_kwargs=thinking_delta)
     response = _chat_response(delta.result, model_name, lora_name)
     response.delta = delta.content
+    response.additional_kwargs.update(thinking_delta)
     return response
 
 
 def _message(result: HearthChatResult) -> ChatMessage:
-    blocks = [TextBlock(text=result.content)]
+    thinking = [ThinkingBlock(content=result.reasoning, num_tokens=getattr(result.usage, "reasoning_tokens", None))
+                ] if result.reasoning else []
+    blocks = thinking + [TextBlock(text=result.content)]
     blocks += [ToolCallBlock(tool_call_id=call.id, tool_name=call.name, tool_kwargs=call.arguments)
                for call in result.tool_calls]
     extra = {"invalid_tool_calls": [{"id": bad.id, "name": bad.name, "raw": bad.raw_arguments, "error": bad.error}
@@ -278,8 +306,11 @@ def _usage_kwargs(result: HearthChatResult) -> dict[str, int]:
     usage = result.usage
     if usage is None:
         return {}
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "cached_tokens": usage.cached_tokens}
+    counts = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+              "total_tokens": usage.total_tokens, "cached_tokens": usage.cached_tokens}
+    if getattr(usage, "reasoning_tokens", 0):  # a ChatUsage, for a model with a reasoning format
+        counts["reasoning_tokens"] = usage.reasoning_tokens
+    return counts
 
 
 def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

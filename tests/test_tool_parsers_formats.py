@@ -1,0 +1,93 @@
+"""The tool-call formats of the newer families: Qwen3-Coder's XML, Granite's and Phi-4-mini's JSON
+lists (Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` is in test_tool_parsers.py). Each whole, and
+streamed at every split point, one character at a time and in random chunks: the stream rebuilds
+exactly what the whole-text parse returns."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hearth_llm.engine.tool_parsers import get_tool_parser, select_tool_parser
+
+from test_tool_parsers import assert_stream_rebuilds_parse
+
+QWEN3_CODER_TWO_CALLS = (
+    "I'll check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco, CA\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=units>\n{\"temp\": \"celsius\"}\n</parameter>\n</function>\n"
+    "</tool_call>\n<tool_call>\n<function=run_code>\n<parameter=code>\nfor i in range(3):\n    print(i)\n"
+    "</parameter>\n</function>\n</tool_call>")
+QWEN3_CODER_NO_WRAPPER = "<function=get_time>\n<parameter=timezone>\nEurope/Paris\n</parameter>\n</function>"
+QWEN3_CODER_CUT = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+QWEN3_CODER_DUPLICATE = "<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=a>\n2\n</parameter>\n</function>"
+GRANITE_TWO_CALLS = ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                     '{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}]')
+PHI4_MINI_CALL = 'Sure. functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]'
+GRANITE_CLOSED = '<|tool_call|>[{"name": "f", "parameters": {"x": 1}}]<|/tool_call|> Done.'
+
+SAMPLES = {
+    "qwen3_coder": [QWEN3_CODER_TWO_CALLS, QWEN3_CODER_NO_WRAPPER, QWEN3_CODER_CUT, QWEN3_CODER_DUPLICATE,
+                    "<tool_call>\nnot a function\n</tool_call> and text", "Plain <b>answer</b>."],
+    "granite": [GRANITE_TWO_CALLS, GRANITE_CLOSED, "<|tool_call|>oops", "No call here."],
+    "phi4_mini": [PHI4_MINI_CALL, 'functools[{"name": "f", "arguments": {"a": "b"', "functools are nice"],
+}
+ALL_SAMPLES = [(name, text) for name, texts in SAMPLES.items() for text in texts]
+
+
+def parse(parser_name: str, text: str):
+    return get_tool_parser(parser_name)().parse(text)
+
+
+def test_qwen3_coder_reads_content_then_calls_with_typed_values():
+    parsed = parse("qwen3_coder", QWEN3_CODER_TWO_CALLS)
+    assert parsed.content == "I'll check both." and not parsed.invalid_tool_calls
+    weather, code = parsed.tool_calls
+    assert (weather.name, weather.arguments) == ("get_weather", {"city": "San Francisco, CA", "days": 3,
+                                                                 "units": {"temp": "celsius"}})
+    assert (code.name, code.arguments) == ("run_code", {"code": "for i in range(3):\n    print(i)"})
+
+
+def test_qwen3_coder_call_without_its_wrapper_tag_counts():
+    [call] = parse("qwen3_coder", QWEN3_CODER_NO_WRAPPER).tool_calls
+    assert (call.name, call.arguments) == ("get_time", {"timezone": "Europe/Paris"})
+
+
+def test_qwen3_coder_call_cut_before_its_end_is_invalid():
+    parsed = parse("qwen3_coder", QWEN3_CODER_CUT)
+    [invalid] = parsed.invalid_tool_calls
+    assert parsed.tool_calls == [] and invalid.name == "get_weather" and "</function>" in invalid.error
+
+
+def test_qwen3_coder_duplicate_parameter_is_invalid():
+    [invalid] = parse("qwen3_coder", QWEN3_CODER_DUPLICATE).invalid_tool_calls
+    assert "duplicate parameter 'a'" in invalid.error
+
+
+def test_granite_and_phi4_mini_read_their_json_lists():
+    assert [(c.name, c.arguments) for c in parse("granite", GRANITE_TWO_CALLS).tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "Europe/Paris"})]
+    closed = parse("granite", GRANITE_CLOSED)
+    assert [(c.name, c.arguments) for c in closed.tool_calls] == [("f", {"x": 1})] and closed.content == "Done."
+    phi = parse("phi4_mini", PHI4_MINI_CALL)
+    assert phi.content == "Sure." and phi.tool_calls[0].arguments == {"city": "Paris", "days": [1, 2]}
+    assert parse("granite", "<|tool_call|>oops").invalid_tool_calls
+
+
+@pytest.mark.parametrize("chat_template, expected", [
+    ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "qwen3_coder"),
+    ("{{- '<|tool_call|>' + message.tool_calls | tojson }}", "granite"),
+    ("<|tool|>{{ tools | tojson }}<|/tool|>", "phi4_mini"),
+])
+def test_the_format_is_read_from_the_chat_template(chat_template, expected):
+    assert select_tool_parser(chat_template, None) == expected
+
+
+@pytest.mark.parametrize("parser_name, text", ALL_SAMPLES)
+def test_a_stream_cut_anywhere_rebuilds_the_parse(parser_name, text):
+    for cut in range(len(text) + 1):
+        assert_stream_rebuilds_parse(parser_name, [text[:cut], text[cut:]])
+    assert_stream_rebuilds_parse(parser_name, list(text))
+    rng = random.Random(f"{parser_name}:{text}")
+    for _ in range(10):
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(1, 12))))
+        assert_stream_rebuilds_parse(parser_name, [text[start:end] for start, end in zip([0] + cuts, cuts + [None])])
