@@ -63,13 +63,14 @@ def put_to_sleep(engine, level: int) -> SleepState:
         raise RuntimeError("an engine sleeps only when it holds no request")
     runner = engine.runner
     state = SleepState(level, runner.num_blocks, tuple(runner.kv_cache.shape), runner.kv_cache.dtype, None)
+    if level == 1 and runner.device.type == "cuda":
+        # First: if host memory runs out, nothing has changed yet.
+        state.offloaded = offload_weights(runner.model, runner.device, pin_memory=True)
     runner.decode_graphs = None
     set_kv_cache(runner, None)
     engine.kv_cache.pool = BlockPool(0, engine.kv_cache.enable_prefix_caching)   # its contents are gone
     engine.kv_cache.num_cached_blocks.clear()
-    if level == 1 and runner.device.type == "cuda":
-        state.offloaded = offload_weights(runner.model, runner.device, pin_memory=True)
-    elif level == 2:
+    if level == 2:
         # The scheduler's hook is a bound method of the model: it would keep the weights alive.
         engine.scheduler.kv_regime_of = None
         runner.model = None
