@@ -81,3 +81,82 @@ def test_fp8_is_refused_on_a_gpu_without_fp8():
         pytest.skip("this GPU has FP8 GEMMs")
     with pytest.raises(ValueError, match="compute capability 8.9"):
         LLM("default", device="cuda", quantization="fp8", show_progress=False)
+
+
+# --- compressed-tensors FP8 checkpoints (llm-compressor's FP8_DYNAMIC layout), loaded as stored ----
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def compressed_tensors_config(weight_strategy: str = "channel", activations: dict | None = None) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": weight_strategy, "symmetric": True,
+                            "dynamic": False, "group_size": None, "block_structure": None},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                      "symmetric": True, **(activations or {})}}}}
+
+
+def write_fp8_checkpoint(source, target, strategy: str = "channel"):
+    """``source``'s decoder linears as e4m3 weights with their scales (per row, or one per tensor)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(source / "model.safetensors")
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        weight = tensors[name]
+        if strategy == "channel":
+            quantized, scale = fp8.quantize_rows(weight)
+            tensors[name + "_scale"] = scale[:, None].contiguous()
+        else:
+            quantized, scale = fp8.quantize_rows(weight.reshape(1, -1))
+            quantized = quantized.reshape(weight.shape)
+            tensors[name + "_scale"] = scale.contiguous()  # [1]
+        tensors[name] = quantized.contiguous()
+    save_file(tensors, target / "model.safetensors")
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = compressed_tensors_config(strategy)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_a_per_channel_fp8_checkpoint_runs_as_stored_like_quantizing_at_load(tiny_llama, tmp_path):
+    from hearth_llm.engine.models.quant import Fp8CheckpointLinearMethod
+
+    checkpoint = write_fp8_checkpoint(tiny_llama, tmp_path / "fp8-channel")
+    stored, layers = _run(checkpoint)
+    at_load, _ = _run(tiny_llama, quantization="fp8")
+    assert all(type(layer.method) is Fp8CheckpointLinearMethod for _, layer in layers)
+    for a, b in zip(stored, at_load):  # the same e4m3 values and scales: the same numbers
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs[0] == b.outputs[0].logprobs[0]
+
+
+def test_a_per_tensor_fp8_checkpoint_loads_each_shards_scale(tiny_llama, tmp_path):
+    checkpoint = write_fp8_checkpoint(tiny_llama, tmp_path / "fp8-tensor", strategy="tensor")
+    stored, layers = _run(checkpoint)
+    dense, _ = _run(tiny_llama)
+    qkv = dict(layers)["layers.0.self_attn.qkv_proj"]
+    assert len(set(qkv.weight_scale.tolist())) == 3  # q, k and v: one scale each, repeated on their rows
+    agree = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(stored, dense)]
+    assert sum(agree) >= 4, agree
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(activations=dict(dynamic=False, strategy="tensor")), "input_activations.strategy='tensor'"),
+    (dict(weight_strategy="block"), "weights.strategy='block'"),
+])
+def test_fp8_checkpoint_fields_we_do_not_run_are_refused_by_name(tiny_llama, tmp_path, change, field):
+    import json
+
+    path = write_fp8_checkpoint(tiny_llama, tmp_path / "fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = compressed_tensors_config(**change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"quantization_config.config_groups.group_0.{field} is not supported"):
+        LLM(str(path), device="cpu", show_progress=False)

@@ -3,10 +3,10 @@
 The order is the contract: (1) the model class, every config field and the quantization (the
 checkpoint's ``quantization_config``; ``checkpoint.quantization``, what the user asked) are
 checked (``arch_from_hf_config``, ``models.quant.check_quantization``), (2) the model is built on
-the ``meta`` device and the checkpoint's weight names and shapes (headers only) are checked
-against it, (3) each linear layer gets its method from the checkpoint's tensor formats, (4) memory
+the ``meta`` device, each linear layer gets its method from the checkpoint's tensor formats, and
+the checkpoint's weight names and shapes (headers only) are checked against it, (3) memory
 is allocated and weights stream in one at a time. A refusal at (1) or (2) costs no weight read
-and no allocation; a failure at (4) leaves nothing behind (the half-loaded model is freed before
+and no allocation; a failure at (3) leaves nothing behind (the half-loaded model is freed before
 the error propagates).
 
 >>> model, arch = load_model(load_checkpoint("default", torch.bfloat16), torch.device("cpu"), torch.bfloat16)
@@ -22,7 +22,7 @@ from ..models import model_class_for
 from ..models.arch import ArchConfig
 from ..models.gguf_linear_method import GGUF_INT4, GGUFInt4LinearMethod
 from ..models.linear import LinearBase, configure_linears
-from ..models.quant import QuantizationPlan, check_quantization, dense_layer_method, gguf_layer_method
+from ..models.quant import QuantizationPlan, check_quantization, dense_layer_method, quantized_layer_method
 from .checkpoint import LoadedCheckpoint
 
 
@@ -30,19 +30,21 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
     """The model for ``checkpoint`` on ``device`` in ``dtype``, loaded, in eval mode, and its arch."""
     model_class = model_class_for(checkpoint.config)
     arch = model_class.arch_from_hf_config(checkpoint.config)
+    shapes = checkpoint.weight_shapes()
     plan = check_quantization(getattr(checkpoint, "quantization", None), checkpoint.config,
-                              checkpoint.weight_formats, device)
+                              checkpoint.weight_formats, shapes, device)
     with torch.device("meta"):
         model = model_class(arch)
-    shapes = checkpoint.weight_shapes()
+    # Methods first: a quantized method's tensors (an FP8 layer's weight_scale) are what the
+    # checkpoint's names and shapes are checked against.
+    configure_linears(model, _method_chooser(model, plan.weight_formats, device, dtype, plan))
     if shapes is not None:
-        model.check_checkpoint(shapes, checkpoint.source)
-    configure_linears(model, _method_chooser(model, checkpoint.weight_formats, device, dtype, plan))
+        model.check_checkpoint(plan.checkpoint_shapes(shapes), checkpoint.source)
     try:
         # Cast on the meta device: casting after to_empty would convert uninitialised float32.
         model = model.to(dtype).to_empty(device=device)
         model.materialize_buffers(dtype)
-        model.load_weights(checkpoint.weights())
+        model.load_weights(plan.weights(checkpoint.weights(), shapes))
     except BaseException as error:
         # The traceback's frames hold the half-loaded model; clear them so it is freed now, even
         # if the caller keeps the exception.
@@ -54,8 +56,9 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
 
 def _method_chooser(model, weight_formats: dict[str, str], device: torch.device, dtype: torch.dtype,
                     plan: QuantizationPlan = QuantizationPlan()):
-    """``(layer name, layer) -> method or None``: GGUF blocks get the block method where the plan
-    keeps them (``models/quant``), else Q4 blocks the int4 CPU method where it runs; unquantized
+    """``(layer name, layer) -> method or None``: quantized layers get their method from the plan
+    (``models/quant``: FP8 as stored; GGUF blocks where it keeps them), else Q4 blocks the int4 CPU
+    method where it runs; unquantized
     layers get the plan's method (FP8 under ``quantization="fp8"``); everything else keeps the
     dense default (which dequantizes quantized values)."""
     layer_formats: dict[str, dict] = {}
@@ -75,9 +78,9 @@ def _method_chooser(model, weight_formats: dict[str, str], device: torch.device,
         shards = set(layer.shard_ids) if None not in formats else {None}
         if shards != set(formats):
             return None
-        block_method = gguf_layer_method(formats, layer, plan, device, dtype)
-        if block_method is not None:
-            return block_method
+        method = quantized_layer_method(formats, layer, plan, device, dtype)
+        if method is not None:
+            return method
         if not set(formats.values()) <= set(GGUFInt4LinearMethod.quant_types):
             return None
         return GGUF_INT4 if GGUFInt4LinearMethod.supports(layer, device, dtype) else None

@@ -7,31 +7,33 @@ loading, from the checkpoint (the GGUF tensor types in ``checkpoint.weight_forma
 - ``gguf_block_method.py``: GGUF Q4_0 .. Q6_K kept as the file's blocks (Triton on CUDA, a tiled
   dequantize-and-multiply on the CPU).
 - ``fp8_method.py``: ``quantization="fp8"``, a 16/32-bit checkpoint quantized to e4m3 at load
-  (per-channel weight scales, dynamic per-token activation scales, ``torch._scaled_mm``).
+  (per-channel weight scales, dynamic per-token activation scales, ``torch._scaled_mm``), and FP8
+  checkpoints loaded as stored (``compressed_tensors.py``: llm-compressor's FP8 W8A8 dynamic).
 
 :func:`check_quantization` runs before any weight is read and refuses, by name, what is not
-implemented; :func:`gguf_layer_method` picks a GGUF layer's method, :func:`dense_layer_method`
-the method of a layer the checkpoint stores unquantized.
+implemented; :func:`quantized_layer_method` picks the method of a layer the checkpoint stores
+quantized (``plan.weight_formats``), :func:`dense_layer_method` of one it stores unquantized.
 
->>> plan = check_quantization("gguf", config, weight_formats, torch.device("cpu"))
->>> gguf_layer_method({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}, layer, plan, torch.device("cpu"), torch.float32)
+>>> plan = check_quantization("gguf", config, checkpoint.weight_formats, checkpoint.weight_shapes(), device)
+>>> quantized_layer_method({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}, layer, plan, device, torch.float32)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hearth_llm.kernels.quant.fp8 import has_fp8_gemm
 
 from ...config import QUANTIZATION_METHODS
-from .fp8_method import FP8, Fp8LinearMethod
+from .compressed_tensors import FP8_FORMAT, Fp8CheckpointScheme, per_row_scale_stream
+from .fp8_method import FP8, FP8_CHECKPOINT, Fp8CheckpointLinearMethod, Fp8LinearMethod
 from .gguf_block_method import GGUFBlockLinearMethod
 
-__all__ = ["Fp8LinearMethod", "GGUFBlockLinearMethod", "QuantizationPlan", "QUANTIZATION_METHODS",
-           "check_quantization", "dense_layer_method", "gguf_layer_method"]
+__all__ = ["Fp8CheckpointLinearMethod", "Fp8LinearMethod", "GGUFBlockLinearMethod", "QuantizationPlan",
+           "QUANTIZATION_METHODS", "check_quantization", "dense_layer_method", "quantized_layer_method"]
 # HF ``quantization_config.quant_method`` values this engine runs.
-HF_QUANT_METHODS: tuple[str, ...] = ()
+HF_QUANT_METHODS = ("compressed-tensors",)
 
 
 # Whether GGUF layers run from their blocks on CUDA without ``quantization="gguf"``. Off until the
@@ -42,9 +44,21 @@ GGUF_BLOCKS_ON_CUDA_BY_DEFAULT = False
 
 @dataclass(frozen=True, slots=True)
 class QuantizationPlan:
-    """What :func:`check_quantization` decided: ``requested`` is the user's ``quantization`` (or None)."""
+    """What :func:`check_quantization` decided: ``requested`` is the user's ``quantization`` (or None),
+    ``weight_formats`` the checkpoint's quantized weights (name -> GGUF type or ``"fp8_e4m3"``),
+    ``fp8_scheme`` an FP8 checkpoint's scheme."""
 
     requested: str | None = None
+    weight_formats: dict = field(default_factory=dict)
+    fp8_scheme: Fp8CheckpointScheme | None = None
+
+    def checkpoint_shapes(self, shapes):
+        """The headers' shapes as the model receives the tensors."""
+        return shapes if self.fp8_scheme is None or shapes is None else self.fp8_scheme.checkpoint_shapes(shapes)
+
+    def weights(self, stream, shapes):
+        """The checkpoint's stream as the model receives it (per-tensor FP8 scales per row)."""
+        return stream if self.fp8_scheme is None else per_row_scale_stream(self.fp8_scheme, stream, shapes)
 
     def keeps_gguf_blocks(self, device: torch.device) -> bool:
         """Whether GGUF layers stay in their blocks on ``device`` (~1x the file's memory; on the CPU
@@ -54,43 +68,60 @@ class QuantizationPlan:
         return torch.device(device).type == "cuda" and GGUF_BLOCKS_ON_CUDA_BY_DEFAULT
 
 
-def check_quantization(requested: str | None, config, weight_formats: dict[str, str],
+def check_quantization(requested: str | None, config, weight_formats: dict[str, str], shapes,
                        device: torch.device) -> QuantizationPlan:
-    """The quantization to load with, checked against the checkpoint before any weight is read:
-    ValueError naming the field and what is supported otherwise."""
+    """The quantization to load with, checked against the checkpoint (its config, GGUF tensor
+    types and header shapes) before any weight is read: ValueError naming the field and what is
+    supported otherwise."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={requested!r} is not supported; supported: {list(QUANTIZATION_METHODS)} or "
                          "None (what the checkpoint holds)")
-    _check_hf_quantization_config(config)
+    fp8_scheme = _hf_quantization_scheme(config)
+    if fp8_scheme is not None:
+        if requested is not None:
+            raise ValueError(f"quantization={requested!r}: this checkpoint is already quantized (config.json "
+                             "quantization_config); leave quantization None")
+        _check_fp8_device(device, "an FP8 checkpoint")
+        return QuantizationPlan(None, fp8_scheme.weight_formats(shapes), fp8_scheme)
     if requested == "gguf" and not weight_formats:
         raise ValueError("quantization='gguf' needs a GGUF file with block-quantized tensors; this checkpoint has none")
     if requested == "fp8":
         if weight_formats:
             raise ValueError("quantization='fp8' quantizes a 16/32-bit checkpoint at load; this GGUF file is "
                              "already quantized (use quantization=None or 'gguf')")
-        if not has_fp8_gemm(device):
-            raise ValueError(f"quantization='fp8' needs FP8 GEMMs: a CUDA GPU of compute capability 8.9 or newer "
-                             f"(Ada, Hopper); {device} has {torch.cuda.get_device_capability(device)}")
-    return QuantizationPlan(requested)
+        _check_fp8_device(device, "quantization='fp8'")
+    return QuantizationPlan(requested, dict(weight_formats))
 
 
-def _check_hf_quantization_config(config) -> None:
+def _check_fp8_device(device: torch.device, what: str) -> None:
+    if not has_fp8_gemm(device):
+        raise ValueError(f"{what} needs FP8 GEMMs: a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{device} has {torch.cuda.get_device_capability(device)}")
+
+
+def _hf_quantization_scheme(config) -> Fp8CheckpointScheme | None:
     quant_config = getattr(config, "quantization_config", None)
     if quant_config is None:
-        return
+        return None
     if not isinstance(quant_config, dict):
         quant_config = quant_config.to_dict() if hasattr(quant_config, "to_dict") else vars(quant_config)
     quant_method = quant_config.get("quant_method")
     if quant_method not in HF_QUANT_METHODS:
         raise ValueError(f"config.json: quantization_config.quant_method={quant_method!r} is not supported; "
-                         f"supported: {list(HF_QUANT_METHODS) or 'none yet'} (GGUF files are, as .gguf)")
+                         f"supported: {list(HF_QUANT_METHODS)} (FP8 W8A8 dynamic; GGUF files load as .gguf)")
+    return Fp8CheckpointScheme.from_config(quant_config)
 
 
-def gguf_layer_method(shard_types: dict, layer, plan: QuantizationPlan, device: torch.device,
-                      dtype: torch.dtype):
-    """A GGUF layer's block method where the plan keeps blocks on ``device``, else None (the
-    caller keeps its choice: the int4 CPU method for Q4_0/Q4_1, or dense, dequantized at load)."""
-    if not set(shard_types.values()) <= set(GGUFBlockLinearMethod.quant_types) or not plan.keeps_gguf_blocks(device):
+def quantized_layer_method(shard_types: dict, layer, plan: QuantizationPlan, device: torch.device,
+                           dtype: torch.dtype):
+    """The method of a layer whose every shard the checkpoint stores quantized (``shard_types``:
+    shard id -> format), or None to keep the caller's choice (the int4 CPU method for Q4_0/Q4_1,
+    or dense, dequantized at load): FP8 checkpoints load as stored; GGUF blocks stay blocks where
+    the plan keeps them on ``device``."""
+    formats = set(shard_types.values())
+    if formats == {FP8_FORMAT}:
+        return FP8_CHECKPOINT
+    if not formats <= set(GGUFBlockLinearMethod.quant_types) or not plan.keeps_gguf_blocks(device):
         return None
     return GGUFBlockLinearMethod(shard_types)
 

@@ -9,6 +9,9 @@ layer above the FP8 model. Activations are quantized per token at every call
 Layers whose sizes are not multiples of 16 (the FP8 GEMM's tile) stay dense; the LM head and the
 embeddings stay in the compute dtype, as vLLM keeps them.
 
+:class:`Fp8CheckpointLinearMethod` loads FP8 checkpoints as stored (``compressed_tensors.py``):
+the e4m3 weight and its per-row scales go straight into the same buffers.
+
 >>> configure_linears(model, lambda name, layer: FP8 if Fp8LinearMethod.supports(layer) else None)
 """
 from __future__ import annotations
@@ -48,4 +51,41 @@ class Fp8LinearMethod(LinearMethod):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class Fp8CheckpointLinearMethod(Fp8LinearMethod):
+    """A checkpoint's e4m3 ``weight`` and float32 ``weight_scale`` ``[N, 1]``, loaded as stored.
+
+    They load into integer tensors of the same bits (uint8, int32), because the model is cast to
+    the compute dtype before loading and that cast converts every floating-point tensor.
+    """
+
+    def create_weights(self, layer) -> None:
+        rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
+        layer.register_loadable("weight", torch.empty(rows, columns, dtype=torch.uint8))
+        layer.register_loadable("weight_scale", torch.empty(rows, 1, dtype=torch.int32))
+
+    def checkpoint_shape(self, layer, name, num_rows):
+        return (num_rows, 1) if name == "weight_scale" else (num_rows, layer.input_size)
+
+    def narrow_input(self, loaded, start: int, size: int):
+        # weight_scale [rows, 1] is per output row: a row-parallel rank keeps it whole.
+        return loaded if loaded.dtype != torch.float8_e4m3fn and loaded.shape[1] == 1 else loaded.narrow(1, start, size)
+
+    def load_weight(self, layer, name, param, loaded, offset) -> None:
+        if name == "weight":
+            if loaded.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{layer.prefix}.weight is {loaded.dtype}; the checkpoint's quantization_config "
+                                 "says float8_e4m3fn")
+            bits = loaded.view(torch.uint8)
+        else:
+            bits = loaded.float().contiguous().view(torch.int32)
+        param.data.narrow(0, offset, loaded.shape[0]).copy_(bits)
+
+    def process_weights_after_loading(self, layer) -> None:
+        weight, scale = layer.weight, layer.weight_scale
+        del layer.weight, layer.weight_scale
+        layer.register_buffer("weight_fp8", weight.data.view(torch.float8_e4m3fn))
+        layer.register_buffer("weight_scale", scale.data.view(torch.float32).reshape(-1))
+
+
 FP8 = Fp8LinearMethod()
+FP8_CHECKPOINT = Fp8CheckpointLinearMethod()
