@@ -74,3 +74,14 @@ def test_fp8_engine_on_gpu_stays_close_to_bf16(tmp_path):
     assert all(isinstance(layer.method, Fp8LinearMethod) for _, layer in layers)
     first_tokens_agree = [q[0] == d[0] for q, d in zip(quantized, dense)]
     assert sum(first_tokens_agree) >= 3, (quantized, dense)
+
+
+def test_fp8_checkpoint_on_gpu_runs_like_quantizing_at_load(tmp_path):
+    if not fp8.has_fp8_gemm(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 GEMMs")
+    from test_quant_fp8 import write_fp8_checkpoint
+
+    path = save_tiny_model(TINY_CONFIGS["llama"](), tmp_path / "llama")
+    stored, _ = _greedy(write_fp8_checkpoint(path, tmp_path / "fp8"), "float32")
+    at_load, _ = _greedy(path, "float32", quantization="fp8")
+    assert stored == at_load
