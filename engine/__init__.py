@@ -26,3 +26,6 @@ __all__ += ["LoRARequest"]
 from .memory import MemoryBudgetError, get_memory_budget, memory_report, set_memory_budget  # noqa: E402
 
 __all__ += ["set_memory_budget", "get_memory_budget", "memory_report", "MemoryBudgetError"]
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+
+__all__ += ["BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .errors import RequestFailedError
 from .outputs import CompletionOutput, RequestOutput
 from .chat.prompt import ChatPrompt
@@ -108,6 +109,18 @@ class LLM:
         if manager is None:
             raise ValueError("LoRA is off for this engine; create it with enable_lora=True")
         return manager
+
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of each prompt (text or token ids), best
+        first, by beam search as HF ``generate(num_beams=..., do_sample=False)`` does it; see
+        :mod:`.beam_search`.
+
+        >>> [out] = llm.beam_search("The capital of France is", BeamSearchParams(beam_width=4, max_tokens=8))
+        >>> out.sequences[0].text, out.sequences[0].score
+        """
+        prompt_list = [list(prompt) if not isinstance(prompt, str) else prompt for prompt in _as_prompt_list(prompts)]
+        return beam_search(self._core, prompt_list, params)
 
     def stats(self) -> dict:
         """Scheduler and KV cache counters: running/waiting, free/total blocks, preemptions, prefix hits."""
