@@ -242,3 +242,20 @@ def test_forced_preemption_with_adapters_keeps_their_tokens(llama, make_llm):
     assert llm.stats()["num_preemptions"] > 0
     for prompt, name, out in zip(prompts, names, outputs):
         assert out.outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
+
+
+def test_removing_an_adapter_while_its_request_runs_lets_it_finish(llama, make_engine):
+    base, adapters = llama
+    engine = make_engine(base, enable_lora=True, max_loras=2, max_lora_rank=8, async_scheduling=True)
+    prompt = random_prompts(1, [12], seed=30)[0]
+    request_id = engine.add_request(prompt, GREEDY, lora_request=LoRARequest("a", adapters["a"]))
+    tokens = []
+    for _ in range(3):
+        tokens += [t for delta in engine.step() for t in delta.new_token_ids]
+    assert engine.lora_manager.remove("a") and engine.lora_manager.list_names() == []
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        engine.add_request(prompt, GREEDY, lora_request=LoRARequest("a"))
+    while engine.has_unfinished_requests():
+        tokens += [t for delta in engine.step() for t in delta.new_token_ids]
+    engine.release(request_id)
+    assert tokens == peft_greedy(base, adapters["a"], prompt)
