@@ -11,6 +11,7 @@ BENCHMARKS = {  # NAME: (MODULE, what it measures)
     "cpu": ("cpu", "CPU: single stream, 32 concurrent, prefill and cold load against HF and llama.cpp"),
     "embeddings": ("embeddings", "sentences/s against sentence-transformers"),
     "langchain": ("langchain_chat", "ChatHearth.abatch against ChatHuggingFace.batch, 32 chats"),
+    "spec": ("spec_decode", "batch-1 decode tok/s with and without speculative decoding (ngram, draft)"),
     "serving": ("serving", "the OpenAI server under streaming clients: TTFT/ITL/throughput against a peer"),
 }
 

@@ -22,6 +22,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # Small KV pools: the default 1 GiB is ~10^5 blocks of a tiny model, slow to set up (twice with a draft).
 SMALL_POOL = "4MiB"
+# float32 everywhere: the reference is float32 HF, and on CUDA "auto" would pick bfloat16.
+FP32 = "float32"
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +54,16 @@ def draft_config(path, k: int = 3) -> dict:
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_ngram_greedy_matches_hf(check, target, make_llm):
-    CHECKS[check](target, make_llm, speculative=NGRAM)
+    CHECKS[check](target, make_llm, dtype=FP32, speculative=NGRAM)
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_draft_model_greedy_matches_hf(check, target, draft, make_llm):
-    CHECKS[check](target, make_llm, speculative=draft_config(draft))
+    CHECKS[check](target, make_llm, dtype=FP32, speculative=draft_config(draft))
 
 
 def test_draft_proposals_are_both_accepted_and_rejected(target, draft, make_llm):
-    llm = make_llm(target, kv_cache_memory=SMALL_POOL, speculative=draft_config(draft))
+    llm = make_llm(target, dtype=FP32, kv_cache_memory=SMALL_POOL, speculative=draft_config(draft))
     llm.generate(random_prompts(8, [3, 50, 17, 9], seed=12), GREEDY, use_tqdm=False)
     stats = llm.stats()
     assert 0.2 < stats["spec_decode_acceptance_rate"] < 0.95, stats
@@ -73,7 +75,7 @@ def test_draft_proposals_are_both_accepted_and_rejected(target, draft, make_llm)
 
 
 def test_mixed_speculative_and_plain_requests_match_hf(target, draft, make_llm):
-    llm = make_llm(target, kv_cache_memory=SMALL_POOL, speculative=draft_config(draft))
+    llm = make_llm(target, dtype=FP32, kv_cache_memory=SMALL_POOL, speculative=draft_config(draft))
     prompts = random_prompts(6, [20, 7, 33], seed=21)
     off = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative=False)
     outputs = llm.generate(prompts, [GREEDY, off] * 3, use_tqdm=False)
@@ -104,10 +106,10 @@ def _stop_variants(plain_tokens: list[int], plain_text: str) -> list[SamplingPar
 
 def test_stops_inside_an_accepted_run_are_honoured_exactly(target, self_drafted, make_llm):
     prompt = random_prompts(1, [12], seed=31)[0]
-    plain_llm = make_llm(target, kv_cache_memory=SMALL_POOL)
+    plain_llm = make_llm(target, dtype=FP32, kv_cache_memory=SMALL_POOL)
     plain = plain_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0]
-    llm = make_llm(target, kv_cache_memory=SMALL_POOL, speculative=self_drafted)
+    llm = make_llm(target, dtype=FP32, kv_cache_memory=SMALL_POOL, speculative=self_drafted)
     for params in _stop_variants(plain.token_ids, plain.text):
         expected = plain_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -121,9 +123,10 @@ def test_stops_inside_an_accepted_run_are_honoured_exactly(target, self_drafted,
 def test_logprobs_of_accepted_tokens_are_the_targets(target, self_drafted, make_llm):
     prompts = random_prompts(2, [12, 5], seed=32)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    expected = make_llm(target, kv_cache_memory=SMALL_POOL).generate(prompts, params, use_tqdm=False)
-    got = make_llm(target, kv_cache_memory=SMALL_POOL, speculative=self_drafted).generate(prompts, params,
-                                                                                        use_tqdm=False)
+    plain = make_llm(target, dtype=FP32, kv_cache_memory=SMALL_POOL)
+    speculating = make_llm(target, dtype=FP32, kv_cache_memory=SMALL_POOL, speculative=self_drafted)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    got = speculating.generate(prompts, params, use_tqdm=False)
     for want, have in zip(expected, got):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
         for want_entry, have_entry in zip(want.outputs[0].logprobs, have.outputs[0].logprobs, strict=True):
@@ -136,7 +139,7 @@ def test_logprobs_of_accepted_tokens_are_the_targets(target, self_drafted, make_
 # ---- KV rollback and the prefix cache --------------------------------------------------------
 
 def test_rejected_kv_is_freed_and_only_accepted_tokens_are_hashed(target, draft, make_engine):
-    engine = make_engine(target, speculative=draft_config(draft), block_size=4, kv_cache_memory=SMALL_POOL)
+    engine = make_engine(target, dtype=FP32, speculative=draft_config(draft), block_size=4, kv_cache_memory=SMALL_POOL)
     prompts = random_prompts(3, [9, 14, 5], seed=41)
     for prompt in prompts:
         engine.add_request(prompt, GREEDY)
@@ -156,7 +159,7 @@ def test_rejected_kv_is_freed_and_only_accepted_tokens_are_hashed(target, draft,
 
 
 def test_a_prompt_extending_a_speculated_answer_reuses_its_blocks(target, draft, make_llm):
-    llm = make_llm(target, speculative=draft_config(draft), block_size=4, kv_cache_memory=SMALL_POOL)
+    llm = make_llm(target, dtype=FP32, speculative=draft_config(draft), block_size=4, kv_cache_memory=SMALL_POOL)
     prompt = random_prompts(1, [10], seed=42)[0]
     answer = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     follow_up = prompt + answer + [7, 8, 9]
@@ -253,7 +256,7 @@ def _sample_marginals(llm) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_rejection_sampling_keeps_the_target_distribution(small_vocab_model, make_llm, monkeypatch):
     second, third = _exact_marginals(small_vocab_model)
-    llm = make_llm(small_vocab_model, max_num_seqs=256, kv_cache_memory=SMALL_POOL, speculative=NGRAM)
+    llm = make_llm(small_vocab_model, dtype=FP32, max_num_seqs=256, kv_cache_memory=SMALL_POOL, speculative=NGRAM)
     counts_2, counts_3 = _sample_marginals(llm)
     stats = llm.stats()
     assert stats["spec_decode_num_drafts"] > 2000 and 0.02 < stats["spec_decode_acceptance_rate"] < 0.98, stats
@@ -261,6 +264,6 @@ def test_rejection_sampling_keeps_the_target_distribution(small_vocab_model, mak
     assert _chi_square_p_value(counts_3, third) > 1e-3
     # The control: a rule that keeps every proposal is caught by the same test on as many draws.
     monkeypatch.setattr(llm_engine, "accepted_tokens", lambda proposals, drawn: proposals + drawn[len(proposals):])
-    biased = make_llm(small_vocab_model, max_num_seqs=256, kv_cache_memory=SMALL_POOL, speculative=NGRAM)
+    biased = make_llm(small_vocab_model, dtype=FP32, max_num_seqs=256, kv_cache_memory=SMALL_POOL, speculative=NGRAM)
     biased_2, biased_3 = _sample_marginals(biased)
     assert min(_chi_square_p_value(biased_2, second), _chi_square_p_value(biased_3, third)) < 1e-3

@@ -78,6 +78,9 @@ class ChatHearth(BaseChatModel):
         keep_alive: put that shared engine to sleep after it has been idle this long (seconds, or
             ``"30s"``, ``"5m"``), as ChatOllama's ``keep_alive``; the next call wakes it. None: leave
             the engine's setting as it is (by default it never sleeps).
+        speculative: speculative decoding for the engine, as ``LLM(speculative=...)``, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4}`` (RAG answers that quote their context
+            decode several tokens per step); None: the engine's setting (off).
 
     Instantiate (cheap: the model loads on the first call):
         .. code-block:: python
@@ -177,6 +180,7 @@ class ChatHearth(BaseChatModel):
     tool_choice: str | dict | bool | None = None
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     keep_alive: float | str | None = None
+    speculative: dict[str, Any] | None = None
     # A LoRA adapter: a name the engine knows, a PEFT directory or a LoRARequest (engine_kwargs
     # enable_lora=True); per call with .bind(lora=...). response_metadata["lora_name"] names it.
     lora: Any = None
@@ -357,7 +361,8 @@ class ChatHearth(BaseChatModel):
                               max_reasoning_tokens=kwargs.pop("max_reasoning_tokens", self.max_reasoning_tokens),
                               reasoning_parser=self.reasoning_parser)
         keep_alive = {} if self.keep_alive is None else {"keep_alive": self.keep_alive}
-        core = get_engine(model, **{"show_progress": False, **self.engine_kwargs, **keep_alive})
+        speculative = {} if self.speculative is None else {"speculative": self.speculative}
+        core = get_engine(model, **{"show_progress": False, **self.engine_kwargs, **keep_alive, **speculative})
         return _Call(ChatService(core), request, model)
 
 

@@ -88,6 +88,8 @@ class HearthLLM(FunctionCallingLLM):
     keep_alive: float | str | None = Field(default=None, description="Idle seconds (or '5m') before the shared "
                                            "engine sleeps; the next call wakes it. None: the engine's setting.")
     lora: Any = Field(default=None, description="LoRA adapter: a known name, a PEFT dir or a LoRARequest; None: base.")
+    speculative: dict[str, Any] | None = Field(default=None, description="Speculative decoding, as LLM(speculative=)"
+                                               ", e.g. {'method': 'ngram', 'num_speculative_tokens': 4}; None: off.")
     thinking: bool | None = Field(default=None, description="Thinking models: on, off, or None for the default.")
     max_reasoning_tokens: int | None = Field(default=None, description="Thinking budget; then the model answers.")
     reasoning_parser: str | None = Field(default=None, description="Think-block format; None: from the template.")
@@ -100,7 +102,8 @@ class HearthLLM(FunctionCallingLLM):
     def core(self) -> EngineCore:
         """The shared engine; the same object ChatHearth gets for this model and config."""
         keep_alive = {} if self.keep_alive is None else {"keep_alive": self.keep_alive}
-        return get_engine(self.model, **{"show_progress": False, **self.engine_kwargs, **keep_alive})
+        speculative = {} if self.speculative is None else {"speculative": self.speculative}
+        return get_engine(self.model, **{"show_progress": False, **self.engine_kwargs, **keep_alive, **speculative})
 
     @property
     def metadata(self) -> LLMMetadata:

@@ -1,0 +1,212 @@
+"""Speculative decoding at batch 1: decode tokens/s with and without proposals, in the same process.
+
+    hearth-llm bench spec [--k 4] [--max-tokens 96] [--repeats 2] [--draft default]
+    hearth-llm bench spec --overhead-shape llama3-8b --device cuda      # the H200 variant
+
+1. Real weights (the bundled SmolLM2-135M by default, so acceptance is real): a RAG prompt (the
+   whole demo handbook, then a question whose answer the model should quote) and an extraction
+   prompt (copy fields out of a pasted order). Each runs greedy, alone, without speculation and
+   with n-gram prompt lookup (and a draft model with ``--draft``; ``--draft default`` is
+   SmolLM2 drafting for itself, a sanity check of the draft path: acceptance about 100 %).
+   Decode tokens/s exclude the prefill (a separate ``max_tokens=1`` run of the same prompt;
+   prefix caching is off so every run prefills). Outputs are checked token-equal to the plain run.
+2. The verification overhead: the cost of one step that verifies ``k`` proposals (forced: a
+   proposer that always proposes ``k`` tokens) against a plain decode step, and from the two the
+   effective ms/token at acceptance rates 0.5/0.7/0.9 (per-position acceptance ``a`` i.i.d.: a
+   step yields ``(1 - a^(k+1)) / (1 - a)`` tokens). ``--overhead-shape`` runs it alone on a
+   random-weight model of that shape (``benchmarks.throughput.SHAPES``), for GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from importlib import util
+from pathlib import Path
+
+import torch
+
+QUESTIONS = [
+    "How often should I descale the kettle if my water is hard?",
+    "What does error code E1 mean?",
+]
+RAG_SYSTEM = "You answer questions about the Larkspur Wren kettle by quoting the handbook word for word."
+RAG_USER = "Handbook:\n{context}\n\nQuestion: {question}\nQuote the handbook sentences that answer it."
+ORDER = """ORDER CONFIRMATION
+Order number: LW-2026-118734
+Date: 14 November 2026
+Customer: Marguerite Okonkwo-Lindqvist
+Email: m.okonkwo@example.org
+Shipping address: Flat 3, 27 Alder Row, Bristol BS6 5QT, United Kingdom
+Items:
+- 1 x Larkspur Wren electric kettle, colour Slate Grey, 1.7 litre (LW-KTL-17-SG) at 89.00 GBP
+- 2 x Larkspur descaler sachets, pack of 6 (LW-DSC-06) at 7.50 GBP
+- 1 x Replacement limescale filter (LW-FLT-01) at 6.00 GBP
+Shipping: Express delivery, 2 working days, 6.95 GBP
+Total: 116.95 GBP
+Payment: Visa ending 4421"""
+EXTRACT_USER = ("Document:\n{document}\n\nCopy these fields exactly as they appear in the document, one per line "
+                "as 'field: value': order number, customer, email, shipping address, each item line, total.")
+
+
+def handbook_text() -> str:
+    """The demo's handbook pages, read from the files (importing the demo would pull in LangChain)."""
+    spec = util.find_spec("hearth_llm.integrations")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "demo" / "corpus"
+    return "\n\n".join(page.read_text(encoding="utf-8") for page in sorted(folder.glob("*.md")))
+
+
+def workloads(tokenizer) -> dict[str, list[int]]:
+    def chat(system: str | None, user: str) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    context = handbook_text()
+    prompts = {f"rag {i + 1}": chat(RAG_SYSTEM, RAG_USER.format(context=context, question=q))
+               for i, q in enumerate(QUESTIONS)}
+    prompts["extraction"] = chat(None, EXTRACT_USER.format(document=ORDER))
+    return prompts
+
+
+class ForcedProposer:
+    """Always ``k`` proposals (copies of the last token): what a verification step costs,
+    whatever the acceptance."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, requests, max_num_tokens: list[int]) -> list[list[int]]:
+        return [[r.token_ids[-1]] * min(self.k, room) for r, room in zip(requests, max_num_tokens)]
+
+    def forget_finished(self) -> None:
+        pass
+
+
+def make_engine(model: str, speculative: dict | None, args, checkpoint=None):
+    from hearth_llm.engine.config import EngineConfig
+    from hearth_llm.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
+                          kv_cache_memory=args.kv_cache_memory, show_progress=False, speculative=speculative)
+    return LLMEngine(config, checkpoint=checkpoint)
+
+
+def run_one(engine, prompt: list[int], max_tokens: int, speculative: bool = True,
+            ignore_eos: bool = False) -> tuple[list[int], float, int]:
+    """Greedy tokens, wall seconds and steps of one request run alone."""
+    from hearth_llm.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, speculative=speculative,
+                            ignore_eos=ignore_eos)
+    request_id = engine.add_request(prompt, params)
+    tokens, num_steps = [], 0
+    _synchronize(engine)
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+        num_steps += 1
+    _synchronize(engine)
+    elapsed = time.perf_counter() - started
+    engine.release(request_id)
+    return tokens, elapsed, num_steps
+
+
+def decode_rate(engine, prompt: list[int], max_tokens: int, repeats: int) -> tuple[list[int], float]:
+    """Decode tokens/s after the first token (best of ``repeats``), and the tokens."""
+    prefill = min(run_one(engine, prompt, 1)[1] for _ in range(repeats))
+    best, tokens = 0.0, []
+    for _ in range(repeats):
+        tokens, elapsed, _ = run_one(engine, prompt, max_tokens)
+        best = max(best, (len(tokens) - 1) / max(elapsed - prefill, 1e-9))
+    return tokens, best
+
+
+def spec_counters(engine) -> tuple[int, int, int]:
+    stats = engine.stats()
+    return tuple(stats[f"spec_decode_num_{name}"] for name in ("drafts", "draft_tokens", "accepted_tokens"))
+
+
+def real_weights_table(args) -> None:
+    plain = make_engine(args.model, None, args)
+    systems = {f"ngram k={args.k}": make_engine(args.model, {
+        "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+        "prompt_lookup_max": args.lookup_max}, args)}
+    if args.draft:
+        systems[f"draft {Path(args.draft).name} k={args.k}"] = make_engine(args.model, {
+            "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}, args)
+    print(f"| prompt | tokens in/out | system | decode tok/s | speedup | acceptance | tokens/step | equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, prompt in workloads(plain.tokenizer).items():
+        run_one(plain, prompt, 8)  # warm-up
+        reference, plain_rate = decode_rate(plain, prompt, args.max_tokens, args.repeats)
+        print(f"| {name} | {len(prompt)}/{len(reference)} | no speculation | {plain_rate:.1f} | 1.00x | | 1.00 | |")
+        for system, engine in systems.items():
+            run_one(engine, prompt, 8)
+            before = spec_counters(engine)
+            tokens, rate = decode_rate(engine, prompt, args.max_tokens, args.repeats)
+            drafts, proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
+            acceptance = accepted / proposed if proposed else 0.0
+            per_step = 1 + accepted / drafts if drafts else 1.0
+            print(f"| {name} | {len(prompt)}/{len(tokens)} | {system} | {rate:.1f} | {rate / plain_rate:.2f}x | "
+                  f"{acceptance:.0%} | {per_step:.2f} | {'yes' if tokens == reference else 'NO'} |", flush=True)
+
+
+def overhead_table(engine, k: int, num_tokens: int, repeats: int) -> None:
+    """Per-step cost of a plain decode step and of verifying ``k`` forced proposals."""
+    prompt = list(range(100, 132))
+    engine.proposer = ForcedProposer(k)
+    run_one(engine, prompt, 16, speculative=False, ignore_eos=True)
+    run_one(engine, prompt, 16, ignore_eos=True)
+    plain = min(run_one(engine, prompt, num_tokens, speculative=False, ignore_eos=True)[1:] for _ in range(repeats))
+    verify = min(run_one(engine, prompt, num_tokens, ignore_eos=True)[1:] for _ in range(repeats))
+    plain_ms, verify_ms = plain[0] * 1000 / plain[1], verify[0] * 1000 / verify[1]
+    print(f"\nverification overhead, batch 1, k={k} (ms per step, steps incl. prefill: {plain[1]} / {verify[1]})")
+    print(f"| decode step | verify step (1+{k} tokens) | ratio |")
+    print("|---|---|---|")
+    print(f"| {plain_ms:.3f} | {verify_ms:.3f} | {verify_ms / plain_ms:.2f}x |")
+    print("\n| acceptance per position | tokens per step | effective ms/token | vs plain |")
+    print("|---|---|---|---|")
+    for rate in (0.5, 0.7, 0.9):
+        per_step = (1 - rate ** (k + 1)) / (1 - rate)
+        print(f"| {rate} | {per_step:.2f} | {verify_ms / per_step:.3f} | {verify_ms / per_step / plain_ms:.2f}x |")
+
+
+def _synchronize(engine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--draft", default=None, help="a draft model ('default': SmolLM2 drafts for itself)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--overhead-shape", default=None,
+                        help="skip the real-weights table; measure the verification overhead on a random-weight "
+                             "model of this shape (e.g. llama3-8b on cuda)")
+    parser.add_argument("--overhead-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    speculative = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.overhead_shape is None:
+        real_weights_table(args)
+        engine = make_engine(args.model, speculative, args)
+    else:
+        from .throughput import random_checkpoint
+
+        if args.dtype == "auto":
+            args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        _, checkpoint = random_checkpoint(args.overhead_shape, dtype, args.device)
+        engine = make_engine(checkpoint.source, speculative, args, checkpoint=checkpoint)
+    overhead_table(engine, args.k, args.overhead_tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
