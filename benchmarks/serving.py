@@ -66,28 +66,29 @@ class BenchRequest:
 
 
 def workload(num_prompts: int, input_lengths: tuple[int, int], output_lengths: tuple[int, int],
-             seed: int = 0) -> list[BenchRequest]:
+             seed: int = 0, token_ids: tuple[int, int] = TOKEN_ID_RANGE) -> list[BenchRequest]:
     """Random token-id prompts; with both length ranges (100, 1024) and seed 0 the same requests as
     ``bench throughput``'s workload.
 
     >>> [len(r.prompt_token_ids) for r in workload(2, (4, 8), (1, 3))]
-    [7, 4]
+    [7, 6]
     """
     rng = random.Random(seed)
     requests = []
     for _ in range(num_prompts):
-        prompt = [rng.randint(*TOKEN_ID_RANGE) for _ in range(rng.randint(*input_lengths))]
+        prompt = [rng.randint(*token_ids) for _ in range(rng.randint(*input_lengths))]
         requests.append(BenchRequest(prompt, rng.randint(*output_lengths)))
     return requests
 
 
-def shifted(requests: list[BenchRequest], shift: int) -> list[BenchRequest]:
+def shifted(requests: list[BenchRequest], shift: int,
+            token_ids: tuple[int, int] = TOKEN_ID_RANGE) -> list[BenchRequest]:
     """The same lengths with other token ids (each id + ``shift``, wrapped in the id range).
 
     >>> shifted([BenchRequest([0, 10000], 2)], 1)[0].prompt_token_ids
     [1, 0]
     """
-    low, high = TOKEN_ID_RANGE
+    low, high = token_ids
     return [BenchRequest([low + (t - low + shift) % (high - low + 1) for t in r.prompt_token_ids], r.max_tokens)
             for r in requests]
 
@@ -289,25 +290,27 @@ def in_process_sender(core):
     return send
 
 
-async def warm_up(send, input_lengths: tuple[int, int]) -> None:
+async def warm_up(send, input_lengths: tuple[int, int], token_ids: tuple[int, int] = TOKEN_ID_RANGE) -> None:
     """Batches of 1, 16 and 17 requests of 4 tokens (as bench throughput's warm-up: every kernel
     specialization the runs meet is compiled before them) on other prompts of the runs' lengths."""
     for count in (1, 16, 17):
-        requests = workload(count, input_lengths, (4, 4), seed=1000 + count)
+        requests = workload(count, input_lengths, (4, 4), seed=1000 + count, token_ids=token_ids)
         records = await run_requests(send, requests, [0.0] * count)
         errors = [r.error for r in records if r.error]
         if errors:
             raise RuntimeError(f"warm-up failed: {errors[0]}")
 
 
-def measure(send, requests: list[BenchRequest], rates: list[float], seed: int) -> dict[str, dict]:
+def measure(send, requests: list[BenchRequest], rates: list[float], seed: int,
+            token_ids: tuple[int, int] = TOKEN_ID_RANGE) -> dict[str, dict]:
+    """Warm up, then ``requests`` at each rate (Poisson arrivals from ``seed``); a summary per rate."""
     async def run() -> dict[str, dict]:
         low, high = min(len(r.prompt_token_ids) for r in requests), max(len(r.prompt_token_ids) for r in requests)
-        await warm_up(send, (low, high))
+        await warm_up(send, (low, high), token_ids)
         results = {}
         for index, rate in enumerate(rates):
             # other token ids per rate: no run reads the prefix cache an earlier one filled
-            run = shifted(requests, index) if index else requests
+            run = shifted(requests, index, token_ids) if index else requests
             records = await run_requests(send, run, arrival_offsets(len(requests), rate, seed))
             results[_rate_name(rate)] = summarize(records, [r.max_tokens for r in requests])
             print(json.dumps({"rate": _rate_name(rate), **results[_rate_name(rate)]}), flush=True)
