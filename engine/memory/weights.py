@@ -108,8 +108,9 @@ def _move(slots: list[_Slot], device: torch.device, pin_memory: bool) -> None:
             storage_copies[key] = target.copy_(source, non_blocking=True)
         views[id(tensor)] = torch.empty(0, dtype=tensor.dtype, device=device).set_(
             storage_copies[key].untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the non-blocking copies must land before the sources go
+    # The non-blocking copies must land before the sources go: wait on every GPU involved.
+    for gpu in {d for key, copy in storage_copies.items() for d in (key[0], copy.device) if d.type == "cuda"}:
+        torch.cuda.synchronize(gpu)
     for slot in slots:
         view = views[id(slot.tensor)]
         _put(slot, view)
