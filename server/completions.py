@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -108,7 +108,9 @@ async def _read_all(stream: RequestStream) -> list[StreamOutput]:
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
-    """Every stream's outputs as ``(prompt index, output)``, in the order they arrive."""
+    """Every stream's outputs as ``(prompt index, output)``, in the order they arrive; outputs that
+    arrived together for the same choice come as one (an event loop that fell behind the engine
+    sends one event for them, not one each, and so catches up instead of falling further behind)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -122,14 +124,45 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Stre
     try:
         num_open = len(streams)
         while num_open:
-            index, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            num_open -= item.finished
-            yield index, item
+            arrived = [await queue.get()]
+            while not queue.empty():
+                arrived.append(queue.get_nowait())
+            for index, item in _coalesced(arrived):
+                if isinstance(item, BaseException):
+                    raise item
+                num_open -= item.finished
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()
+
+
+_Arrival = tuple[int, StreamOutput | BaseException]  # (prompt index, its stream's output or error)
+
+
+def _coalesced(arrived: list[_Arrival]) -> list[_Arrival]:
+    """Runs of outputs for the same choice (prompt, sample) merged into one, order kept."""
+    merged: list[_Arrival] = []
+    for index, item in arrived:
+        if merged and _continues(merged[-1], index, item):
+            merged[-1] = (index, _joined(merged[-1][1], item))
+        else:
+            merged.append((index, item))
+    return merged
+
+
+def _continues(previous: _Arrival, index: int, item: StreamOutput | BaseException) -> bool:
+    earlier = previous[1]
+    return (previous[0] == index and isinstance(item, StreamOutput) and isinstance(earlier, StreamOutput)
+            and earlier.index == item.index and earlier.finish_reason is None and not earlier.finished)
+
+
+def _joined(earlier: StreamOutput, later: StreamOutput) -> StreamOutput:
+    """Two consecutive outputs of one choice as one; the request-level fields are the later's."""
+    logprobs = None if earlier.logprobs is None and later.logprobs is None else [
+        *(earlier.logprobs or []), *(later.logprobs or [])]
+    return replace(later, delta_text=earlier.delta_text + later.delta_text,
+                   delta_token_ids=[*earlier.delta_token_ids, *later.delta_token_ids], logprobs=logprobs)
 
 
 async def _next(merged: AsyncIterator[tuple[int, StreamOutput]]) -> tuple[int, StreamOutput]:

@@ -94,3 +94,19 @@ def test_200_streaming_clients_get_the_answers_of_their_prompts_alone_and_leaver
     # had the leavers' requests run on, they alone would have generated num_leavers * 900 tokens
     assert num_generated < (NUM_CLIENTS - num_leavers) * MAX_TOKENS + num_leavers * LEAVER_MAX_TOKENS // 3, \
         num_generated
+
+
+def test_outputs_that_arrived_together_for_one_choice_go_out_as_one():
+    """A server loop that fell behind the engine sends the outputs waiting for a choice as one event."""
+    from hearth_llm.engine import StreamOutput
+    from hearth_llm.server.completions import _coalesced
+
+    def output(sample: int, text: str, token_ids: list[int], **fields) -> StreamOutput:
+        return StreamOutput("cmpl-0", text, token_ids, index=sample, logprobs=[{t: t} for t in token_ids], **fields)
+
+    arrived = [(0, output(0, "a", [1])), (0, output(0, "b", [2])), (0, output(1, "c", [3])),
+               (0, output(1, "d", [4], finish_reason="length")), (0, output(1, "x", [9])), (1, output(0, "e", [5]))]
+    merged = [(prompt, out.index, out.delta_text, out.delta_token_ids, out.logprobs, out.finish_reason)
+              for prompt, out in _coalesced(arrived)]
+    assert merged == [(0, 0, "ab", [1, 2], [{1: 1}, {2: 2}], None), (0, 1, "cd", [3, 4], [{3: 3}, {4: 4}], "length"),
+                      (0, 1, "x", [9], [{9: 9}], None), (1, 0, "e", [5], [{5: 5}], None)]
