@@ -3,6 +3,8 @@
 transformers greedy, and the bundled SmolLM2 made to think by a forced ``<think>`` prefix."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -10,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 from hearth_llm.engine import get_engine
 from hearth_llm.engine.chat import ChatRequest, ChatService, SamplingOptions
 from hearth_llm.engine.chat.service import plan_request
+from hearth_llm.engine.model_info import ModelInfo
 
 from conftest import TINY_CONFIGS, TINY_VOCAB, hf_greedy
 from model_equality import save_tiny_model
@@ -124,6 +127,22 @@ def test_a_template_that_opens_the_block_makes_the_whole_output_reasoning(thinki
     assert budgeted.content == decode(path, hf_greedy(path, prompt_ids + hf_greedy(path, prompt_ids, 2) + CLOSE, 2))
 
 
+def test_async_chat_and_stream_split_like_the_sync_ones(thinking_models):
+    _, service = thinking_models["qwen3"]
+    request = ChatRequest(QUESTION, reasoning=True, max_reasoning_tokens=3, sampling=greedy(7))
+    expected = service.chat(request)
+
+    async def run():
+        whole = await service.achat(request)
+        deltas = [delta async for delta in await service.astream(request)]
+        return whole, deltas
+
+    whole, deltas = asyncio.run(run())
+    assert (whole.reasoning, whole.content, whole.usage) == (expected.reasoning, expected.content, expected.usage)
+    assert "".join(d.reasoning for d in deltas) == expected.reasoning
+    assert "".join(d.content for d in deltas) == expected.content
+
+
 def test_budget_with_n_above_one_is_refused(thinking_models):
     _, service = thinking_models["qwen3"]
     with pytest.raises(ValueError, match="n=2"):
@@ -131,10 +150,8 @@ def test_budget_with_n_above_one_is_refused(thinking_models):
 
 
 def test_reasoning_on_a_model_that_does_not_think_is_refused():
+    info = ModelInfo("m", "LlamaForCausalLM", "llama", 64, 100, "{{ messages }}", frozenset({2}))
     with pytest.raises(ValueError, match="reasoning=True.*reasoning_parser"):
-        from hearth_llm.engine.model_info import ModelInfo
-
-        info = ModelInfo("m", "LlamaForCausalLM", "llama", 64, 100, "{{ messages }}", frozenset({2}))
         plan_request(ChatRequest(QUESTION, reasoning=True), info)
 
 

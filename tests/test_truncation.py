@@ -43,18 +43,26 @@ def test_finish_reason_length_reaches_every_interface(default_llm, chat):
     assert response.raw["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("schema, method", [(INVOICE, "json_schema"), (Item, "json_schema"),
-                                            (INVOICE, "function_calling")])
-def test_structured_output_cut_by_max_tokens_raises_and_names_max_tokens(default_llm, schema, method):
-    cut = ChatHearth(temperature=0, max_tokens=8, engine_kwargs=ENGINE)
-    structured = cut.with_structured_output(schema, method=method)
+@pytest.fixture(scope="module")
+def cut(default_llm) -> ChatHearth:
+    return ChatHearth(temperature=0, max_tokens=8, engine_kwargs=ENGINE)
+
+
+def test_a_json_answer_cut_by_max_tokens_raises_in_invoke_stream_and_include_raw(cut):
+    structured = cut.with_structured_output(INVOICE)
     with pytest.raises(OutputParserException, match=r"cut after 8 tokens by max_tokens.*finish_reason='length'"):
         structured.invoke(QUESTION)
     with pytest.raises(OutputParserException, match="max_tokens"):
         list(structured.stream(QUESTION))
-    raw = cut.with_structured_output(schema, method=method, include_raw=True).invoke(QUESTION)
+    raw = cut.with_structured_output(INVOICE, include_raw=True).invoke(QUESTION)
     assert raw["parsed"] is None and "max_tokens" in str(raw["parsing_error"])
     assert raw["raw"].response_metadata["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("schema, method", [(Item, "json_schema"), (INVOICE, "function_calling")])
+def test_a_pydantic_or_forced_call_answer_cut_by_max_tokens_raises(cut, schema, method):
+    with pytest.raises(OutputParserException, match=r"cut after 8 tokens by max_tokens"):
+        cut.with_structured_output(schema, method=method).invoke(QUESTION)
 
 
 def test_structured_output_that_completes_is_parsed_as_before(chat):

@@ -94,7 +94,8 @@ class ChatService:
                                        timeout=request.timeout, **_adapter(request))
         reasoning_parser = plan.reasoning_parser
         if plan.reads_reasoning_later:
-            reasoning_parser = lambda: reasoning_parser_for(request, plan.prompt, _loaded_model_info(self.core))  # noqa: E731
+            def reasoning_parser() -> ReasoningParser | None:  # asked when the first output arrives
+                return reasoning_parser_for(request, plan.prompt, _loaded_model_info(self.core))
         return ChatStream(stream, plan.tool_parser, plan.params.logprobs, reasoning_parser)
 
     def _submit_thinking(self, request: ChatRequest, plan: _Plan) -> ChatStream:

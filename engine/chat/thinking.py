@@ -62,7 +62,8 @@ class ThinkingPlan:
         """Whether the answer follows the thinking (and whether the closing tag is inserted), from how
         the thinking request ended: (insert the closing tag, the answer's ``max_tokens``); None for
         the first means no answer follows: the model stopped, was aborted, or ``max_tokens`` is spent."""
-        closed = finish_reason == "stop" and stop_reason in (self.end_token_id, self.end_tag) and stop_reason is not None
+        closed = finish_reason == "stop" and stop_reason is not None and stop_reason in (self.end_token_id,
+                                                                                         self.end_tag)
         limit = self.thinking_params.max_tokens
         budget_spent = (finish_reason == "length" and self.max_reasoning_tokens is not None
                         and num_thinking_tokens >= self.max_reasoning_tokens and limit == self.max_reasoning_tokens)
@@ -151,6 +152,9 @@ class ThinkingStream:
             self._num_inserted_tokens = len(inserted)
             relayed.append(StreamOutput(self.request_id, self._plan.close_text, []))
         prompt = list(output.prompt_token_ids or []) + self._thinking_token_ids + inserted
+        if len(prompt) >= self._core.model_info.max_model_len:  # thinking filled the context: cut, like any answer
+            self._current = None
+            return [dataclasses.replace(output, finish_reason="length", stop_reason=None)]
         self._answer = (prompt, dataclasses.replace(self._plan.answer_params, max_tokens=max_tokens))
         return relayed
 

@@ -13,7 +13,7 @@ _SWITCHES = (
 def thinking_switch(chat_template: str | None) -> str | None:
     """The template variable that turns thinking on or off; None when it has none.
 
-    >>> thinking_switch("{%- if enable_thinking is defined and enable_thinking is false %}<think>\\n\\n</think>{% endif %}")
+    >>> thinking_switch("{%- if enable_thinking is false %}<think>\\n\\n</think>{% endif %}")
     'enable_thinking'
     >>> thinking_switch("{{ messages }}") is None
     True

@@ -35,7 +35,7 @@ class Qwen3CoderToolParser(ToolParser):
     number of them (``<tool_call>`` may be left out); text outside is content. A call whose
     ``</function>`` never came (cut by ``max_tokens``) is invalid.
 
-    >>> Qwen3CoderToolParser().parse("<tool_call>\\n<function=f>\\n<parameter=x>\\n1\\n</parameter>\\n</function>\\n</tool_call>")
+    >>> Qwen3CoderToolParser().parse("<function=f>\\n<parameter=x>\\n1\\n</parameter>\\n</function>")
     ParsedOutput(content='', tool_calls=[ToolCall(id='call_...', name='f', arguments={'x': 1})], ...)
     """
 

@@ -195,9 +195,10 @@ class HearthLLM(FunctionCallingLLM):
                  for block in response.message.blocks if isinstance(block, ToolCallBlock)]
         if not calls and error_on_no_tool_call:
             if (response.raw or {}).get("finish_reason") == "length":  # a call cut short is no call
-                raise ValueError(f"the tool call was cut after {response.raw.get('usage', {}).get('completion_tokens')} "
-                                 f"tokens by max_tokens (or the end of the context) before it was complete "
-                                 f"(finish_reason='length'); raise max_tokens or leave it None")
+                num_tokens = response.raw.get("usage", {}).get("completion_tokens")
+                raise ValueError(f"the tool call was cut after {num_tokens} tokens by max_tokens (or the end of the "
+                                 f"context) before it was complete (finish_reason='length'); raise max_tokens or "
+                                 f"leave it None")
             raise ValueError(f"expected at least one tool call in the response, got none: "
                              f"{response.message.content!r}")
         return calls
@@ -246,8 +247,8 @@ class HearthLLM(FunctionCallingLLM):
         max_reasoning_tokens = kwargs.pop("max_reasoning_tokens", self.max_reasoning_tokens)
         unknown = sorted(set(kwargs) - set(_SAMPLING_OPTIONS))
         if unknown:
-            raise TypeError(f"HearthLLM got unknown call option(s) {unknown}; known: "
-                            f"{['tools', 'tool_choice', 'lora', 'thinking', 'max_reasoning_tokens', *_SAMPLING_OPTIONS]}")
+            known = ["tools", "tool_choice", "lora", "thinking", "max_reasoning_tokens", *_SAMPLING_OPTIONS]
+            raise TypeError(f"HearthLLM got unknown call option(s) {unknown}; known: {known}")
         options = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_OPTIONS}
         return ChatRequest(messages if isinstance(messages, str) else to_chat_messages(messages), tools=tools,
                            tool_choice=tool_choice, sampling=SamplingOptions(**options),
