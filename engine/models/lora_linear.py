@@ -41,6 +41,7 @@ class LoRAStep:
         self.num_tokens = 0
         self.used_slots: slice | torch.Tensor = slice(0, 0)
         self.compact_token_slots = self.token_slots[:0]
+        self.is_single_adapter = False
 
     def begin(self, token_slots: list[int] | torch.Tensor) -> None:
         """Set this step's slot per token (``-1`` for base-model tokens)."""
@@ -68,6 +69,7 @@ class LoRAStep:
         position = torch.full((last + 1,), -1, dtype=torch.long)
         position[used] = torch.arange(len(used))
         self.compact_token_slots = torch.where(slots >= 0, position[slots.clamp(min=0)], -1)
+        self.is_single_adapter = len(used) == 1 and bool((slots >= 0).all())
 
 
 class LoRALinearMethod(LinearMethod):
@@ -108,6 +110,10 @@ class LoRALinearMethod(LinearMethod):
         if not step.has_adapters or x.shape[0] != step.num_tokens:
             return y
         used = step.used_slots
+        x = x.to(self.lora_a.dtype)  # float32 slots on the CPU: small bf16 matmuls are slow there
+        if step.is_single_adapter:  # every token on one adapter (a batch-1 decode): two plain matmuls
+            y += (x @ self.lora_a[used][0].T) @ self.lora_b[used][0]
+            return y
         add_lora(y, x, step.compact_token_slots, self.lora_a[used], self.lora_b[used])
         return y
 
@@ -130,6 +136,8 @@ def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict
         tensors = layer.method_tensors()
         device = tensors[0].device if tensors else step.device
         dtype = _compute_dtype(model, next((t.dtype for t in tensors if t.is_floating_point()), torch.float32))
+        if device.type == "cpu":
+            dtype = torch.float32  # the CPU path multiplies in float32 (see LoRALinearMethod.apply)
         method = LoRALinearMethod(layer.method, layer, num_slots, max_rank, step, dtype, device)
         layer.method = method
         wrapped[name] = method
