@@ -83,3 +83,23 @@ def test_cpu_layer_path_uses_only_the_steps_slots_and_matches_the_full_reference
     torch.testing.assert_close(out, expected)
     assert torch.equal(out[:, 16:24], base[:, 16:24])  # k rows: no adapter touches them
     assert torch.equal(layer(x), base)  # after end(): a forward nobody prepared runs the base model
+
+
+def test_cpu_layer_path_on_a_bf16_layer_adds_a_float32_update():
+    layer = QKVLinear(hidden_size=16, head_dim=4, num_heads=4, num_kv_heads=2, bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    step = LoRAStep(capacity=8, device=torch.device("cpu"))
+    method = LoRALinearMethod(layer.method, layer, num_slots=2, max_rank=2, step=step, dtype=torch.float32,
+                              device=torch.device("cpu"))
+    layer.method = method
+    generator = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, 16, generator=generator), torch.randn(2, 32, generator=generator)
+    method.load_slot(1, [ShardLoRA(0, 0, a, b)])
+    x = torch.randn(3, 16, generator=generator).bfloat16()
+    step.begin(torch.tensor([1, 1, 1]))  # one adapter for every token: the two-matmul path
+    out = layer(x)
+    step.end()
+    assert step.is_single_adapter and out.dtype == torch.bfloat16
+    expected = torch.nn.functional.linear(x, layer.weight).float()
+    expected[:, :32] += (x.float() @ a.T) @ b
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=0.1)
