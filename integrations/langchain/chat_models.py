@@ -72,6 +72,9 @@ class ChatHearth(BaseChatModel):
         max_reasoning_tokens: a thinking budget; past it the think block is closed and the model answers.
         reasoning_parser: the think-block format (``"think"``, ``"deepseek_r1"``, ``"qwen3"``,
             ``"mistral"``); by default read from the chat template.
+        lora: a LoRA adapter to answer with: a PEFT directory, the name of one the engine knows, or a
+            ``LoRARequest``; per call with ``chat.bind(lora=...)``; needs ``engine_kwargs={"enable_lora":
+            True}``. ``response_metadata["lora_name"]`` names the adapter that answered.
         engine_kwargs: :class:`EngineConfig` fields (``max_num_seqs``, ``kv_cache_memory``, ...).
             Every ChatHearth, ``AsyncLLM`` and ``LLM`` on the same model and config shares one
             engine, its KV cache and its prefix cache.
