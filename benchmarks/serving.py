@@ -587,14 +587,14 @@ def main(argv=None) -> None:
         port = free_port()
         results["hearth-http"] = measure_server("hearth-http", ours_command(model, port, engine_flags), env, port, args,
                                                 requests, work_dir)
-        if "in-process" in args.peers:
-            results["hearth-in-process"] = measure_in_process(model, engine_kwargs, requests, args)
         if "vllm" in args.peers:
             vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0",
                         "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
             port = free_port()
             results["vllm"] = measure_server("vllm", vllm_command(model, port, args), vllm_env, port, args, requests,
                                              work_dir)
+        if "in-process" in args.peers:  # last: its engine keeps this process's device memory to the end
+            results["hearth-in-process"] = measure_in_process(model, engine_kwargs, requests, args)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     report = {"model": args.shape or args.model, "device": args.device, "num_prompts": args.num_prompts,
