@@ -40,9 +40,10 @@ class DecoderPooler:
     """
 
     def __init__(self, model: nn.Module, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                 has_logits: bool = True) -> None:
+                 has_logits: bool = True, tokenizer=None) -> None:
         self.model, self.arch, self.device, self.dtype = model, arch, device, dtype
         self.has_logits = has_logits
+        self.tokenizer = tokenizer      # the checkpoint's, when loaded by from_pretrained
 
     @classmethod
     def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype, with_logits: bool = False):
@@ -58,9 +59,7 @@ class DecoderPooler:
         model, arch = load_model(checkpoint, device, dtype)
         if not with_logits:
             model.lm_head = nn.Identity()                    # drop the head's packed copy; never called here
-        pooler = cls(model, arch, device, dtype, has_logits=with_logits)
-        pooler.tokenizer = checkpoint.tokenizer
-        return pooler
+        return cls(model, arch, device, dtype, has_logits=with_logits, tokenizer=checkpoint.tokenizer)
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
