@@ -69,6 +69,9 @@ class EngineConfig:
       tensors; CPU decode is slower than a dense copy); ``"fp8"`` quantizes a 16/32-bit checkpoint's linear
       layers to FP8 e4m3 at load (per-channel weight scales, dynamic per-token activation scales; CUDA of
       compute capability >= 8.9, the CPU emulates it slowly). Checked against the checkpoint before weights are read.
+    - ``tensor_parallel_size``: split the model over this many worker processes (one per GPU on CUDA, from
+      ``device`` on; CPU processes with gloo otherwise), Megatron-style (:mod:`~.executor.multiproc`); the
+      scheduler and the sampler stay in this process. ``kv_cache_memory`` is then per rank. 1: this process only.
     """
 
     model: str = "default"
@@ -98,6 +101,7 @@ class EngineConfig:
     keep_alive: float | str | None = None
     sleep_level: int = 1
     quantization: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,6 +142,7 @@ class EngineConfig:
         self.keep_alive = parse_seconds("keep_alive", self.keep_alive)
         if isinstance(self.sleep_level, bool) or self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
 
     def _validate_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

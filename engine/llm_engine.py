@@ -21,7 +21,8 @@ from .kv_cache_manager import KVCacheManager
 from .lora.manager import LoRAConfig
 from .loader import load_checkpoint
 from .metrics import EngineMetrics, StepStats
-from .model_runner import ModelRunner
+from .errors import EngineDeadError
+from .executor import make_executor
 from .output_processor import OutputProcessor, RequestDelta
 from .request import Request
 from .sampler import SampledTokens, Sampler
@@ -68,8 +69,8 @@ class LLMEngine:
         checkpoint.quantization = config.quantization  # checked with the model before weights are read
         self.tokenizer = checkpoint.tokenizer
         self.hf_config = checkpoint.config
-        self.runner = ModelRunner(checkpoint, device, dtype, config.block_size, config.kv_cache_memory,
-                                  lora_config=_lora_config(config), max_num_batched_tokens=config.max_num_batched_tokens)
+        # the model runner in this process, or one worker process per tensor-parallel rank
+        self.runner = make_executor(config, checkpoint, lora_config=_lora_config(config))
         del checkpoint
         self.arch = self.runner.arch
         self.vocab_size = self.arch.vocab_size
@@ -237,6 +238,8 @@ class LLMEngine:
         try:
             # requests with a pending token read it from the previous step's draws, on the device
             output = self.runner.run(batch, None if previous is None else previous.sampled.token_ids)
+        except EngineDeadError:  # the device is gone (a tensor-parallel worker died): stop the engine
+            raise
         except Exception as error:  # a failed forward pass fails this step's requests, not the engine
             logger.exception("forward pass failed; aborting the %d requests of this step", len(batch.requests))
             return None, self._fail_requests(batch.requests, error)

@@ -18,19 +18,22 @@ GPU_MEMORY_UTILIZATION = 0.9
 
 class ModelRunner:
     def __init__(self, checkpoint, device: torch.device, dtype: torch.dtype, block_size: int,
-                 kv_cache_memory: int | None, lora_config=None, max_num_batched_tokens: int = 2048):
+                 kv_cache_memory: int | None, lora_config=None, max_num_batched_tokens: int = 2048,
+                 parallel=None):
         self.decode_graphs = None
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         # Config and weight names/shapes checked before anything is read; weights streamed in.
-        self.model, self.arch = load_model(checkpoint, device, dtype)
+        # ``parallel`` (a TensorParallel): this rank's slice only, KV heads included.
+        self.model, self.arch = load_model(checkpoint, device, dtype, parallel=parallel)
+        self.num_kv_heads = _kv_heads_per_rank(self.arch.num_key_value_heads, parallel)
         # LoRA wraps the loaded layers' methods (before CUDA graphs are captured, so they include it).
         self.lora = None if lora_config is None else LoRAManager(self.model, lora_config, device,
                                                                  max(max_num_batched_tokens, 512))
         self.num_blocks = self._num_kv_blocks(kv_cache_memory)
         cache_shape = (self.arch.num_hidden_layers, 2, self.num_blocks, block_size,
-                       self.arch.num_key_value_heads, self.arch.head_dim)
+                       self.num_kv_heads, self.arch.head_dim)
         self.kv_cache = _zeros(cache_shape, dtype, device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_hidden_layers)]
 
@@ -38,7 +41,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         arch = self.arch
         element_size = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * element_size
+        return 2 * arch.num_hidden_layers * self.block_size * self.num_kv_heads * arch.head_dim * element_size
 
     def _num_kv_blocks(self, kv_cache_memory: int | None) -> int:
         if kv_cache_memory is None:
@@ -193,6 +196,12 @@ class StepInputs:
     pending_rows: torch.Tensor        # and which rows of the in-flight step's sampled ids they are
     prompt_logprob_rows: list[int]
     query_bounds: list[int]
+
+
+def _kv_heads_per_rank(num_kv_heads: int, parallel) -> int:
+    """Key/value heads in this rank's cache: split evenly, or one copy when fewer than the ranks."""
+    size = 1 if parallel is None else parallel.size
+    return max(1, num_kv_heads // size)
 
 
 def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -21,13 +21,15 @@ from torch import nn
 from ..models import model_class_for
 from ..models.arch import ArchConfig
 from ..models.gguf_linear_method import GGUF_INT4, GGUFInt4LinearMethod
-from ..models.linear import LinearBase, configure_linears
+from ..models.linear import LinearBase, TensorParallel, configure_linears
 from ..models.quant import QuantizationPlan, check_quantization, dense_layer_method, quantized_layer_method
 from .checkpoint import LoadedCheckpoint
 
 
-def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ArchConfig]:
-    """The model for ``checkpoint`` on ``device`` in ``dtype``, loaded, in eval mode, and its arch."""
+def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.dtype,
+               parallel: TensorParallel | None = None) -> tuple[nn.Module, ArchConfig]:
+    """The model for ``checkpoint`` on ``device`` in ``dtype``, loaded, in eval mode, and its arch;
+    with ``parallel``, only this tensor-parallel rank's slice of each linear layer."""
     model_class = model_class_for(checkpoint.config)
     arch = model_class.arch_from_hf_config(checkpoint.config)
     shapes = checkpoint.weight_shapes()
@@ -37,7 +39,7 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
         model = model_class(arch)
     # Methods first: a quantized method's tensors (an FP8 layer's weight_scale) are what the
     # checkpoint's names and shapes are checked against.
-    configure_linears(model, _method_chooser(model, plan.weight_formats, device, dtype, plan))
+    configure_linears(model, _method_chooser(model, plan.weight_formats, device, dtype, plan), parallel=parallel)
     if shapes is not None:
         model.check_checkpoint(plan.checkpoint_shapes(shapes), checkpoint.source)
     try:
