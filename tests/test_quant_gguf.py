@@ -146,10 +146,11 @@ def all_types_gguf(tmp_path_factory):
 
 
 def _greedy(path, **kwargs):
-    prompts = random_prompts(3, [5, 17, 1], seed=21)
+    """Three prompts batched (decode steps of 3 rows: the tiled path), then one alone (1 row: numba's GEMV)."""
+    prompts = random_prompts(4, [5, 17, 1, 9], seed=21)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     with LLM(str(path), dtype="float32", device="cpu", show_progress=False, **kwargs) as llm:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts[:3], params, use_tqdm=False) + llm.generate(prompts[3:], params, use_tqdm=False)
         layers = list(linear_layers(llm.engine.runner.model))
         return outputs, layers
 
@@ -204,3 +205,16 @@ def test_hf_quantization_config_not_implemented_is_refused_before_weights_are_re
     checkpoint.weights = lambda: pytest.fail("weights were read before the refusal")
     with pytest.raises(ValueError, match="quantization_config.quant_method='bitsandbytes' is not supported"):
         load_model(checkpoint, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_numba_gemv_matches_the_reference(quant_type):
+    pytest.importorskip("numba")  # the optional CPU kernel (hearth-llm[quant-cpu]; in dev)
+    from hearth_llm.kernels.quant import gguf_numba
+
+    num_columns = 2 * GGUF_BLOCK_FORMATS[quant_type].block_size
+    data = random_blocks(quant_type, 33, num_columns, seed=4)
+    x = torch.randn(2, num_columns, generator=torch.Generator().manual_seed(5))
+    expected = gguf_reference.gguf_linear(x, data, quant_type)
+    out = gguf_numba.gguf_gemv(x, data, quant_type)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
