@@ -235,8 +235,8 @@ def test_forced_preemption_with_adapters_keeps_their_tokens(llama, make_llm):
         bytes_per_block = probe.engine.runner.bytes_per_block
     llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4,
                    kv_cache_memory=14 * bytes_per_block, max_model_len=56)
-    prompts = random_prompts(6, [20, 9, 14], seed=29)
-    names = ["a", "b", None, "b", "a", None]
+    prompts = random_prompts(5, [20, 9, 14], seed=29)
+    names = ["a", "b", None, "b", "a"]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False,
                            lora_request=[None if n is None else LoRARequest(n, adapters[n]) for n in names])
     assert llm.stats()["num_preemptions"] > 0

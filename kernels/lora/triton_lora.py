@@ -48,12 +48,14 @@ def _bgmv_expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, T, N, R, stride_st, stri
     slot = tl.load(slots_ptr + token)
     n_bound = tl.where(slot >= 0, N, 0)  # a base token loads and stores nothing
     slot = tl.maximum(slot, 0)
-    ranks = tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.load(s_ptr + token * stride_st + ranks, mask=ranks < R, other=0.0)
-    b_mask = (ranks[:, None] < R) & (cols[None, :] < n_bound)
-    b = tl.load(b_ptr + slot * stride_bs + ranks[:, None] * stride_br + cols[None, :], mask=b_mask, other=0.0)
-    delta = tl.sum(b.to(tl.float32) * s[:, None], axis=0)
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r_start in range(0, R, BLOCK_R):  # rank chunks: fused qkv of rank 512 has 1536
+        ranks = r_start + tl.arange(0, BLOCK_R)
+        s = tl.load(s_ptr + token * stride_st + ranks, mask=ranks < R, other=0.0)
+        b_mask = (ranks[:, None] < R) & (cols[None, :] < n_bound)
+        b = tl.load(b_ptr + slot * stride_bs + ranks[:, None] * stride_br + cols[None, :], mask=b_mask, other=0.0)
+        delta += tl.sum(b.to(tl.float32) * s[:, None], axis=0)
     out_mask = cols < n_bound
     y = tl.load(y_ptr + token * stride_yt + cols, mask=out_mask, other=0.0)
     tl.store(y_ptr + token * stride_yt + cols, (y.to(tl.float32) + delta).to(y.dtype), mask=out_mask)
@@ -102,19 +104,20 @@ def _sgmv_expand_kernel(s_ptr, b_ptr, slots_ptr, order_ptr, y_ptr, T, N, R, stri
     tokens, slots, is_token, slot = _block_tokens(order_ptr, slots_ptr, T, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < N
-    ranks = tl.arange(0, BLOCK_R)
-    is_rank = ranks < R
+    rs = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     while slot < _NO_SLOT:
         is_row = slots == slot
-        s = tl.load(s_ptr + tokens[:, None] * stride_st + ranks[None, :], mask=is_row[:, None] & is_rank[None, :],
-                    other=0.0)
-        b = tl.load(b_ptr + slot * stride_bs + ranks[:, None] * stride_br + cols[None, :],
-                    mask=is_rank[:, None] & is_col[None, :], other=0.0)
-        if DOT_IN_FP32:
-            acc = tl.dot(s, b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(s.to(b.dtype), b, acc)
+        for r_start in range(0, R, BLOCK_R):
+            is_rank = rs < R - r_start
+            s = tl.load(s_ptr + tokens[:, None] * stride_st + (r_start + rs)[None, :],
+                        mask=is_row[:, None] & is_rank[None, :], other=0.0)
+            b = tl.load(b_ptr + slot * stride_bs + (r_start + rs)[:, None] * stride_br + cols[None, :],
+                        mask=is_rank[:, None] & is_col[None, :], other=0.0)
+            if DOT_IN_FP32:
+                acc = tl.dot(s, b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(s.to(b.dtype), b, acc)
         slot = tl.min(tl.where(slots > slot, slots, _NO_SLOT))
     out_mask = (slots >= 0)[:, None] & is_col[None, :]
     y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
@@ -147,7 +150,7 @@ def _bgmv(y, x, token_slots, lora_a, lora_b, shrunk) -> None:
         lora_a.stride(1), shrunk.stride(0), BLOCK_R=block_r, BLOCK_K=128)
     _bgmv_expand_kernel[(num_tokens, triton.cdiv(out_features, 64))](
         shrunk, lora_b, token_slots, y, num_tokens, out_features, rank, shrunk.stride(0), lora_b.stride(0),
-        lora_b.stride(1), y.stride(0), BLOCK_R=next_power_of_2(rank), BLOCK_N=64)
+        lora_b.stride(1), y.stride(0), BLOCK_R=min(next_power_of_2(rank), 64), BLOCK_N=64)
 
 
 def _sgmv(y, x, token_slots, lora_a, lora_b, shrunk) -> None:
@@ -162,5 +165,5 @@ def _sgmv(y, x, token_slots, lora_a, lora_b, shrunk) -> None:
         DOT_IN_FP32=dot_in_fp32)
     _sgmv_expand_kernel[(num_blocks, triton.cdiv(out_features, block_n))](
         shrunk, lora_b, token_slots, order, y, num_tokens, out_features, rank, shrunk.stride(0), lora_b.stride(0),
-        lora_b.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_R=max(16, next_power_of_2(rank)), BLOCK_N=block_n,
+        lora_b.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
         DOT_IN_FP32=dot_in_fp32)
