@@ -149,10 +149,13 @@ def test_budget_with_n_above_one_is_refused(thinking_models):
         service.chat(ChatRequest(QUESTION, max_reasoning_tokens=2, sampling=SamplingOptions(n=2, max_tokens=4)))
 
 
-def test_reasoning_on_a_model_that_does_not_think_is_refused():
+def test_reasoning_or_a_budget_on_a_model_that_does_not_think_is_refused():
     info = ModelInfo("m", "LlamaForCausalLM", "llama", 64, 100, "{{ messages }}", frozenset({2}))
     with pytest.raises(ValueError, match="reasoning=True.*reasoning_parser"):
         plan_request(ChatRequest(QUESTION, reasoning=True), info)
+    with pytest.raises(ValueError, match="max_reasoning_tokens.*reasoning_parser"):
+        plan_request(ChatRequest(QUESTION, max_reasoning_tokens=8), info)
+    assert plan_request(ChatRequest(QUESTION), info).reasoning_parser is None  # not thinking: nothing to split
 
 
 # ---- the bundled SmolLM2, made to think by a forced <think> prefix --------------------------------

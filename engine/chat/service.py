@@ -143,12 +143,16 @@ def plan_request(request: ChatRequest, model_info: ModelInfo | None) -> _Plan:
         request.messages, chat_template_kwargs=_template_kwargs(request, model_info),
         tools=tools if offers_tools else None)
     tool_parser = get_tool_parser(tool_parser_name)() if tool_parser_name is not None else None
-    if request.reasoning_parser is None and model_info is None:
+    # Without the model's facts, whether its template opens the think block is not known either.
+    if model_info is None and not (request.is_preformatted and request.reasoning_parser is not None):
         if request.max_reasoning_tokens is not None:
-            raise ValueError("max_reasoning_tokens needs the model's reasoning format: pass model_info "
-                             "(ChatService does) or name reasoning_parser")
+            raise ValueError("max_reasoning_tokens needs the model's chat template: pass model_info "
+                             "(ChatService does)")
         return _Plan(prompt, params, tool_parser, reads_reasoning_later=request.reasoning is not False)
     reasoning_parser = reasoning_parser_for(request, prompt, model_info)
+    if reasoning_parser is None and request.max_reasoning_tokens is not None:
+        raise ValueError("max_reasoning_tokens: this model's chat template shows no think block; name its format "
+                         "with reasoning_parser (e.g. 'think') if it thinks anyway")
     thinks_first = reasoning_parser is not None and request.reasoning is not False and (
         request.max_reasoning_tokens is not None or params.structured_output is not None)
     return _Plan(prompt, params, tool_parser, reasoning_parser, thinks_first=thinks_first)
