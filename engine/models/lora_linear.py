@@ -47,8 +47,11 @@ class LoRAStep:
         """Set this step's slot per token (``-1`` for base-model tokens)."""
         slots = torch.as_tensor(token_slots, dtype=torch.long)
         self.num_tokens = len(slots)
-        if self.num_tokens > len(self.token_slots):  # larger than planned: a new buffer (eager only)
-            self.token_slots = torch.full((self.num_tokens,), -1, dtype=torch.long, device=self.device)
+        if self.num_tokens > len(self.token_slots):
+            # Never a new buffer: captured CUDA graphs read this one. The runner sizes it for the
+            # step's token budget, so this is a bug, and failing the step beats wrong adapters.
+            raise RuntimeError(f"a step of {self.num_tokens} tokens exceeds the LoRA slot buffer "
+                               f"({len(self.token_slots)})")
         self.has_adapters = bool((slots >= 0).any())
         self.token_slots[:self.num_tokens].copy_(slots, non_blocking=True)
         if self.device.type == "cpu" and self.has_adapters:
@@ -105,7 +108,8 @@ class LoRALinearMethod(LinearMethod):
         if x.is_cuda:
             # Always, even with no adapter in the step: CUDA graphs (warm-up and capture run with
             # none) must hold the kernels for replays that have adapters. Base tokens load nothing.
-            add_lora(y, x, step.token_slots[:x.shape[0]], self.lora_a, self.lora_b)
+            if x.shape[0] <= len(step.token_slots):  # (a larger forward is not the runner's: base)
+                add_lora(y, x, step.token_slots[:x.shape[0]], self.lora_a, self.lora_b)
             return y
         if not step.has_adapters or x.shape[0] != step.num_tokens:
             return y
