@@ -109,6 +109,15 @@ def test_mixed_batch_of_two_adapters_and_base_matches_peft(served):
         assert out.lora_name == name
 
 
+def test_samples_of_one_request_share_its_adapter(served):
+    llm, base, adapters = served
+    prompt = random_prompts(1, [19], seed=32)[0]
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    [out] = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("b", adapters["b"]))
+    expected = peft_greedy(base, adapters["b"], prompt)
+    assert [sample.token_ids for sample in out.outputs] == [expected, expected]
+
+
 def test_prefix_cached_under_one_adapter_is_not_reused_by_another_or_base(served):
     llm, base, adapters = served
     prefix = random_prompts(1, [24], seed=23)[0]
