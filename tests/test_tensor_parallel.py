@@ -1,0 +1,127 @@
+"""Tensor parallelism on the CPU: two gloo worker processes split a tiny fp32 model, and greedy
+tokens equal HF transformers and the single-process engine; a killed worker stops the engine
+with EngineDeadError and leaves no process behind.
+
+Each TP engine costs two spawned processes (most of this file's time), so each model's engine
+is built once per module; the failure test kills the Llama one and therefore runs last.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+from hearth_llm.engine import LLM, EngineDeadError, SamplingParams
+
+from conftest import TINY_COMMON, assert_pool_whole, random_prompts
+from model_equality import GREEDY, assert_matches_hf, check_alone_and_batched, check_prefix_hits, save_tiny_model
+
+CONFIGS = {
+    # one KV head for two ranks: each rank keeps a copy of it
+    "llama": lambda: LlamaConfig(**{**TINY_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False,
+                                 architectures=["LlamaForCausalLM"]),
+    # two KV heads: one per rank; q/k norm; tied embeddings
+    "qwen3": lambda: Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=True,
+                                 architectures=["Qwen3ForCausalLM"]),
+}
+TP_KWARGS = dict(tensor_parallel_size=2, dtype="float32", block_size=8, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_models")
+    return {name: save_tiny_model(make(), root / name, seed=len(name)) for name, make in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def tp_llms(model_dirs):
+    """One TP=2 engine per model, built on first use and closed at the end of the module."""
+    built = {}
+
+    def get(name: str) -> LLM:
+        if name not in built:
+            built[name] = LLM(str(model_dirs[name]), **TP_KWARGS)
+        return built[name]
+
+    yield get
+    for llm in built.values():
+        llm.close()
+
+
+def _shared(llm: LLM):
+    """A ``make_llm`` for the harness that hands out the module's engine (built with block_size=8)."""
+    def make(path, **kwargs):
+        assert kwargs.get("block_size", 8) == 8, kwargs
+        return llm
+    return make
+
+
+def test_tp2_llama_with_replicated_kv_head_matches_hf_alone_batched_and_with_prefix_hits(model_dirs, tp_llms):
+    llm = tp_llms("llama")
+    assert llm.engine.runner.size == 2 and len(set(llm.engine.runner.pids)) == 2
+    check_alone_and_batched(model_dirs["llama"], _shared(llm))
+    check_prefix_hits(model_dirs["llama"], _shared(llm))
+    assert_pool_whole(llm.stats())
+
+
+def test_tp2_qwen3_matches_hf_and_single_process(model_dirs, tp_llms):
+    path, llm = model_dirs["qwen3"], tp_llms("qwen3")
+    check_alone_and_batched(path, _shared(llm))
+    prompts = random_prompts(5, [9, 40, 2], seed=21)
+    with LLM(str(path), dtype="float32", block_size=8, show_progress=False) as single:
+        expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    assert_pool_whole(llm.stats())
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(tensor_parallel_size=3), "num_attention_heads=4"),          # 4 heads over 3 ranks
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive int"),
+    (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora=True"),
+])
+def test_unsplittable_settings_are_refused_by_name_before_workers_start(model_dirs, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(str(model_dirs["qwen3"]), dtype="float32", show_progress=False, **kwargs)
+
+
+def test_moe_model_is_refused_by_module_name(tmp_path):
+    config = Qwen3MoeConfig(**TINY_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            architectures=["Qwen3MoeForCausalLM"])
+    path = save_tiny_model(config, tmp_path / "moe")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Qwen3MoeForCausalLM"):
+        LLM(str(path), dtype="float32", show_progress=False, tensor_parallel_size=2)
+
+
+def test_killed_worker_fails_pending_requests_with_engine_dead_and_reaps_workers(model_dirs, tp_llms):
+    llm = tp_llms("llama")  # runs last in this module: it kills this engine
+    executor = llm.engine.runner
+    long_run = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
+    outcome = {}
+
+    def generate():
+        try:
+            outcome["outputs"] = llm.generate(random_prompts(3, [5], seed=31), long_run, use_tqdm=False)
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = error
+
+    num_tokens_before = llm.stats()["num_generation_tokens"]
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while llm.stats()["num_generation_tokens"] < num_tokens_before + 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.stats()["num_running"] > 0, "the requests should be mid-generation when the worker dies"
+    killed_at = time.monotonic()
+    os.kill(executor.pids[1], 9)
+    thread.join(15)
+    assert not thread.is_alive(), "generate() hung after a worker died"
+    assert isinstance(outcome.get("error"), EngineDeadError), outcome
+    assert time.monotonic() - killed_at < 10
+    for pid in executor.pids:  # reaped: not even a zombie answers signal 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(EngineDeadError):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
