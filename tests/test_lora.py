@@ -195,6 +195,8 @@ def _narrowed(tensors):  # as if made for a base model with a smaller hidden siz
     (lambda a, tmp: LoRARequest("big", a["b"]), "r=8 is above max_lora_rank=4"),
     (lambda a, tmp: LoRARequest("dora", _bad_copy(a["a"], tmp, use_dora=True)), "use_dora"),
     (lambda a, tmp: LoRARequest("bias", _bad_copy(a["a"], tmp, bias="all")), "bias"),
+    (lambda a, tmp: LoRARequest("pissa", _bad_copy(a["a"], tmp, init_lora_weights="pissa")), "init_lora_weights"),
+    (lambda a, tmp: LoRARequest("pattern", _bad_copy(a["a"], tmp, rank_pattern={"q_proj": 2})), "rank_pattern"),
     (lambda a, tmp: LoRARequest("head", _bad_copy(a["a"], tmp, target_modules=["lm_head"])), "lm_head"),
     (lambda a, tmp: LoRARequest("gone", str(tmp / "missing")), "cannot read"),
     (lambda a, tmp: LoRARequest("other", _bad_weights(a["a"], tmp, _renamed)), "query_key_value is not a linear"),

@@ -159,6 +159,11 @@ def _check_config(name: str, config: dict, max_lora_rank: int) -> tuple[int, flo
         refuse("bias", "is not supported here (only 'none')")
     if config.get("fan_in_fan_out"):
         refuse("fan_in_fan_out")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq")):
+        # These change the base weights during training; unless converted to a plain LoRA on save
+        # (peft's path_initial_model_for_weight_conversion), the adapter is only right on that base.
+        refuse("init_lora_weights", "expects a modified base model; save it converted to a plain LoRA")
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
     for target in targets:
