@@ -23,7 +23,7 @@ from .matmul.formats import DenseWeight, Fp16Weight, Int4Weight, OnednnBf16Weigh
 
 __all__ = ["argmax", "sample_rows", "write_kv_cache", "paged_attention", "qk_norm_rope_and_cache", "rms_norm",
            "layer_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul", "gelu", "linear",
-           "register_linear_routine", "DenseWeight", "OnednnBf16Weight", "Fp16Weight", "Int4Weight"]
+           "register_linear_routine", "linear_routine", "DenseWeight", "OnednnBf16Weight", "Fp16Weight", "Int4Weight"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -163,6 +163,15 @@ _LINEAR_ROUTINES = {
 }
 
 
+# (format, device type) -> binder(weight, bias) -> routine(x); formats without one bind generically.
+_LINEAR_BINDERS = {
+    (OnednnBf16Weight, "cpu"): lambda weight, bias: matmul.cpu.dense_linear_routine(weight.packed, bias),
+    (Fp16Weight, "cpu"): lambda weight, bias: matmul.cpu.fp16_linear_routine(weight.packed, bias),
+    (Int4Weight, "cpu"): lambda weight, bias: matmul.cpu.int4_linear_routine(
+        weight.packed, weight.scales_and_zeros, weight.group_size, bias),
+}
+
+
 def register_linear_routine(weight_format: type, device_type: str | None, routine) -> None:
     """Make :func:`linear` multiply weights of ``weight_format`` on ``device_type`` ("cpu",
     "cuda", or None for any) with ``routine(x, weight, bias)``; how a quantization method plugs in.
@@ -173,6 +182,33 @@ def register_linear_routine(weight_format: type, device_type: str | None, routin
     [[4.0, 4.0, 4.0]]
     """
     _LINEAR_ROUTINES[(weight_format, device_type)] = routine
+    _LINEAR_BINDERS.pop((weight_format, device_type), None)
+
+
+def _linear_routine_for(weight, device_type: str):
+    routine = _LINEAR_ROUTINES.get((type(weight), device_type)) or _LINEAR_ROUTINES.get((type(weight), None))
+    if routine is None:
+        registered = sorted(f"{weight_format.__name__} on {device or 'any device'}"
+                            for weight_format, device in _LINEAR_ROUTINES)
+        raise ValueError(f"no linear routine for weight format {type(weight).__name__} on {device_type} "
+                         f"tensors; registered: {registered}")
+    return routine
+
+
+def linear_routine(weight, device_type: str, bias: torch.Tensor | None = None):
+    """``x -> linear(x, weight, bias)`` for inputs on ``device_type``, with the routine chosen now:
+    for a layer whose weight keeps its format and device, so each call is a single Python call
+    (decode steps of a small model are bound by per-call overhead as much as by the matmuls).
+
+    >>> routine = linear_routine(DenseWeight(torch.ones(3, 2)), "cpu", torch.ones(3))
+    >>> routine(torch.ones(1, 2)).tolist()
+    [[3.0, 3.0, 3.0]]
+    """
+    binder = _LINEAR_BINDERS.get((type(weight), device_type))
+    if binder is not None:
+        return binder(weight, bias)
+    routine = _linear_routine_for(weight, device_type)
+    return lambda x: routine(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,10 +219,4 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     >>> linear(torch.ones(1, 2), DenseWeight(torch.ones(3, 2)), torch.ones(3)).tolist()
     [[3.0, 3.0, 3.0]]
     """
-    routine = _LINEAR_ROUTINES.get((type(weight), x.device.type)) or _LINEAR_ROUTINES.get((type(weight), None))
-    if routine is None:
-        registered = sorted(f"{weight_format.__name__} on {device or 'any device'}"
-                            for weight_format, device in _LINEAR_ROUTINES)
-        raise ValueError(f"no linear routine for weight format {type(weight).__name__} on {x.device.type} "
-                         f"tensors; registered: {registered}")
-    return routine(x, weight, bias)
+    return _linear_routine_for(weight, x.device.type)(x, weight, bias)

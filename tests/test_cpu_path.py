@@ -210,13 +210,17 @@ def tiny_llama(dtype: torch.dtype, weights_on_grid: bool):
     return model
 
 
-def test_a_bf16_model_gets_cpu_linears_with_int4_copies_of_grid_weights():
+def test_a_bf16_model_gets_cpu_linears_without_a_search_for_a_4bit_grid(monkeypatch):
+    """Issue 15: the 4-bit method is chosen before loading, from the checkpoint's tensor types
+    (GGUF Q4_0/Q4_1: tests/test_model_layer_seam.py); a dense checkpoint's values are not searched
+    for a 4-bit grid, even when they lie on one."""
     from hearth_llm.engine.models.layers import CpuLinear, CpuLogitsHead
 
+    monkeypatch.setattr(cpu_ops, "int4_weight_if_lossless", lambda *a: pytest.fail("searched for a 4-bit grid"))
     model = tiny_llama(torch.bfloat16, weights_on_grid=True)
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert len(linears) == 2 * 4
-    assert all(m.int4 is not None for m in linears)
+    assert all(m.int4 is None and m.packed_weight is not None for m in linears)
     assert isinstance(model.lm_head, CpuLogitsHead)
 
 

@@ -62,6 +62,9 @@ class GGUFInt4LinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         return layer.cpu_weight(x, bias)
 
+    def forward_routine(self, layer):
+        return layer.cpu_weight.routine(layer.bias)
+
 
 def _int4_parts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's codes/scales/zeros being filled shard by shard (made on the first shard)."""

@@ -55,7 +55,9 @@ class LinearBase(nn.Module):
 
     Subclasses say how a shard id maps to rows (:meth:`shard_rows`) and how tensor parallelism
     splits the layer (:meth:`rank_rows`, :attr:`splits_input`). The method creates the weight
-    tensors; the layer itself owns the bias, which is always dense.
+    tensors; the layer itself owns the bias, which is always dense. Once loaded, :attr:`routine`
+    may hold the method's bound kernel (``LinearMethod.forward_routine``), which ``forward`` calls
+    directly; it is None before loading and after the method or the tensors change.
     """
 
     splits_input = False  # RowLinear: each rank holds a slice of the input columns
@@ -68,9 +70,20 @@ class LinearBase(nn.Module):
         self.has_bias = bias
         self.prefix = prefix
         self.parallel = SINGLE_PROCESS
-        self.method: LinearMethod = DENSE
+        self.method = DENSE
         self._method_tensors: list[str] = []
         self._create()
+
+    @property
+    def method(self) -> LinearMethod:
+        return self._method
+
+    @method.setter
+    def method(self, method: LinearMethod) -> None:
+        # A new method (e.g. a LoRA wrapper after loading) multiplies its own way: forget the
+        # routine the old one bound.
+        self._method = method
+        self.routine = None
 
     # --- configuration before loading --------------------------------------------------------
 
@@ -156,9 +169,11 @@ class LinearBase(nn.Module):
                 param.checkpoint_shape = lambda shard_id=None, _name=name: self.checkpoint_shape(_name, shard_id)
 
     def _apply(self, fn, recurse=True):
-        # Moving between devices (to_empty from meta) makes new Parameter objects: re-attach.
+        # Moving between devices (to_empty from meta) makes new Parameter objects: re-attach, and
+        # drop a routine bound to the old tensors.
         module = super()._apply(fn, recurse)
         self._attach_loaders()
+        self.routine = None
         return module
 
     def checkpoint_shape(self, name: str, shard_id=None) -> tuple[int, ...]:
@@ -203,9 +218,14 @@ class LinearBase(nn.Module):
         self.method.load_weight(self, name, param, loaded_weight, offset)
 
     def process_weights_after_loading(self) -> None:
+        """The method repacks the loaded weights, and may bind them into :attr:`routine`."""
         self.method.process_weights_after_loading(self)
+        self.routine = self.method.forward_routine(self) if self.parallel.size == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routine = self.routine  # a decode step's hot path: one call, no dispatch
+        if routine is not None:
+            return routine(x)
         return self.method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
@@ -308,7 +328,7 @@ class RowLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
-            return self.method.apply(self, x, self.bias)
+            return super().forward(x)
         out = self.method.apply(self, x, None)
         self.parallel.all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)

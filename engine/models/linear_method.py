@@ -11,6 +11,9 @@ A method is stateless and shared; what it creates lives on the layer. Its four s
 * ``process_weights_after_loading(layer)``: repack once everything is in (oneDNN layout, int4
   packing, FP8 scales...).
 * ``apply(layer, x, bias)``: ``x @ W.T + bias``.
+* ``forward_routine(layer)`` (optional): after loading, ``x -> layer(x)`` with the kernel chosen
+  and the tensors bound, which the layer then calls instead of ``apply``: one Python call per
+  matmul in a decode step. None (the default) keeps ``apply``.
 
 A quantized method (next to this file, e.g. ``gguf_linear_method.py``) subclasses
 :class:`LinearMethod`; the model runner picks one per layer before loading (see
@@ -59,12 +62,19 @@ class LinearMethod:
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def forward_routine(self, layer):
+        """``x -> apply(layer, x, layer.bias)`` fixed once the weights are in, or None. The layer
+        drops it when its method is replaced (a LoRA wrapper) or its tensors move."""
+        return None
+
 
 class DenseLinearMethod(LinearMethod):
     """A plain weight in the compute dtype.
 
     On the CPU a bf16 weight is then kept in oneDNN's blocked layout (``layer.cpu_weight``, a
     :class:`CpuLinear`) and the plain copy dropped: ``F.linear`` would reorder it on every call.
+    The weight's values are not searched for a 4-bit grid: a 4-bit method is chosen before
+    loading, from the checkpoint's tensor types (``GGUFInt4LinearMethod`` for Q4_0/Q4_1 GGUF).
     """
 
     def create_weights(self, layer) -> None:
@@ -80,10 +90,7 @@ class DenseLinearMethod(LinearMethod):
         packed = cpu_ops.pack_dense_weight(weight)
         if packed is None:
             return
-        # A checkpoint whose weights were dequantized elsewhere (from a Q4 GGUF) still sits on a
-        # 4-bit grid; reading that copy is faster for decode. GGUF files themselves choose
-        # GGUFInt4LinearMethod before loading instead.
-        layer.cpu_weight = CpuLinear(packed, cpu_ops.int4_weight_if_lossless(weight))
+        layer.cpu_weight = CpuLinear(packed, None)
         del layer.weight
 
     def apply(self, layer, x, bias):
@@ -91,6 +98,10 @@ class DenseLinearMethod(LinearMethod):
         if cpu_weight is not None:
             return cpu_weight(x, bias)
         return F.linear(x, layer.weight, bias)
+
+    def forward_routine(self, layer):
+        cpu_weight = getattr(layer, "cpu_weight", None)
+        return None if cpu_weight is None else cpu_weight.routine(layer.bias)
 
 
 DENSE = DenseLinearMethod()

@@ -7,7 +7,9 @@
 - 4-bit group-quantized (``int4_weight_if_lossless`` / ``int4_linear``): used only where it is
   lossless, e.g. for weights that came from a Q4 GGUF file.
 
-The format objects in ``formats.py`` wrap these; ``kernels.linear`` picks the routine.
+The format objects in ``formats.py`` wrap these; ``kernels.linear`` picks the routine. The
+``*_routine`` functions bind a weight once (``kernels.linear_routine``): a decode step then makes
+one Python call per matmul instead of a dispatch.
 """
 from __future__ import annotations
 
@@ -107,6 +109,29 @@ def _is_on_int4_grid(weight: torch.Tensor, group_size: int) -> bool:
     largest = torch.maximum(minimums.abs(), (minimums + 15 * scales).abs())[..., None]
     tolerance = (groups.abs() + 3 * largest) * 2.0**-8 + scales[..., None] * 2.0**-6
     return bool((error <= tolerance).all())
+
+
+def dense_linear_routine(packed_weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """:func:`dense_linear` with its weight and bias bound: ``routine(x)``, one Python call a step."""
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
+    return lambda x: linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def fp16_linear_routine(packed, bias: torch.Tensor | None = None):
+    """:func:`fp16_linear` (plus ``bias``) with its weight bound: ``routine(x)``."""
+    linear_fp16 = torch.ops.quantized.linear_dynamic_fp16.default
+    if bias is None:
+        return lambda x: linear_fp16(x.float(), packed)
+    return lambda x: linear_fp16(x.float(), packed).add_(bias)
+
+
+def int4_linear_routine(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = INT4_GROUP_SIZE,
+                        bias: torch.Tensor | None = None):
+    """:func:`int4_linear` with its weight and bias bound: ``routine(x)``."""
+    int4pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+    if bias is None:
+        return lambda x: int4pack_mm(x, packed, group_size, scales_and_zeros)
+    return lambda x: int4pack_mm(x, packed, group_size, scales_and_zeros).add_(bias)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
