@@ -24,7 +24,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass
-from multiprocessing import connection, get_context
+from multiprocessing import connection, get_all_start_methods, get_context
 
 import torch
 from torch import nn
@@ -178,7 +178,7 @@ def _worker_spec(config, size: int) -> WorkerSpec:
 
 
 def _start_workers(spec: WorkerSpec, size: int, init_method: str, backend: str) -> list[_Worker]:
-    context = get_context("spawn")  # fork would copy the driver's threads and CUDA state
+    context = _process_context()
     workers = []
     for rank in range(size):
         parent_end, child_end = context.Pipe()
@@ -188,6 +188,18 @@ def _start_workers(spec: WorkerSpec, size: int, init_method: str, backend: str) 
         child_end.close()
         workers.append(_Worker(rank, process, parent_end))
     return workers
+
+
+def _process_context():
+    """Never fork the driver (its threads, its CUDA state). A forkserver is a fresh process that
+    imports the worker code once (torch, transformers, our package: seconds on a small CPU) and
+    forks each worker from that clean, single-threaded state, so a second engine's workers start
+    at once; where there is none, spawn (each worker imports everything itself)."""
+    if "forkserver" not in get_all_start_methods():
+        return get_context("spawn")
+    context = get_context("forkserver")
+    context.set_forkserver_preload([f"{__package__}.preload"])
+    return context
 
 
 def _shut_down(workers: list[_Worker], store_dir: str) -> None:
