@@ -1,13 +1,15 @@
 """Tensor parallelism on the CPU: two gloo worker processes split a tiny fp32 model, and greedy
-tokens equal HF transformers and the single-process engine; a killed worker stops the engine
-with EngineDeadError and leaves no process behind.
+tokens equal HF transformers and the single-process engine; a killed or hung worker stops the
+engine with EngineDeadError and leaves no process behind.
 
-Each TP engine costs two spawned processes (most of this file's time), so each model's engine
-is built once per module; the failure test kills the Llama one and therefore runs last.
+Each TP engine costs two worker processes (the first ones most of this file's time: the
+forkserver imports torch and transformers once), so each model's engine is built once per
+module; the failure tests stop those engines and therefore run last.
 """
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -115,7 +117,7 @@ def test_killed_worker_fails_pending_requests_with_engine_dead_and_reaps_workers
         time.sleep(0.01)
     assert llm.stats()["num_running"] > 0, "the requests should be mid-generation when the worker dies"
     killed_at = time.monotonic()
-    os.kill(executor.pids[1], 9)
+    os.kill(executor.pids[1], signal.SIGKILL)
     thread.join(15)
     assert not thread.is_alive(), "generate() hung after a worker died"
     assert isinstance(outcome.get("error"), EngineDeadError), outcome
@@ -125,3 +127,17 @@ def test_killed_worker_fails_pending_requests_with_engine_dead_and_reaps_workers
             os.kill(pid, 0)
     with pytest.raises(EngineDeadError):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+
+
+def test_hung_worker_fails_the_step_after_the_timeout_and_is_killed(tp_llms):
+    llm = tp_llms("qwen3")  # runs after the Qwen3 equality test: it stops this engine
+    executor = llm.engine.runner
+    executor.step_timeout_s = 1.0
+    os.kill(executor.pids[1], signal.SIGSTOP)  # alive but silent: only the timeout can tell
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 6
+    for pid in executor.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
