@@ -19,7 +19,9 @@ goes away (their pipe closes), and are daemons, so none outlives the interpreter
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -184,10 +186,29 @@ def _start_workers(spec: WorkerSpec, size: int, init_method: str, backend: str) 
         parent_end, child_end = context.Pipe()
         process = context.Process(target=worker_main, args=(rank, size, init_method, backend, spec, child_end),
                                   name=f"hearth-tp-rank{rank}", daemon=True)
-        process.start()
+        with _main_module_hidden():
+            process.start()
         child_end.close()
         workers.append(_Worker(rank, process, parent_end))
     return workers
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start a worker without telling it the user's ``__main__``: spawn and forkserver children
+    otherwise re-run the user's script first (so a script without an ``if __name__ ==
+    "__main__":`` guard would build its LLM again inside each worker). A worker needs nothing
+    from ``__main__``: its target and arguments are ours."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            del main.__spec__
 
 
 def _process_context():
