@@ -11,11 +11,11 @@ from .activation.cpu import gelu, gelu_and_mul, silu_and_mul
 from .attention.cpu import paged_attention
 from .kv_cache.cpu import write_kv_cache
 from .matmul.cpu import (INT4_GROUP_SIZE, dense_linear, fp16_linear, has_onednn_bf16, int4_linear,
-                         int4_weight_if_lossless, pack_dense_weight, pack_fp16_weight)
+                         int4_or_dense_linear_routine, int4_weight_if_lossless, pack_dense_weight, pack_fp16_weight)
 from .norm.cpu import layer_norm, rms_norm
 from .rotary.cpu import rotary_embedding
 from .sampling.cpu import argmax, topk_indices
 
 __all__ = ["INT4_GROUP_SIZE", "argmax", "dense_linear", "fp16_linear", "gelu", "gelu_and_mul", "has_onednn_bf16",
-           "int4_linear", "int4_weight_if_lossless", "layer_norm", "pack_dense_weight", "pack_fp16_weight",
+           "int4_linear", "int4_or_dense_linear_routine", "int4_weight_if_lossless", "layer_norm", "pack_dense_weight", "pack_fp16_weight",
            "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "topk_indices", "write_kv_cache"]

@@ -71,16 +71,17 @@ class Attention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
-        num_heads, num_kv_heads = self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank
-        qkv = self.qkv_proj(hidden)
+        qkv_proj, rotary = self.qkv_proj, self.rotary  # each a module lookup: once per step
+        num_heads, num_kv_heads = qkv_proj.num_heads_per_rank, qkv_proj.num_kv_heads_per_rank
+        qkv = qkv_proj(hidden)
         key_cache, value_cache = kv_cache
         has_qk_norm = self.q_norm is not None
         # Split heads, q/k norm, rotary and the cache write: one kernel on CUDA.
         query = kernels.qk_norm_rope_and_cache(
-            qkv, positions, self.rotary.cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
+            qkv, positions, rotary.cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
             num_heads, num_kv_heads, self.q_norm.weight if has_qk_norm else None,
             self.k_norm.weight if has_qk_norm else None, self.q_norm.eps if has_qk_norm else 1e-6,
-            self.rotary.is_neox_style,
+            rotary.is_neox_style,
         )
         out = kernels.paged_attention(
             query, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,

@@ -43,11 +43,10 @@ class CpuLinear(nn.Module):
                                            bias)
         if self.int4 is None:
             return dense
-        int4 = kernels.linear_routine(kernels.Int4Weight(*self.int4), "cpu", bias)
         if dense is None:
-            return int4
-        max_rows = self.INT4_MAX_ROWS
-        return lambda x: int4(x) if x.shape[0] <= max_rows else dense(x)
+            return kernels.linear_routine(kernels.Int4Weight(*self.int4), "cpu", bias)
+        return cpu_ops.int4_or_dense_linear_routine(*self.int4, cpu_ops.INT4_GROUP_SIZE, self.packed_weight, bias,
+                                                    self.INT4_MAX_ROWS)
 
 
 class CpuLogitsHead(nn.Module):

@@ -293,13 +293,11 @@ class QKVLinear(ColumnLinear):
     def shard_ids(self) -> list:
         return ["q", "k", "v"]
 
-    @property
-    def num_heads_per_rank(self) -> int:
-        return self.num_heads // self.parallel.size
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        return max(1, self.num_kv_heads // self.parallel.size)
+    def _create(self) -> None:
+        # Plain attributes, not properties: the attention layer reads them on every step.
+        self.num_heads_per_rank = self.num_heads // self.parallel.size
+        self.num_kv_heads_per_rank = max(1, self.num_kv_heads // self.parallel.size)
+        super()._create()
 
     def rank_rows(self, shard_id) -> tuple[int, int]:
         rank, size = self.parallel.rank, self.parallel.size
@@ -327,8 +325,11 @@ class RowLinear(LinearBase):
         super().__init__(input_size, [output_size], bias, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routine = self.routine  # bound only in a single process
+        if routine is not None:
+            return routine(x)
         if self.parallel.size == 1:
-            return super().forward(x)
+            return self.method.apply(self, x, self.bias)
         out = self.method.apply(self, x, None)
         self.parallel.all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)

@@ -134,6 +134,23 @@ def int4_linear_routine(packed: torch.Tensor, scales_and_zeros: torch.Tensor, gr
     return lambda x: int4pack_mm(x, packed, group_size, scales_and_zeros).add_(bias)
 
 
+def int4_or_dense_linear_routine(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                                 dense_packed_weight: torch.Tensor, bias: torch.Tensor | None, max_int4_rows: int):
+    """``routine(x)``: the int4 kernel for inputs of at most ``max_int4_rows`` rows (bound by reading
+    the weight: a quarter of the bytes), oneDNN's bf16 one (``dense_packed_weight``, the same
+    values) for more, where the int4 kernel's unpacking costs more than its reads save."""
+    int4pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
+
+    def routine(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= max_int4_rows:
+            out = int4pack_mm(x, packed, group_size, scales_and_zeros)
+            return out if bias is None else out.add_(bias)
+        return linear_pointwise(x, dense_packed_weight, bias, "none", [], "")
+
+    return routine
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                 group_size: int = INT4_GROUP_SIZE, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight from :func:`int4_weight_if_lossless`; ``x`` is bf16 ``[M, K]``."""
