@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hearth_llm.engine.chat import ChatStream
 from hearth_llm.engine.outputs import StreamOutput, Usage
@@ -148,3 +150,27 @@ def test_reasoning_tokens_count_the_think_block():
     assert result.usage.reasoning_tokens == 4 and result.usage.completion_tokens == 7
     plain = ChatStream(ListStream(["It", " is", " 4"]), None, None, ThinkReasoningParser()).collect()
     assert plain.usage.reasoning_tokens == 0 and plain.content == "It is 4"
+
+
+# ---- garbled output: thinking, answer and calls still split the same, streamed or whole ------------
+
+PIECES = ["<think>", "</think>", "<thi", "</th", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": ',
+          "1}}", "\n", " ", "x", "<", ">", "/"]
+
+
+@st.composite
+def garbled(draw):
+    return "".join(draw(st.lists(st.sampled_from(PIECES) | st.text(max_size=3), max_size=20)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=garbled(), cuts=st.lists(st.integers(0, 200), max_size=6), opened=st.booleans())
+def test_garbled_output_splits_the_same_streamed_or_whole(text, cuts, opened):
+    bounds = sorted({cut % (len(text) + 1) for cut in cuts})
+    pieces = [text[start:end] for start, end in zip([0] + bounds, bounds + [len(text)])]
+    parser = ThinkReasoningParser(starts_in_reasoning=opened)
+    whole = ChatStream(ListStream([text]), HermesToolParser(), None, parser).collect()
+    deltas = list(ChatStream(ListStream(pieces), HermesToolParser(), None, parser))
+    assert "".join(d.reasoning for d in deltas) == whole.reasoning
+    assert "".join(d.content for d in deltas) == whole.content
+    assert len({e.index for d in deltas for e in d.tool_calls}) == len(whole.tool_calls) + len(whole.invalid_tool_calls)

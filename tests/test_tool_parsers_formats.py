@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hearth_llm.engine.tool_parsers import get_tool_parser, select_tool_parser
 
@@ -91,3 +93,30 @@ def test_a_stream_cut_anywhere_rebuilds_the_parse(parser_name, text):
     for _ in range(10):
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(1, 12))))
         assert_stream_rebuilds_parse(parser_name, [text[start:end] for start, end in zip([0] + cuts, cuts + [None])])
+
+
+# ---- garbled output, in the pieces these formats are made of ---------------------------------------
+
+FORMAT_TEXTS = [text for _, text in ALL_SAMPLES]
+FORMAT_PIECES = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", ">",
+                 "<|tool_call|>", "<|/tool_call|>", "functools", '{"name": "f", "arguments": ', "{", "}", "[", "]",
+                 '"', "\\", ",", " ", "\n", "3", "true", "x"]
+
+
+@st.composite
+def garbled_format_text(draw):
+    pieces = draw(st.lists(st.sampled_from(FORMAT_PIECES) | st.text(max_size=3), max_size=24))
+    if draw(st.booleans()):  # or a real output with a piece inserted
+        text = draw(st.sampled_from(FORMAT_TEXTS))
+        at = draw(st.integers(0, len(text)))
+        return text[:at] + "".join(pieces[:2]) + text[at:]
+    return "".join(pieces)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=garbled_format_text(), cuts=st.lists(st.integers(0, 200), max_size=6))
+def test_garbled_output_never_raises_and_streams_to_the_same_result(text, cuts):
+    bounds = sorted({cut % (len(text) + 1) for cut in cuts})
+    pieces = [text[start:end] for start, end in zip([0] + bounds, bounds + [len(text)])]
+    for parser_name in SAMPLES:
+        assert_stream_rebuilds_parse(parser_name, pieces)
