@@ -9,15 +9,16 @@ import torch
 from hearth_llm.engine import LLM, SamplingParams
 from hearth_llm.engine.models.linear import linear_layers
 from hearth_llm.engine.models.quant import Fp8LinearMethod, GGUFBlockLinearMethod
-from hearth_llm.kernels.quant import GGUF_BLOCK_FORMATS, fp8, gguf_reference
+from hearth_llm.kernels.quant import BLOCK_FORMATS, fp8, gguf_reference
 
 from conftest import TINY_CONFIGS, random_prompts
 from model_equality import save_tiny_model
-from test_quant_gguf import all_types_gguf, random_blocks  # noqa: F401  (a fixture, used by name)
+from test_quant_awq_gptq import quantized_dirs  # noqa: F401  (fixtures, used by name)
+from test_quant_gguf import all_types_gguf, random_blocks  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TYPES = sorted(GGUF_BLOCK_FORMATS)
+TYPES = sorted(BLOCK_FORMATS)
 
 
 @pytest.mark.parametrize("quant_type", TYPES)
@@ -85,3 +86,11 @@ def test_fp8_checkpoint_on_gpu_runs_like_quantizing_at_load(tmp_path):
     stored, _ = _greedy(write_fp8_checkpoint(path, tmp_path / "fp8"), "float32")
     at_load, _ = _greedy(path, "float32", quantization="fp8")
     assert stored == at_load
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoints_on_gpu_give_the_dequantized_models_tokens(method, quantized_dirs):  # noqa: F811
+    quantized, layers = _greedy(quantized_dirs[method], "float32")
+    dense, _ = _greedy(quantized_dirs["dense"], "float32")
+    assert all(isinstance(layer.method, GGUFBlockLinearMethod) for name, layer in layers if name.startswith("layers."))
+    assert quantized == dense

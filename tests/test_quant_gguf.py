@@ -16,21 +16,21 @@ from hearth_llm.engine import LLM, SamplingParams
 from hearth_llm.engine.loader import load_checkpoint
 from hearth_llm.engine.models.linear import linear_layers
 from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
-from hearth_llm.kernels.quant import GGUF_BLOCK_FORMATS, gguf_cpu, gguf_reference
+from hearth_llm.kernels.quant import BLOCK_FORMATS, GGUF_TYPES, gguf_cpu, gguf_reference
 
 from conftest import TINY_VOCAB, random_prompts
 from gguf_writer import write_shape_fields, write_tiny_tokenizer
 
-TYPES = sorted(GGUF_BLOCK_FORMATS)
+TYPES = sorted(BLOCK_FORMATS)  # llama.cpp's eight and W4G128 (AWQ/GPTQ repacked)
 # The float16 fields of each block (scales, minimums), by byte offset.
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208]}
+              "Q5_K": [0, 2], "Q6_K": [208], "W4G128": [0]}
 
 
 def random_blocks(quant_type: str, num_rows: int, num_columns: int, seed: int = 0, scale: float = 1e-3):
     """Random block rows whose float16 fields are small positive scales (random bytes elsewhere:
     every code, 6-bit scale and high bit pattern occurs)."""
-    fmt = GGUF_BLOCK_FORMATS[quant_type]
+    fmt = BLOCK_FORMATS[quant_type]
     generator = torch.Generator().manual_seed(seed)
     num_blocks = num_columns // fmt.block_size
     data = torch.randint(0, 256, (num_rows, num_blocks, fmt.type_size), dtype=torch.uint8, generator=generator)
@@ -40,10 +40,10 @@ def random_blocks(quant_type: str, num_rows: int, num_columns: int, seed: int = 
     return data.reshape(num_rows, -1)
 
 
-@pytest.mark.parametrize("quant_type", TYPES)
+@pytest.mark.parametrize("quant_type", GGUF_TYPES)
 def test_reference_dequantize_is_bit_equal_to_gguf_py(quant_type):
     # Raw random bytes, float16 fields included (NaN and inf scales too): every bit must agree.
-    fmt = GGUF_BLOCK_FORMATS[quant_type]
+    fmt = BLOCK_FORMATS[quant_type]
     data = torch.randint(0, 256, (5, 3 * fmt.type_size), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     expected = gguf_dequantize(data.numpy(), GGMLQuantizationType[quant_type]).reshape(5, -1).astype(np.float32)
     ours = gguf_reference.dequantize(data, quant_type)
@@ -68,7 +68,7 @@ def test_triton_kernel_matches_the_reference(quant_type, num_rows):
     from hearth_llm.kernels.quant import gguf_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton's interpreter
-    num_columns = 2 * GGUF_BLOCK_FORMATS[quant_type].block_size
+    num_columns = 2 * BLOCK_FORMATS[quant_type].block_size
     data = random_blocks(quant_type, 40, num_columns, seed=num_rows)  # 40 rows: a partial tile of outputs
     generator = torch.Generator().manual_seed(2)
     x, bias = torch.randn(num_rows, num_columns, generator=generator), torch.randn(40, generator=generator)
@@ -212,7 +212,7 @@ def test_numba_gemv_matches_the_reference(quant_type):
     pytest.importorskip("numba")  # the optional CPU kernel (hearth-llm[quant-cpu]; in dev)
     from hearth_llm.kernels.quant import gguf_numba
 
-    num_columns = 2 * GGUF_BLOCK_FORMATS[quant_type].block_size
+    num_columns = 2 * BLOCK_FORMATS[quant_type].block_size
     data = random_blocks(quant_type, 33, num_columns, seed=4)
     x = torch.randn(2, num_columns, generator=torch.Generator().manual_seed(5))
     expected = gguf_reference.gguf_linear(x, data, quant_type)

@@ -16,24 +16,24 @@ from __future__ import annotations
 
 import torch
 
-from hearth_llm.kernels.quant.gguf_reference import GGUF_BLOCK_FORMATS, dequantize
+from hearth_llm.kernels.quant.gguf_reference import BLOCK_FORMATS, GGUF_TYPES, dequantize
 
 BLOCK_SIZE = 32  # Q4_0 .. Q8_0; the K-quants' super-blocks hold 256
-BYTES_PER_BLOCK = {name: fmt.type_size for name, fmt in GGUF_BLOCK_FORMATS.items()}
-# Every type the loader keeps as blocks.
-BLOCK_TYPES = tuple(GGUF_BLOCK_FORMATS)
+BYTES_PER_BLOCK = {name: fmt.type_size for name, fmt in BLOCK_FORMATS.items()}
+# Every type the GGUF loader keeps as blocks (BLOCK_FORMATS also has W4G128, AWQ/GPTQ repacked).
+BLOCK_TYPES = GGUF_TYPES
 # The types whose codes and scales :meth:`GGUFBlocks.int4_parts` hands to the int4 CPU method.
 KEPT_TYPES = ("Q4_0", "Q4_1")
 
 
 class GGUFBlocks:
-    """``data``: uint8 ``[rows, num_blocks * type_size]``; ``quant_type``: one of :data:`BLOCK_TYPES`."""
+    """``data``: uint8 ``[rows, num_blocks * type_size]``; ``quant_type``: a ``BLOCK_FORMATS`` name."""
 
     __slots__ = ("quant_type", "data", "_codes")
 
     def __init__(self, quant_type: str, data: torch.Tensor) -> None:
         if quant_type not in BYTES_PER_BLOCK:
-            raise ValueError(f"quant_type must be one of {BLOCK_TYPES}, got {quant_type!r}")
+            raise ValueError(f"quant_type must be one of {tuple(BLOCK_FORMATS)}, got {quant_type!r}")
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % BYTES_PER_BLOCK[quant_type]:
             raise ValueError(f"{quant_type} data must be uint8 rows of whole {BYTES_PER_BLOCK[quant_type]}-byte "
                              f"blocks, got {data.dtype} {tuple(data.shape)}")
@@ -43,7 +43,7 @@ class GGUFBlocks:
 
     @property
     def block_size(self) -> int:
-        return GGUF_BLOCK_FORMATS[self.quant_type].block_size
+        return BLOCK_FORMATS[self.quant_type].block_size
 
     @property
     def num_blocks(self) -> int:
@@ -52,7 +52,7 @@ class GGUFBlocks:
     @staticmethod
     def logical_columns(quant_type: str, num_bytes: int) -> int:
         """Columns of a weight whose rows are ``num_bytes`` of ``quant_type`` blocks."""
-        return GGUF_BLOCK_FORMATS[quant_type].num_columns(num_bytes)
+        return BLOCK_FORMATS[quant_type].num_columns(num_bytes)
 
     @property
     def shape(self) -> torch.Size:

@@ -2,7 +2,9 @@
 
 - GGUF block formats (llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), kept as the
   file's bytes: ``gguf_reference.py`` (exact dequantizers, bit-equal to gguf-py), ``gguf_triton.py``
-  (CUDA: dequantize in registers inside a GEMM/GEMV), ``gguf_cpu.py`` (dequantize a tile at a time).
+  (CUDA: dequantize in registers inside a GEMM/GEMV), ``gguf_cpu.py`` (numba's GEMV for decode
+  steps, ``gguf_numba.py``; else dequantize a tile at a time). AWQ/GPTQ 4-bit weights run through
+  the same kernels, repacked exactly into the ``W4G128`` block format.
 - FP8 W8A8 (e4m3, per-channel weight scales, dynamic per-token activation scales): ``fp8.py``
   (``torch._scaled_mm``, and its float32 reference).
 
@@ -24,9 +26,9 @@ import torch
 from hearth_llm.kernels import register_linear_routine
 
 from . import fp8, gguf_cpu, gguf_reference
-from .gguf_reference import GGUF_BLOCK_FORMATS, block_format
+from .gguf_reference import BLOCK_FORMATS, GGUF_TYPES, block_format
 
-__all__ = ["Fp8Weight", "GGUFBlockWeight", "GGUF_BLOCK_FORMATS", "block_format"]
+__all__ = ["Fp8Weight", "GGUFBlockWeight", "BLOCK_FORMATS", "GGUF_TYPES", "block_format"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

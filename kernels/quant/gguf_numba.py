@@ -1,4 +1,4 @@
-"""CPU: ``x @ W.T`` for a few rows of ``x`` straight from llama.cpp block rows, compiled by numba.
+"""CPU: ``x @ W.T`` for a few rows of ``x`` straight from block rows (GGUF's, W4G128), compiled by numba.
 
 Decode steps multiply a handful of rows by the whole weight, so their cost is reading and decoding
 the weight once. Here one fused loop per format decodes each weight with the operations of
@@ -28,7 +28,7 @@ except ImportError:  # optional dependency
     numba = None
 
 AVAILABLE = numba is not None
-QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "W4G128": 8}
 # float16 bits -> float32, exact: numba has no float16 type.
 _F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 _FASTMATH = {"reassoc"}  # reorder sums only: no FMA contraction, no finite-math assumptions
@@ -152,6 +152,18 @@ if AVAILABLE:
                     total += scale * np.float32((low | (high << 4)) - 32) * x[xo + k]
         return total
 
+    @numba.njit(boundscheck=False, fastmath=_FASTMATH)
+    def _w4g128_row(row, x, table):
+        total = np.float32(0.0)
+        for b in range(row.shape[0] // 68):
+            o, xo = b * 68, b * 128
+            s, z = _f16(row, o, table), np.int64(row[o + 2])
+            for j in range(64):
+                byte = np.int64(row[o + 4 + j])
+                total += s * np.float32((byte & 15) - z) * x[xo + j]
+                total += s * np.float32((byte >> 4) - z) * x[xo + j + 64]
+        return total
+
     @numba.njit(inline="always")
     def _row_dot(qtype, row, x, table):
         if qtype == 0:
@@ -164,6 +176,8 @@ if AVAILABLE:
             return _q8_0_row(row, x, table)
         if qtype == 5 or qtype == 6:
             return _k_row(row, x, table, qtype == 6)
+        if qtype == 8:
+            return _w4g128_row(row, x, table)
         return _q6_k_row(row, x, table)
 
     def _make_gemv(parallel: bool):

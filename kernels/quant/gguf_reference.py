@@ -1,7 +1,7 @@
 """llama.cpp's block formats in plain torch: the reference every GGUF kernel is tested against.
 
 A ``[N, K]`` weight is stored as ``N`` rows of ``K / block_size`` blocks, each ``type_size`` bytes
-(``GGUF_BLOCK_FORMATS``). :func:`dequantize` turns such rows (uint8 ``[N, K / block_size *
+(``BLOCK_FORMATS``). :func:`dequantize` turns such rows (uint8 ``[N, K / block_size *
 type_size]``) into float32 values with the same float32 operations in the same order as
 ``gguf.quants.dequantize`` (gguf-py, llama.cpp's own Python reference), so the results are
 bit-equal to it. :func:`gguf_linear` is ``x @ W.T + bias`` through that.
@@ -22,6 +22,11 @@ Block layouts (little-endian; ``d``/``m``/``dmin`` are float16):
   byte ``l`` for element ``32 s + l``).
 - ``Q6_K`` (256, 210 B): 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, ``d`` last;
   ``w = (d * sc[j // 16]) * (q - 32)``.
+
+One format of our own joins them: ``W4G128`` (128, 68 B), the exact repacking of AWQ/GPTQ 4-bit
+weights with groups of 128 (``engine/models/quant/awq_gptq.py``): float16 scale ``s``, uint8 zero
+point ``z``, a pad byte, 64 bytes of codes (byte ``j``: element ``j`` low, ``j + 64`` high);
+``w = s * (q - z)``.
 
 >>> rows = quantize(torch.randn(4, 256), "Q8_0")       # uint8 [4, 8 * 34]
 >>> dequantize(rows, "Q8_0").shape
@@ -50,19 +55,21 @@ class BlockFormat:
         return row_bytes // self.type_size * self.block_size
 
 
-GGUF_BLOCK_FORMATS = {f.name: f for f in (
+BLOCK_FORMATS = {f.name: f for f in (
     BlockFormat("Q4_0", 32, 18), BlockFormat("Q4_1", 32, 20), BlockFormat("Q5_0", 32, 22),
     BlockFormat("Q5_1", 32, 24), BlockFormat("Q8_0", 32, 34), BlockFormat("Q4_K", 256, 144),
-    BlockFormat("Q5_K", 256, 176), BlockFormat("Q6_K", 256, 210))}
+    BlockFormat("Q5_K", 256, 176), BlockFormat("Q6_K", 256, 210), BlockFormat("W4G128", 128, 68))}
+# llama.cpp's types among them (W4G128 is ours).
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def block_format(quant_type: str) -> BlockFormat:
     """The format named ``quant_type``; ValueError naming the supported ones otherwise."""
     try:
-        return GGUF_BLOCK_FORMATS[quant_type]
+        return BLOCK_FORMATS[quant_type]
     except KeyError:
-        raise ValueError(f"GGUF quantization type {quant_type!r} is not supported; supported: "
-                         f"{sorted(GGUF_BLOCK_FORMATS)}") from None
+        raise ValueError(f"block quantization type {quant_type!r} is not supported; supported: "
+                         f"{sorted(BLOCK_FORMATS)}") from None
 
 
 def dequantize(data: torch.Tensor, quant_type: str) -> torch.Tensor:
@@ -81,6 +88,18 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bias: torc
                 ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` dequantized whole (float32, then ``x``'s dtype)."""
     return F.linear(x, dequantize(data, quant_type).to(x.dtype), bias)
+
+
+def pack_w4g128(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``W4G128`` rows from codes (0..15, ``[N, K]``), float16 scales and zero points (``[N, K / 128]``)."""
+    num_rows, num_columns = codes.shape
+    groups = codes.to(torch.uint8).reshape(num_rows, num_columns // 128, 2, 64)
+    packed = groups[:, :, 0] | (groups[:, :, 1] << 4)                              # [N, G, 64]
+    header = torch.zeros(num_rows, num_columns // 128, 4, dtype=torch.uint8)
+    # flatten first: a [N, 1] tensor can be "contiguous" with a last stride of N, which view() refuses
+    header[..., 0:2] = scales.to(torch.float16).reshape(-1).contiguous().view(torch.uint8).reshape(num_rows, -1, 2)
+    header[..., 2] = zeros.to(torch.uint8)
+    return torch.cat((header, packed), dim=-1).reshape(num_rows, -1)
 
 
 def quantize(weight: torch.Tensor, quant_type: str) -> torch.Tensor:
@@ -175,5 +194,9 @@ def _q6_k(b):
     return (scale * q).reshape(-1, 256)
 
 
+def _w4g128(b):
+    return _f16(b, 0) * (_nibbles(b[:, 4:]).to(torch.int16) - b[:, 2:3].to(torch.int16)).float()
+
+
 _DEQUANTIZERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-                 "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+                 "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "W4G128": _w4g128}

@@ -1,4 +1,5 @@
-"""Triton: ``x @ W.T + bias`` straight from llama.cpp block rows (GGUF), dequantizing in registers.
+"""Triton: ``x @ W.T + bias`` straight from block rows (GGUF's, and W4G128: AWQ/GPTQ repacked),
+dequantizing in registers.
 
 The weight stays as its file's bytes (uint8 ``[N, row_bytes]``, see ``gguf_reference.py`` for the
 layouts); each program decodes the ``[BLOCK_N, BLOCK_K]`` tile it needs (scales and codes are
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from .gguf_reference import block_format
 
-QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "W4G128": 8}
 
 # At most this many rows take the GEMV kernel (each row decodes the weight again).
 GEMV_MAX_ROWS = 4
@@ -77,6 +78,9 @@ def _decode(row_ptr, k, QTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, TYPE_SIZE
         q = ((_byte(blk + 48 + (j // 64) * 32 + j % 32) >> ((s % 2) * 4)) & 0xF) | (high << 4)
         sc, mn = _k_scale_min(blk, s)
         w = (_f16_at(blk) * sc) * q.to(tl.float32) - _f16_at(blk + 2) * mn
+    elif QTYPE == 8:  # W4G128 (AWQ/GPTQ repacked)
+        q = (_byte(blk + 4 + j % 64) >> ((j // 64) * 4)) & 0xF
+        w = _f16_at(blk) * (q - _byte(blk + 2)).to(tl.float32)
     else:  # Q6_K
         h = j // 128
         g = (j % 128) // 32

@@ -9,6 +9,8 @@ loading, from the checkpoint (the GGUF tensor types in ``checkpoint.weight_forma
 - ``fp8_method.py``: ``quantization="fp8"``, a 16/32-bit checkpoint quantized to e4m3 at load
   (per-channel weight scales, dynamic per-token activation scales, ``torch._scaled_mm``), and FP8
   checkpoints loaded as stored (``compressed_tensors.py``: llm-compressor's FP8 W8A8 dynamic).
+- ``awq_gptq.py``: AWQ (GEMM) and GPTQ (desc_act=False) 4-bit checkpoints, repacked exactly into
+  the ``W4G128`` block format as they stream in, then run by the block method.
 
 :func:`check_quantization` runs before any weight is read and refuses, by name, what is not
 implemented; :func:`quantized_layer_method` picks the method of a layer the checkpoint stores
@@ -26,14 +28,15 @@ import torch
 from hearth_llm.kernels.quant.fp8 import has_fp8_gemm
 
 from ...config import QUANTIZATION_METHODS
-from .compressed_tensors import FP8_FORMAT, Fp8CheckpointScheme, per_row_scale_stream
+from .awq_gptq import W4G128, Int4CheckpointScheme
+from .compressed_tensors import FP8_FORMAT, Fp8CheckpointScheme
 from .fp8_method import FP8, FP8_CHECKPOINT, Fp8CheckpointLinearMethod, Fp8LinearMethod
 from .gguf_block_method import GGUFBlockLinearMethod
 
 __all__ = ["Fp8CheckpointLinearMethod", "Fp8LinearMethod", "GGUFBlockLinearMethod", "QuantizationPlan",
            "QUANTIZATION_METHODS", "check_quantization", "dense_layer_method", "quantized_layer_method"]
 # HF ``quantization_config.quant_method`` values this engine runs.
-HF_QUANT_METHODS = ("compressed-tensors",)
+HF_QUANT_METHODS = ("compressed-tensors", "awq", "gptq")
 
 
 # Whether GGUF layers run from their blocks on CUDA without ``quantization="gguf"``. Off until the
@@ -45,20 +48,20 @@ GGUF_BLOCKS_ON_CUDA_BY_DEFAULT = False
 @dataclass(frozen=True, slots=True)
 class QuantizationPlan:
     """What :func:`check_quantization` decided: ``requested`` is the user's ``quantization`` (or None),
-    ``weight_formats`` the checkpoint's quantized weights (name -> GGUF type or ``"fp8_e4m3"``),
-    ``fp8_scheme`` an FP8 checkpoint's scheme."""
+    ``weight_formats`` the checkpoint's quantized weights (name -> GGUF type, ``"fp8_e4m3"`` or
+    ``"W4G128"``), ``scheme`` an HF-quantized checkpoint's scheme (FP8, AWQ, GPTQ)."""
 
     requested: str | None = None
     weight_formats: dict = field(default_factory=dict)
-    fp8_scheme: Fp8CheckpointScheme | None = None
+    scheme: Fp8CheckpointScheme | Int4CheckpointScheme | None = None
 
     def checkpoint_shapes(self, shapes):
         """The headers' shapes as the model receives the tensors."""
-        return shapes if self.fp8_scheme is None or shapes is None else self.fp8_scheme.checkpoint_shapes(shapes)
+        return shapes if self.scheme is None or shapes is None else self.scheme.checkpoint_shapes(shapes)
 
     def weights(self, stream, shapes):
-        """The checkpoint's stream as the model receives it (per-tensor FP8 scales per row)."""
-        return stream if self.fp8_scheme is None else per_row_scale_stream(self.fp8_scheme, stream, shapes)
+        """The checkpoint's stream as the model receives it (FP8 scales per row, AWQ/GPTQ repacked)."""
+        return stream if self.scheme is None else self.scheme.weights(stream, shapes)
 
     def keeps_gguf_blocks(self, device: torch.device) -> bool:
         """Whether GGUF layers stay in their blocks on ``device`` (~1x the file's memory; on the CPU
@@ -76,13 +79,14 @@ def check_quantization(requested: str | None, config, weight_formats: dict[str, 
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={requested!r} is not supported; supported: {list(QUANTIZATION_METHODS)} or "
                          "None (what the checkpoint holds)")
-    fp8_scheme = _hf_quantization_scheme(config)
-    if fp8_scheme is not None:
+    scheme = _hf_quantization_scheme(config)
+    if scheme is not None:
         if requested is not None:
             raise ValueError(f"quantization={requested!r}: this checkpoint is already quantized (config.json "
                              "quantization_config); leave quantization None")
-        _check_fp8_device(device, "an FP8 checkpoint")
-        return QuantizationPlan(None, fp8_scheme.weight_formats(shapes), fp8_scheme)
+        if isinstance(scheme, Fp8CheckpointScheme):
+            _check_fp8_device(device, "an FP8 checkpoint")
+        return QuantizationPlan(None, scheme.weight_formats(shapes), scheme)
     if requested == "gguf" and not weight_formats:
         raise ValueError("quantization='gguf' needs a GGUF file with block-quantized tensors; this checkpoint has none")
     if requested == "fp8":
@@ -99,7 +103,7 @@ def _check_fp8_device(device: torch.device, what: str) -> None:
                          f"{device} has {torch.cuda.get_device_capability(device)}")
 
 
-def _hf_quantization_scheme(config) -> Fp8CheckpointScheme | None:
+def _hf_quantization_scheme(config) -> Fp8CheckpointScheme | Int4CheckpointScheme | None:
     quant_config = getattr(config, "quantization_config", None)
     if quant_config is None:
         return None
@@ -108,19 +112,23 @@ def _hf_quantization_scheme(config) -> Fp8CheckpointScheme | None:
     quant_method = quant_config.get("quant_method")
     if quant_method not in HF_QUANT_METHODS:
         raise ValueError(f"config.json: quantization_config.quant_method={quant_method!r} is not supported; "
-                         f"supported: {list(HF_QUANT_METHODS)} (FP8 W8A8 dynamic; GGUF files load as .gguf)")
-    return Fp8CheckpointScheme.from_config(quant_config)
+                         f"supported: {list(HF_QUANT_METHODS)} (GGUF files load as .gguf)")
+    if quant_method == "compressed-tensors":
+        return Fp8CheckpointScheme.from_config(quant_config)
+    return Int4CheckpointScheme.from_config(quant_config)
 
 
 def quantized_layer_method(shard_types: dict, layer, plan: QuantizationPlan, device: torch.device,
                            dtype: torch.dtype):
     """The method of a layer whose every shard the checkpoint stores quantized (``shard_types``:
     shard id -> format), or None to keep the caller's choice (the int4 CPU method for Q4_0/Q4_1,
-    or dense, dequantized at load): FP8 checkpoints load as stored; GGUF blocks stay blocks where
-    the plan keeps them on ``device``."""
+    or dense, dequantized at load): FP8 checkpoints load as stored, AWQ/GPTQ layers run from their
+    W4G128 blocks; GGUF blocks stay blocks where the plan keeps them on ``device``."""
     formats = set(shard_types.values())
     if formats == {FP8_FORMAT}:
         return FP8_CHECKPOINT
+    if W4G128 in formats:  # AWQ/GPTQ: the only way to run them (repacked, never dequantized)
+        return GGUFBlockLinearMethod(shard_types) if formats == {W4G128} else None
     if not formats <= set(GGUFBlockLinearMethod.quant_types) or not plan.keeps_gguf_blocks(device):
         return None
     return GGUFBlockLinearMethod(shard_types)

@@ -76,6 +76,10 @@ class Fp8CheckpointScheme:
         rows = weight_rows[name[:-len("_scale")]]
         return tensor.reshape(1, 1).float().expand(rows, 1)
 
+    def weights(self, stream, shapes):
+        """The checkpoint's stream as the model receives it (per-tensor scales per row)."""
+        return per_row_scale_stream(self, stream, shapes)
+
     def checkpoint_shapes(self, shapes):
         """The headers' shapes as the model will receive them (per-tensor scales per row)."""
         if self.weight_strategy != "tensor":

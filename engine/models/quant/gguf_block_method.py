@@ -18,7 +18,7 @@ import torch
 
 from hearth_llm.engine.loader.gguf_blocks import GGUFBlocks
 from hearth_llm.kernels import linear
-from hearth_llm.kernels.quant import GGUF_BLOCK_FORMATS, GGUFBlockWeight, block_format
+from hearth_llm.kernels.quant import BLOCK_FORMATS, GGUFBlockWeight, block_format
 
 from ..linear_method import LinearMethod
 
@@ -37,7 +37,7 @@ class GGUFBlockLinearMethod(LinearMethod):
     """See the module docstring. ``shard_types`` maps each shard id of the layer (``None`` for a
     checkpoint that stores a fused layer whole) to its GGUF type, as the file's tensor types say."""
 
-    quant_types = tuple(GGUF_BLOCK_FORMATS)
+    quant_types = tuple(BLOCK_FORMATS)
 
     def __init__(self, shard_types: dict) -> None:
         for shard, quant_type in shard_types.items():

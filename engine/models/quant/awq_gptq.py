@@ -1,0 +1,137 @@
+"""AWQ and GPTQ 4-bit checkpoints, repacked exactly into the ``W4G128`` block format as they stream in.
+
+Both store, per linear, int32-packed 4-bit codes, packed zero points and float16 scales per group
+of 128 inputs; the value of weight ``(n, k)`` in group ``g = k // 128`` is ``s[g, n] * (q - z)``:
+
+- AWQ (``quant_method="awq"``, ``version="gemm"``, AutoAWQ's layout): ``qweight`` int32
+  ``[K, N / 8]`` packs 8 output columns per word in the order ``0 2 4 6 1 3 5 7`` (nibble ``i``
+  holds column ``8 c + order[i]``), ``qzeros`` ``[K / 128, N / 8]`` likewise, ``scales``
+  ``[K / 128, N]``; ``z`` is the stored zero.
+- GPTQ (``quant_method="gptq"``, ``checkpoint_format="gptq"``, ``desc_act=False``): ``qweight``
+  ``[K / 8, N]`` packs 8 consecutive inputs per word (nibble ``i`` is input ``8 r + i``),
+  ``qzeros`` ``[K / 128, N / 8]`` 8 consecutive columns per word, ``scales`` ``[K / 128, N]``;
+  ``z`` is the stored zero plus one (AutoGPTQ's v1 convention).
+
+:class:`Int4CheckpointScheme` validates ``quantization_config`` (4 bits, groups of 128, and the
+layout fields above; anything else is refused by name before any weight is read), lists the
+layers as ``W4G128`` weights of logical shape ``[N, K]``, and turns each layer's three tensors into
+one :class:`GGUFBlocks` (``kernels/quant/gguf_reference.pack_w4g128``), which the block method
+runs like any GGUF type (Triton on CUDA, numba or tiles on the CPU).
+
+>>> scheme = Int4CheckpointScheme.from_config({"quant_method": "awq", "bits": 4, "group_size": 128,
+...                                            "zero_point": True, "version": "gemm"})
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hearth_llm.engine.loader.gguf_blocks import GGUFBlocks
+from hearth_llm.kernels.quant.gguf_reference import pack_w4g128
+
+W4G128 = "W4G128"
+GROUP_SIZE = 128
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column order[i]
+_PARTS = ("qweight", "qzeros", "scales")
+
+
+@dataclass(frozen=True, slots=True)
+class Int4CheckpointScheme:
+    """``method``: ``"awq"`` or ``"gptq"`` (see the module docstring)."""
+
+    method: str
+
+    @classmethod
+    def from_config(cls, quant_config: dict) -> "Int4CheckpointScheme":
+        method = quant_config.get("quant_method")
+        bits = quant_config.get("bits", quant_config.get("w_bit"))
+        group_size = quant_config.get("group_size", quant_config.get("q_group_size"))
+        _expect("bits", bits, (4,))
+        _expect("group_size", group_size, (GROUP_SIZE,))
+        if method == "awq":
+            _expect("version", str(quant_config.get("version", "gemm")).lower(), ("gemm",))
+            _expect("zero_point", quant_config.get("zero_point", True), (True,))
+        else:
+            _expect("desc_act", quant_config.get("desc_act", False), (False,))
+            _expect("checkpoint_format", quant_config.get("checkpoint_format", "gptq"), ("gptq",))
+            if quant_config.get("static_groups"):
+                raise ValueError("config.json: quantization_config.static_groups=True is not supported")
+        return cls(method)
+
+    def _layers(self, shapes) -> dict[str, int]:
+        """Layer prefix -> output rows, for every layer stored as ``qweight``."""
+        if shapes is None:
+            raise ValueError(f"{self.method.upper()} checkpoints must be safetensors (their headers name the parts)")
+        return {name[:-len(".qweight")]: shapes[name[:-len("qweight")] + "scales"][0][1]
+                for name in shapes if name.endswith(".qweight")}
+
+    def weight_formats(self, shapes) -> dict[str, str]:
+        return {prefix + ".weight": W4G128 for prefix in self._layers(shapes)}
+
+    def checkpoint_shapes(self, shapes):
+        """Headers as the model sees them: each layer's parts become one ``weight`` ``[N, K]``."""
+        result = {}
+        layers = self._layers(shapes)
+        for name, (shape, file) in shapes.items():
+            prefix, _, part = name.rpartition(".")
+            if prefix in layers and part in _PARTS + ("g_idx",):
+                if part == "scales":
+                    result[prefix + ".weight"] = ((shape[1], shape[0] * GROUP_SIZE), file)
+                continue
+            result[name] = (shape, file)
+        return result
+
+    def weights(self, stream, shapes):
+        """The stream with each layer's parts repacked into one ``GGUFBlocks`` when all have arrived."""
+        layers = self._layers(shapes)
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in stream:
+            prefix, _, part = name.rpartition(".")
+            if prefix not in layers or part not in _PARTS + ("g_idx",):
+                yield name, tensor
+                continue
+            if part == "g_idx":
+                _check_g_idx(name, tensor)
+                continue
+            parts = pending.setdefault(prefix, {})
+            parts[part] = tensor
+            if len(parts) == len(_PARTS):
+                del pending[prefix]
+                yield prefix + ".weight", GGUFBlocks(W4G128, self.repack(parts))
+        if pending:
+            missing = {prefix: sorted(set(_PARTS) - set(parts)) for prefix, parts in pending.items()}
+            raise ValueError(f"{self.method.upper()} checkpoint lacks parts of layers: {missing}")
+
+    def repack(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """uint8 ``W4G128`` rows ``[N, K / 128 * 68]`` from one layer's ``qweight``/``qzeros``/``scales``."""
+        scales = parts["scales"].to(torch.float16).t()                             # [N, G]
+        if self.method == "awq":
+            codes = unpack_int32(parts["qweight"], AWQ_ORDER).t()                    # [N, K]
+            zeros = unpack_int32(parts["qzeros"], AWQ_ORDER).t()                     # [N, G]
+        else:
+            codes = unpack_int32(parts["qweight"].t(), tuple(range(8)))             # [N, K]
+            zeros = unpack_int32(parts["qzeros"], tuple(range(8))).t() + 1           # [N, G]
+        return pack_w4g128(codes, scales, zeros)
+
+
+def unpack_int32(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``[R, C]`` int32 words -> ``[R, 8 C]`` codes 0..15, nibble ``i`` of word ``c`` at column ``8 c + order[i]``."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed[:, :, None] >> shifts) & 0xF                                # [R, C, 8]
+    columns = torch.empty_like(nibbles)
+    columns[:, :, list(order)] = nibbles
+    return columns.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def _check_g_idx(name: str, g_idx: torch.Tensor) -> None:
+    expected = torch.arange(g_idx.numel()) // GROUP_SIZE
+    if not torch.equal(g_idx.to(torch.int64), expected):
+        raise ValueError(f"{name}: g_idx is not k // {GROUP_SIZE} (act-order groups); only desc_act=False "
+                         "GPTQ checkpoints are supported")
+
+
+def _expect(field: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"config.json: quantization_config.{field}={value!r} is not supported; supported: "
+                         f"{list(allowed)}")

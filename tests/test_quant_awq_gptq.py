@@ -1,0 +1,131 @@
+"""AWQ (GEMM) and GPTQ (desc_act=False) 4-bit checkpoints: a tiny Llama quantized here, packed as
+AutoAWQ and AutoGPTQ pack (their published packing loops, written out independently of our
+unpacker), runs token-equal to HF transformers on the same model with the dequantized weights
+``s * (q - z)`` (fp32); its layers stay in W4G128 blocks; unsupported fields are refused by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from hearth_llm.engine import LLM, SamplingParams
+from hearth_llm.engine.models.linear import linear_layers
+from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
+
+from conftest import TINY_COMMON, hf_greedy, random_prompts
+from model_equality import save_tiny_model
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 128
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's WQLinear_GEMM.from_linear
+
+
+def quantize_groups(weight: torch.Tensor):
+    """Asymmetric 4-bit per group of 128 inputs: codes [N, K], fp16 scales and zeros [N, K / 128]."""
+    groups = weight.reshape(weight.shape[0], -1, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=1e-5).half()
+    zeros = (-low / scales.float()).round().clamp(0, 15)
+    codes = (groups / scales.float()[..., None]).round().add(zeros[..., None]).clamp(0, 15)
+    return codes.reshape(weight.shape).int(), scales, zeros.int()
+
+
+def dequantized(codes, scales, zeros):
+    groups = codes.reshape(codes.shape[0], -1, GROUP).float()
+    return ((groups - zeros[..., None].float()) * scales.float()[..., None]).reshape(codes.shape)
+
+
+def awq_pack(codes, scales, zeros):
+    """AutoAWQ: qweight [K, N/8], qzeros [K/128, N/8] (8 output columns per int32 word), scales [K/128, N]."""
+    intweight, intzeros = codes.t().contiguous(), zeros.t().contiguous()
+    qweight = torch.zeros(intweight.shape[0], intweight.shape[1] // 8, dtype=torch.int32)
+    qzeros = torch.zeros(intzeros.shape[0], intzeros.shape[1] // 8, dtype=torch.int32)
+    for col in range(qweight.shape[1]):
+        for i in range(8):
+            qweight[:, col] |= intweight[:, col * 8 + AWQ_PACK_ORDER[i]] << (i * 4)
+            qzeros[:, col] |= intzeros[:, col * 8 + AWQ_PACK_ORDER[i]] << (i * 4)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales.t().contiguous()}
+
+
+def gptq_pack(codes, scales, zeros):
+    """AutoGPTQ (v1): qweight [K/8, N] (8 inputs per word), qzeros [K/128, N/8] holding zeros - 1, g_idx."""
+    intweight, intzeros = codes.t().contiguous(), (zeros - 1).t().contiguous()
+    qweight = torch.zeros(intweight.shape[0] // 8, intweight.shape[1], dtype=torch.int32)
+    for row in range(qweight.shape[0]):
+        for j in range(8):
+            qweight[row] |= intweight[row * 8 + j] << (4 * j)
+    qzeros = torch.zeros(intzeros.shape[0], intzeros.shape[1] // 8, dtype=torch.int32)
+    for col in range(qzeros.shape[1]):
+        for j in range(8):
+            qzeros[:, col] |= (intzeros[:, col * 8 + j] & 0xF) << (4 * j)
+    g_idx = torch.arange(codes.shape[1], dtype=torch.int32) // GROUP
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales.t().contiguous(), "g_idx": g_idx}
+
+
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False,
+               "checkpoint_format": "gptq"}
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory):
+    """(dense dir with the dequantized weights, {"awq": dir, "gptq": dir}, bytes of the linear parts)."""
+    root = tmp_path_factory.mktemp("int4")
+    config = LlamaConfig(**{**TINY_COMMON, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    source = save_tiny_model(config, root / "source", std=0.05)
+    tensors = load_file(source / "model.safetensors")
+    dense, packed = dict(tensors), {"awq": dict(tensors), "gptq": dict(tensors)}
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        prefix = name[:-len(".weight")]
+        parts = quantize_groups(tensors[name])
+        dense[name] = dequantized(*parts)
+        for method, pack in (("awq", awq_pack), ("gptq", gptq_pack)):
+            del packed[method][name]
+            packed[method].update({f"{prefix}.{part}": value for part, value in pack(*parts).items()})
+    dirs = {}
+    for method, method_tensors in [("dense", dense)] + list(packed.items()):
+        path = root / method
+        path.mkdir()
+        for file in source.iterdir():
+            if file.name != "model.safetensors":
+                (path / file.name).write_bytes(file.read_bytes())
+        save_file(method_tensors, path / "model.safetensors")
+        if method != "dense":
+            hf_config = json.loads((path / "config.json").read_text())
+            hf_config["quantization_config"] = AWQ_CONFIG if method == "awq" else GPTQ_CONFIG
+            (path / "config.json").write_text(json.dumps(hf_config))
+        dirs[method] = path
+    return dirs
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoint_runs_token_equal_to_hf_on_the_dequantized_model(quantized_dirs, method):
+    prompts = random_prompts(3, [6, 21, 2], seed=41)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(quantized_dirs[method]), dtype="float32", device="cpu", show_progress=False) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+        layers = [layer for name, layer in linear_layers(llm.engine.runner.model) if name.startswith("layers.")]
+    assert all(isinstance(layer.method, GGUFBlockLinearMethod) for layer in layers)
+    resident = sum(layer.method.resident_bytes(layer) for layer in layers)
+    weights = sum(layer.output_size * layer.input_size for layer in layers)
+    assert resident == weights // GROUP * 68  # 4.25 bits per weight: codes, fp16 scale, zero per 128
+    for prompt, output in zip(prompts + prompts[:1], outputs):
+        assert output.outputs[0].token_ids == hf_greedy(quantized_dirs["dense"], prompt, 8)
+
+
+@pytest.mark.parametrize("field, value", [("bits", 8), ("group_size", 64), ("desc_act", True),
+                                          ("checkpoint_format", "gptq_v2")])
+def test_gptq_fields_we_do_not_run_are_refused_by_name(quantized_dirs, tmp_path, field, value):
+    path = tmp_path / "gptq"
+    path.mkdir()
+    for file in quantized_dirs["gptq"].iterdir():
+        (path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"][field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"quantization_config.{field}={value!r} is not supported"):
+        LLM(str(path), device="cpu", show_progress=False)
