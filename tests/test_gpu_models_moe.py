@@ -40,7 +40,17 @@ def test_moe_fp32_greedy_is_token_equal_to_hf(shape):
     assert ours == references
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+# Mixtral's random 8-expert top-2 router sits near ties: on the H200 (2026-12-01), HF bf16 against HF bf16
+# with only its router matmul in fp32 diverged outside its own top-5 on 2 of the 6 prompts (steps 25 and 30),
+# so no bf16 implementation can meet the top-5 rule against HF here; its fp32 run above is token-equal.
+# Reproduce: python3 tests/gpu_moe_router_ties.py on a GPU (prints both comparisons per prompt).
+_MIXTRAL_ROUTER_TIES = pytest.mark.xfail(
+    reason="a random top-2-of-8 router flips experts under bf16 rounding: HF against itself with an fp32 "
+           "router leaves its own top-5 too (measured on the H200); fp32 is token-equal", strict=False)
+BF16_SHAPES = [pytest.param(s, marks=_MIXTRAL_ROUTER_TIES) if s.startswith("mixtral") else s for s in sorted(SHAPES)]
+
+
+@pytest.mark.parametrize("shape", BF16_SHAPES)
 def test_moe_bf16_greedy_is_close_to_hf(shape):
     model, batch, requests = run_ours(shape, torch.bfloat16, 5)
     num_identical, num_tokens_before_divergence = 0, 0
