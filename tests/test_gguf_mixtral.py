@@ -5,6 +5,7 @@ llama.cpp's convert_hf_to_gguf.py writes Mixtral as architecture ``llama``: q/k 
 for Llama, each layer's experts stacked into one tensor per projection (``ffn_gate_exps`` from
 every expert's ``w1``, ``ffn_up_exps`` from ``w3``, ``ffn_down_exps`` from ``w2``), the router as
 ``ffn_gate_inp``, and the expert counts as ``llama.expert_count`` / ``llama.expert_used_count``.
+Files converted before early 2024 hold one tensor per expert (``blk.N.ffn_gate.E.weight``).
 F32 tensors, so the comparison is exact.
 """
 from __future__ import annotations
@@ -31,13 +32,22 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def as_llama_cpp_writes_it(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+# Before llama.cpp stacked experts (files converted until early 2024), each was its own tensor.
+_LEGACY_EXPERT_NAMES = {"w1": "ffn_gate", "w3": "ffn_up", "w2": "ffn_down"}
+
+
+def as_llama_cpp_writes_it(state_dict: dict[str, torch.Tensor], config: dict,
+                           legacy_experts: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """q/k permuted, per-expert tensors stacked under ``…experts.w1`` etc. (gguf's name map
-    knows those as ``ffn_gate_exps``...)."""
+    knows those as ``ffn_gate_exps``...); with ``legacy_experts`` given, experts go there instead
+    under their old llama.cpp names (``blk.N.ffn_gate.E.weight``)."""
     stacks: dict[str, dict[int, torch.Tensor]] = {}
     out = {}
     for name, tensor in state_dict.items():
-        if match := _EXPERT.fullmatch(name):
+        if (match := _EXPERT.fullmatch(name)) and legacy_experts is not None:
+            layer = match["stem"].split(".")[2]
+            legacy_experts[f"blk.{layer}.{_LEGACY_EXPERT_NAMES[match['proj']]}.{match['expert']}.weight"] = tensor
+        elif match:
             stacks.setdefault(f"{match['stem']}.{match['proj']}.weight", {})[int(match["expert"])] = tensor
         elif name.endswith("q_proj.weight"):
             out[name] = llama_cpp_permute(tensor, config["num_attention_heads"])
@@ -50,7 +60,7 @@ def as_llama_cpp_writes_it(state_dict: dict[str, torch.Tensor], config: dict) ->
     return out
 
 
-def write_mixtral_gguf(hf_dir, path, expert_count=None):
+def write_mixtral_gguf(hf_dir, path, expert_count=None, legacy=False):
     config = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     write_shape_fields(writer, config)
@@ -59,7 +69,10 @@ def write_mixtral_gguf(hf_dir, path, expert_count=None):
     writer.add_expert_count(config["num_local_experts"] if expert_count is None else expert_count)
     writer.add_expert_used_count(config["num_experts_per_tok"])
     write_tiny_tokenizer(writer)
-    tensors = as_llama_cpp_writes_it(load_file(hf_dir / "model.safetensors"), config)
+    legacy_experts = {} if legacy else None
+    tensors = as_llama_cpp_writes_it(load_file(hf_dir / "model.safetensors"), config, legacy_experts)
+    for name, tensor in (legacy_experts or {}).items():
+        writer.add_tensor(name, tensor.float().numpy())
     write_tensors_and_close(writer, tensors, gguf.MODEL_ARCH.LLAMA, config)
     return path
 
@@ -85,6 +98,16 @@ def test_llama_gguf_with_experts_loads_as_mixtral_and_matches_hf(mixtral_gguf, t
     from_gguf = lambda _, **kwargs: make_llm(path, dtype="float32", **kwargs)  # noqa: E731
     check_alone_and_batched(hf_dir, from_gguf)
     check_prefix_hits(hf_dir, from_gguf)
+
+
+def test_mixtral_gguf_with_one_tensor_per_expert_matches_hf(mixtral_gguf, tmp_path, make_llm, monkeypatch):
+    """The layout of Mixtral GGUFs converted before llama.cpp stacked experts (blk.N.ffn_gate.E.weight)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    hf_dir, _ = mixtral_gguf
+    path = write_mixtral_gguf(hf_dir, tmp_path / "legacy.gguf", legacy=True)
+    names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    assert "blk.1.ffn_gate.3.weight" in names and "blk.1.ffn_gate_exps.weight" not in names
+    check_alone_and_batched(hf_dir, lambda _, **kwargs: make_llm(path, dtype="float32", **kwargs))
 
 
 def test_llama_gguf_without_experts_still_loads_as_llama(tmp_path, make_llm, monkeypatch):

@@ -61,6 +61,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LLAMA_SPEC = GGUFArchitecture(config_class="LlamaConfig", permuted_qk=True)
 _GLOBAL_TENSOR = re.compile(r"(?P<name>\w+)\.(?P<kind>weight|bias)")
 _LAYER_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)")
+# One expert's tensor as llama.cpp wrote Mixtral before it stacked experts (early 2024 and older
+# files: blk.N.ffn_gate.E.weight); named after the stacked tensor (ffn_gate_exps) of the same kind.
+_EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<expert>\d+)\.(?P<kind>weight|bias)")
 
 # Llama 3.1+ GGUFs store their rope scaling as per-frequency factors in this tensor.
 _ROPE_FACTORS_TENSOR = "rope_freqs.weight"
@@ -145,6 +148,9 @@ def hf_tensor_name(gguf_name: str, spec: GGUFArchitecture = _LLAMA_SPEC) -> str 
         module, prefix = spec.layer_tensor_names.get(match["name"]), f"model.layers.{match['layer']}."
     elif match := _GLOBAL_TENSOR.fullmatch(gguf_name):
         module, prefix = spec.all_global_tensor_names.get(match["name"]), ""
+    elif match := _EXPERT_TENSOR.fullmatch(gguf_name):
+        stem, marker, part = spec.layer_tensor_names.get(f"{match['name']}_exps", "").partition(".experts.")
+        module, prefix = (f"{stem}.experts.{match['expert']}.{part}" if marker else None), f"model.layers.{match['layer']}."
     else:
         return None
     return None if module is None else f"{prefix}{module}.{match['kind']}"
