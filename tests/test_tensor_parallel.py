@@ -14,9 +14,13 @@ import threading
 import time
 
 import pytest
+import torch
 from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from hearth_llm.engine import LLM, EngineDeadError, SamplingParams
+from hearth_llm.engine.memory.weights import weights_bytes
+from hearth_llm.engine.models.linear import LinearBase, TensorParallel
+from hearth_llm.engine.models.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
 from conftest import TINY_COMMON, assert_pool_whole, random_prompts
 from model_equality import GREEDY, assert_matches_hf, check_alone_and_batched, check_prefix_hits, save_tiny_model
@@ -78,6 +82,22 @@ def test_tp2_qwen3_matches_hf_and_single_process(model_dirs, tp_llms):
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert_pool_whole(llm.stats())
 
+
+def test_each_rank_holds_only_its_slice_of_the_weights(model_dirs, tp_llms):
+    llm = tp_llms("qwen3")
+    with LLM(str(model_dirs["qwen3"]), dtype="float32", block_size=8, show_progress=False) as single:
+        model = single.engine.runner.model
+        split = _split_bytes(model)
+        expected = weights_bytes(model) - split + split // 2  # norms and rotary tables stay whole
+    assert split > weights_bytes(model) // 2
+    assert llm.engine.runner.rank_weights_bytes == [expected, expected]
+
+
+def _split_bytes(model) -> int:
+    """Bytes of the tensors ranks split (linear layers, embedding, head; a tied one counted once)."""
+    split_modules = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.embed_tokens, model.lm_head]
+    tensors = {id(t): t for m in split_modules for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(tensor_parallel_size=3), "num_attention_heads=4"),          # 4 heads over 3 ranks
@@ -141,3 +161,19 @@ def test_hung_worker_fails_the_step_after_the_timeout_and_is_killed(tp_llms):
     for pid in executor.pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("vocab, size", [(10, 2), (7, 2), (5, 3)])
+def test_vocab_parallel_embedding_and_head_sum_to_the_whole(vocab, size):
+    weight = torch.randn(vocab, 4)
+    ids, hidden = torch.tensor([0, vocab - 1, 3 % vocab, 1]), torch.randn(3, 4)
+    embeddings, logits = 0, 0
+    for rank in range(size):  # each rank's part before the all-reduce; the all-reduce is their sum
+        parallel = TensorParallel(rank=rank, size=size, all_reduce=lambda tensor: None)
+        embed, head = VocabParallelEmbedding(vocab, 4, parallel), VocabParallelLMHead(vocab, 4, parallel)
+        embed.weight.weight_loader(embed.weight, weight)
+        head.weight.weight_loader(head.weight, weight)
+        assert embed.weight.shape == (-(-vocab // size), 4)
+        embeddings, logits = embeddings + embed(ids), logits + head(hidden)
+    torch.testing.assert_close(embeddings, torch.nn.functional.embedding(ids, weight), rtol=0, atol=0)
+    torch.testing.assert_close(logits, hidden @ weight.T)

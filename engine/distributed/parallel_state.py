@@ -19,8 +19,8 @@ from torch import nn
 
 from ..models.linear import ColumnLinear, LinearBase, QKVLinear, TensorParallel
 
-# Modules whose tensors every rank may hold whole (replicated) without changing the math: norms,
-# rotary tables, the embedding and the LM head (replicated here, not vocab-parallel yet).
+# Modules whose tensors every rank may hold whole (replicated) without changing the math: norms and
+# rotary tables; the embedding and the LM head (split by vocabulary rows when loaded: models/vocab_parallel).
 _REPLICATED_MODULES = ("RMSNorm", "LayerNorm", "GemmaRMSNorm", "RotaryEmbedding", "Embedding", "Linear")
 
 

@@ -7,8 +7,8 @@ worker processes (spawn), one per device, joined in one ``torch.distributed`` gr
 CPU, NCCL on CUDA). Each step the driver sends every worker the same small step message over its
 pipe; the workers run the forward pass together (Megatron-style: QKV and gate/up column-parallel,
 o_proj and down_proj row-parallel with one all-reduce each; key/value heads split across ranks,
-or replicated when there are fewer of them than ranks; embedding and LM head replicated) and rank
-0 sends back the logits the sampler needs.
+or replicated when there are fewer of them than ranks; embedding and LM head split by vocabulary
+rows, :mod:`..models.vocab_parallel`) and rank 0 sends back the logits the sampler needs.
 
 Failure: a worker that dies, fails, or does not answer within ``step_timeout_s`` tears the whole
 group down (every process killed and reaped) and raises :class:`~..errors.EngineDeadError`, which
@@ -77,8 +77,9 @@ class MultiprocExecutor:
                                        "nccl" if self.device.type == "cuda" else "gloo")
         self._finalizer = weakref.finalize(self, _shut_down, self._workers, self._store_dir)
         blocks = self._replies(LOAD_TIMEOUT_S, "loading")
-        self.num_blocks = min(num_blocks for num_blocks, _ in blocks.values())
+        self.num_blocks = min(num_blocks for num_blocks, _, _ in blocks.values())
         self.bytes_per_block = blocks[0][1]
+        self.rank_weights_bytes = [blocks[rank][2] for rank in range(size)]  # each rank's slice
 
     @property
     def pids(self) -> list[int]:

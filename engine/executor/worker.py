@@ -6,6 +6,7 @@ or columns before it is kept), tells the driver how many KV blocks it has, then 
 driver sends until told to stop or until the driver's end of the pipe closes. Every rank answers
 every command: rank 0 with the logits, the others with None, so the driver knows the step is
 done everywhere. A rank that fails says so and exits: its peers' collectives are out of step.
+At load each rank reports its KV blocks, the bytes of one block and the bytes of its weights.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import destroy_tensor_parallel, init_tensor_parallel
+from ..memory.weights import weights_bytes
 from .step_message import StepMessage, WireOutput
 
 
@@ -60,7 +62,7 @@ def worker_main(rank: int, size: int, init_method: str, backend: str, spec: Work
     torch.set_num_threads(spec.num_threads)
     try:
         runner = _load(rank, size, init_method, backend, spec)
-        conn.send(("ok", (runner.num_blocks, runner.bytes_per_block)))
+        conn.send(("ok", (runner.num_blocks, runner.bytes_per_block, weights_bytes(runner.model))))
     except BaseException:  # noqa: BLE001 - the driver reports it
         _send_quietly(conn, ("error", traceback.format_exc()))
         return
