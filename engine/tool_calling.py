@@ -179,11 +179,13 @@ def tool_choice_constraint(tools: list | None, tool_choice, tool_parser: str = "
 def _call_grammar(tools: list[dict], tool_parser: str) -> str:
     import xgrammar as xgr
 
+    if tool_parser == "qwen3_coder":
+        return str(_qwen3_coder_grammar(tools))
     arguments_key = {"hermes": "arguments", "llama3_json": "parameters", "granite": "arguments",
                      "phi4_mini": "arguments"}.get(tool_parser)
     if arguments_key is None:
         raise ValueError(f"tool_choice other than 'auto'/'none' is supported for tool_parser 'hermes', "
-                         f"'llama3_json', 'granite' and 'phi4_mini', not {tool_parser!r}")
+                         f"'llama3_json', 'granite', 'phi4_mini' and 'qwen3_coder', not {tool_parser!r}")
     schema = {"anyOf": [{
         "type": "object",
         "properties": {"name": {"const": tool["function"]["name"]}, arguments_key: tool["function"]["parameters"]},
@@ -196,3 +198,38 @@ def _call_grammar(tools: list[dict], tool_parser: str) -> str:
         call = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= "{wrapper[0]}"'), call,
                                   xgr.Grammar.from_ebnf(f'root ::= "{wrapper[1]}"'))
     return str(call)
+
+
+def _qwen3_coder_grammar(tools: list[dict]):
+    """A call in Qwen3-Coder's XML: ``<tool_call>\\n<function=name>\\n`` then each parameter in the
+    schema's order (the required ones always) as ``<parameter=key>\\nvalue\\n</parameter>\\n``.
+
+    A string value is one line without ``<`` (a forced call gives a small model no room to wander
+    into markup; multi-line strings are left to unforced calls); a string enum one of its values;
+    any other value JSON of its schema, as the parser reads it back.
+    """
+    import xgrammar as xgr
+
+    def literal(text: str):
+        return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+    def value(schema: dict):
+        if schema.get("type") == "string" and isinstance(schema.get("enum"), list) and schema["enum"]:
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(str(v)) for v in schema["enum"]))
+        if schema.get("type") == "string":
+            return xgr.Grammar.from_ebnf(r'root ::= [^<\n]*')
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+
+    def function(tool: dict):
+        name, parameters = tool["function"]["name"], tool["function"]["parameters"]
+        required = set(parameters.get("required") or [])
+        parts = [literal(f"<tool_call>\n<function={name}>\n")]
+        for key, schema in (parameters.get("properties") or {}).items():
+            parameter = xgr.Grammar.concat(literal(f"<parameter={key}>\n"), value(schema if isinstance(schema, dict)
+                                                                                  else {}), literal("\n</parameter>\n"))
+            parts.append(parameter if key in required else xgr.Grammar.union(parameter, literal("")))
+        parts.append(literal("</function>\n</tool_call>"))
+        return xgr.Grammar.concat(*parts)
+
+    calls = [function(tool) for tool in tools]
+    return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)

@@ -120,3 +120,35 @@ def test_garbled_output_never_raises_and_streams_to_the_same_result(text, cuts):
     pieces = [text[start:end] for start, end in zip([0] + bounds, bounds + [len(text)])]
     for parser_name in SAMPLES:
         assert_stream_rebuilds_parse(parser_name, pieces)
+
+
+# ---- forcing a call: the grammar admits exactly calls the parser reads back -----------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"], "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"type": "string", "enum": ["c", "f"]}}}}}
+
+
+@pytest.mark.parametrize("parser_name, call_text", [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, France\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"),
+    ("granite",
+     '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 3, "unit": "c"}}]'),
+    ("phi4_mini", 'functools[{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 3, "unit": "c"}}]'),
+])
+def test_a_forced_call_grammar_admits_the_formats_call_and_it_parses_back(parser_name, call_text):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from hearth_llm.engine.tool_calling import tool_choice_constraint
+
+    grammar = xgr.Grammar.from_ebnf(tool_choice_constraint([WEATHER], "required", parser_name).grammar)
+    assert accepts(grammar, call_text)
+    [call] = parse(parser_name, call_text).tool_calls
+    assert (call.name, call.arguments) == ("get_weather", {"city": "Paris, France", "days": 3, "unit": "c"})
+    if parser_name == "qwen3_coder":
+        without_days = call_text.replace("<parameter=days>\n3\n</parameter>\n", "")
+        assert not accepts(grammar, without_days)                                  # required parameter
+        assert accepts(grammar, call_text.replace("<parameter=unit>\nc\n</parameter>\n", ""))   # optional one
+        assert not accepts(grammar, call_text.replace("\n3\n", "\nthree\n"))        # an integer's schema
+        assert not accepts(grammar, call_text.replace(">\nc\n<", ">\nk\n<"))       # an enum's values
