@@ -23,7 +23,8 @@ from hearth_llm.engine.models.linear import LinearBase, TensorParallel
 from hearth_llm.engine.models.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
 from conftest import TINY_COMMON, assert_pool_whole, random_prompts
-from model_equality import GREEDY, assert_matches_hf, check_alone_and_batched, check_prefix_hits, save_tiny_model
+from model_equality import (GREEDY, assert_matches_hf, check_alone_and_batched, check_chunked_prefill,
+                            check_prefix_hits, save_tiny_model)
 
 CONFIGS = {
     # one KV head for two ranks: each rank keeps a copy of it
@@ -99,10 +100,29 @@ def _split_bytes(model) -> int:
     tensors = {id(t): t for m in split_modules for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
+
+def test_tp2_matches_hf_under_forced_preemption_and_chunked_prefill(model_dirs, tp_llms):
+    path = model_dirs["llama"]
+    bytes_per_block = tp_llms("llama").engine.runner.bytes_per_block // 2  # blocks of 4 tokens, not 8
+    # Room for 96 tokens per rank; 16 tokens per step: prompts of up to 70 tokens prefill in chunks.
+    with LLM(str(path), **{**TP_KWARGS, "block_size": 4}, kv_cache_memory=24 * bytes_per_block,
+             max_model_len=96, max_num_batched_tokens=16) as llm:
+        prompts = random_prompts(8, [30, 12, 25, 40], seed=15)
+        assert_matches_hf(path, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+        assert llm.stats()["num_preemptions"] > 0
+        check_chunked_prefill(path, lambda path, **kwargs: llm)
+        assert_pool_whole(llm.stats())
+
+
+def test_sleep_is_refused_by_name(tp_llms):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        tp_llms("qwen3").sleep(level=1)
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(tensor_parallel_size=3), "num_attention_heads=4"),          # 4 heads over 3 ranks
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive int"),
     (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora=True"),
+    (dict(tensor_parallel_size=2, keep_alive=5), "keep_alive"),
 ])
 def test_unsplittable_settings_are_refused_by_name_before_workers_start(model_dirs, kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -159,6 +159,9 @@ class _DriverModel(nn.Module):
 
 
 def _refuse_unsplit_settings(config, checkpoint, size: int) -> None:
+    if config.keep_alive is not None:
+        raise ValueError(f"tensor_parallel_size={size} cannot be combined with keep_alive yet (sleep would have "
+                         "to reach the workers)")
     if config.enable_lora:
         raise ValueError(f"tensor_parallel_size={size} cannot be combined with enable_lora=True yet")
     if config.quantization is not None or checkpoint.weight_formats:

@@ -50,6 +50,9 @@ def check_can_sleep(engine, level: int) -> None:
     if draft is not None:
         raise ValueError("sleep is not supported with a draft model (speculative method 'draft_model'): "
                          "its weights and KV cache are not moved")
+    if getattr(engine.config, "tensor_parallel_size", 1) > 1:
+        raise ValueError(f"sleep is not supported with tensor_parallel_size={engine.config.tensor_parallel_size}: "
+                         "the weights and KV cache live in the worker processes")
     if level == 2 and getattr(engine.runner, "lora", None) is not None:
         raise ValueError("sleep level 2 is not supported with enable_lora=True: the LoRA manager wraps the "
                          "loaded model's layers, which a reload would replace; use level 1")
