@@ -8,8 +8,11 @@
    prompt (copy fields out of a pasted order). Each runs greedy, alone, without speculation and
    with n-gram prompt lookup (and a draft model with ``--draft``; ``--draft default`` is
    SmolLM2 drafting for itself, a sanity check of the draft path: acceptance about 100 %).
-   Decode tokens/s exclude the prefill (a separate ``max_tokens=1`` run of the same prompt;
-   prefix caching is off so every run prefills). Outputs are checked token-equal to the plain run.
+   Decode tokens/s count from the first token to the last (prefix caching is off so every run
+   prefills alike). Outputs are checked token-equal to the plain run (in bfloat16 a verify step's
+   logits can round differently from a decode step's, so a near-tie may flip; float32 is exact).
+   The CPU thread count is fixed (``--adaptive-threads`` lets the governor choose: its choices
+   change bfloat16 rounding from run to run, so even two plain runs can differ).
 2. The verification overhead: the cost of one step that verifies ``k`` proposals (forced: a
    proposer that always proposes ``k`` tokens) against a plain decode step, and from the two the
    effective ms/token at acceptance rates 0.5/0.7/0.9 (per-position acceptance ``a`` i.i.d.: a
@@ -86,38 +89,40 @@ def make_engine(model: str, speculative: dict | None, args, checkpoint=None):
     from hearth_llm.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
-                          kv_cache_memory=args.kv_cache_memory, show_progress=False, speculative=speculative)
+                          kv_cache_memory=args.kv_cache_memory, show_progress=False, speculative=speculative,
+                          adaptive_threads=getattr(args, "adaptive_threads", False))
     return LLMEngine(config, checkpoint=checkpoint)
 
 
 def run_one(engine, prompt: list[int], max_tokens: int, speculative: bool = True,
-            ignore_eos: bool = False) -> tuple[list[int], float, int]:
-    """Greedy tokens, wall seconds and steps of one request run alone."""
+            ignore_eos: bool = False) -> tuple[list[int], float, int, float]:
+    """Greedy tokens, wall seconds, steps and seconds after the first token of one request run alone."""
     from hearth_llm.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, speculative=speculative,
                             ignore_eos=ignore_eos)
     request_id = engine.add_request(prompt, params)
-    tokens, num_steps = [], 0
+    tokens, num_steps, first_token_at = [], 0, None
     _synchronize(engine)
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         for delta in engine.step():
             tokens += delta.new_token_ids
         num_steps += 1
+        if tokens and first_token_at is None:
+            first_token_at = time.perf_counter()  # the prefill's step (CPU: the host has waited for it)
     _synchronize(engine)
-    elapsed = time.perf_counter() - started
+    ended = time.perf_counter()
     engine.release(request_id)
-    return tokens, elapsed, num_steps
+    return tokens, ended - started, num_steps, ended - (first_token_at or ended)
 
 
 def decode_rate(engine, prompt: list[int], max_tokens: int, repeats: int) -> tuple[list[int], float]:
     """Decode tokens/s after the first token (best of ``repeats``), and the tokens."""
-    prefill = min(run_one(engine, prompt, 1)[1] for _ in range(repeats))
     best, tokens = 0.0, []
     for _ in range(repeats):
-        tokens, elapsed, _ = run_one(engine, prompt, max_tokens)
-        best = max(best, (len(tokens) - 1) / max(elapsed - prefill, 1e-9))
+        tokens, _, _, decode_seconds = run_one(engine, prompt, max_tokens)
+        best = max(best, (len(tokens) - 1) / max(decode_seconds, 1e-9))
     return tokens, best
 
 
@@ -157,8 +162,8 @@ def overhead_table(engine, k: int, num_tokens: int, repeats: int) -> None:
     engine.proposer = ForcedProposer(k)
     run_one(engine, prompt, 16, speculative=False, ignore_eos=True)
     run_one(engine, prompt, 16, ignore_eos=True)
-    plain = min(run_one(engine, prompt, num_tokens, speculative=False, ignore_eos=True)[1:] for _ in range(repeats))
-    verify = min(run_one(engine, prompt, num_tokens, ignore_eos=True)[1:] for _ in range(repeats))
+    plain = min(run_one(engine, prompt, num_tokens, speculative=False, ignore_eos=True)[1:3] for _ in range(repeats))
+    verify = min(run_one(engine, prompt, num_tokens, ignore_eos=True)[1:3] for _ in range(repeats))
     plain_ms, verify_ms = plain[0] * 1000 / plain[1], verify[0] * 1000 / verify[1]
     print(f"\nverification overhead, batch 1, k={k} (ms per step, steps incl. prefill: {plain[1]} / {verify[1]})")
     print(f"| decode step | verify step (1+{k} tokens) | ratio |")
@@ -188,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--adaptive-threads", action="store_true",
+                        help="let the CPU thread governor pick thread counts per step (its choices change bf16 "
+                             "rounding from run to run, so plain runs differ among themselves); default: fixed")
     parser.add_argument("--overhead-shape", default=None,
                         help="skip the real-weights table; measure the verification overhead on a random-weight "
                              "model of this shape (e.g. llama3-8b on cuda)")
