@@ -51,15 +51,47 @@ def test_triton_matches_reference(shape):
     assert torch.equal(out[0], y[0])  # a base token is not even rounded
 
 
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: round-to-nearest is off by <= 2^-8 |value|
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton on CUDA")
 @pytest.mark.parametrize("num_tokens", [64, 300])  # per token, sorted blocks
 def test_triton_bf16_is_close_to_fp32_reference(num_tokens):
+    """Error model, for x, A, B, y ~ N(0, 1), K = 4096, R = 48: delta = (x A^T) B has RMS sqrt(K R) ~ 443
+    (the shrink alone ~ sqrt(K) = 64), so bf16's relative 2^-8 is an absolute error of ~1.7 on most outputs:
+    no fixed atol fits it, and a small output next to a large one carries the same absolute error.
+
+    1. The kernel's own arithmetic, against exact (float32) math on the same bf16 inputs: it may only round
+       the output once (round-to-nearest: <= 2^-8 |ref|) and, in the sorted-block path, the float32 shrink
+       result to bf16 before the tensor-core dot (<= 2^-8 (|s| @ |B|) per element); float32 accumulation
+       order adds ~1e-3 (atol 0.05). Accumulating in bf16 breaks this bound by 2-140x.
+    2. End to end, against float32 math on the float32 inputs: rounding x, A, B (and y) to bf16 adds
+       independent relative errors of RMS ~0.425 * 2^-8 each, which propagate to an RMS error of
+       ~0.85 * 2^-8 * rms(delta) with the output rounding (0.95 with the intermediate's); allow 1.25x, and a
+       largest error of 8x (seen: 4x of 55k outputs, 6.2x of 275k, in a float32 emulation of the kernel).
+    """
     from hearth_llm.kernels.lora import triton_lora
 
     y, x, slots, a, b = _inputs(num_tokens, 4096, 1024, 8, 48, seed=3, dtype=torch.float32, device="cuda")
     expected = reference.add_lora(y.clone(), x, slots, a, b)
-    out = triton_lora.add_lora(y.bfloat16(), x.bfloat16(), slots, a.bfloat16(), b.bfloat16())
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=0.5)
+    y16, x16, a16, b16 = y.bfloat16(), x.bfloat16(), a.bfloat16(), b.bfloat16()
+    out = triton_lora.add_lora(y16.clone(), x16, slots, a16, b16).float()
+    has_adapter = slots >= 0
+    assert torch.equal(out[~has_adapter], y16[~has_adapter].float())
+
+    same_inputs = reference.add_lora(y16.float(), x16.float(), slots, a16.float(), b16.float())
+    bound = BF16_UNIT_ROUNDOFF * same_inputs.abs() + 0.05
+    if num_tokens > triton_lora.PER_TOKEN_MAX_TOKENS:  # the rank-space intermediate goes to bf16 for the dot
+        own = slots.clamp(min=0)
+        shrunk = torch.bmm(a16.float()[own], x16.float().unsqueeze(-1)).squeeze(-1)
+        bound += BF16_UNIT_ROUNDOFF * torch.bmm(shrunk.abs().unsqueeze(1), b16.float()[own].abs()).squeeze(1)
+    ratio = ((out - same_inputs).abs() / bound)[has_adapter]
+    assert ratio.max().item() <= 1.0, f"kernel error {ratio.max().item():.2f}x its rounding bound"
+
+    scale = BF16_UNIT_ROUNDOFF * (expected - y)[has_adapter].pow(2).mean().sqrt()
+    error = (out - expected)[has_adapter]
+    rms, largest = error.pow(2).mean().sqrt() / scale, error.abs().max() / scale
+    assert rms.item() <= 1.25 and largest.item() <= 8.0, f"end to end: rms {rms.item():.2f}, max {largest.item():.2f}"
 
 
 def test_cpu_layer_path_uses_only_the_steps_slots_and_matches_the_full_reference():
