@@ -4,8 +4,8 @@ The methods plug into the linear seam (``engine/models/linear_method.py``) and a
 loading, from the checkpoint (the GGUF tensor types in ``checkpoint.weight_formats``, an HF
 ``quantization_config``) and from ``LLM(quantization=...)``:
 
-- ``gguf_block_method.py``: GGUF Q4_0 .. Q6_K kept as the file's blocks (Triton on CUDA, a tiled
-  dequantize-and-multiply on the CPU).
+- ``gguf_block_method.py``: GGUF Q4_0 .. Q6_K kept as the file's blocks (Triton on CUDA; on the
+  CPU numba's fused GEMV for decode steps, a tiled dequantize-and-multiply for larger batches).
 - ``fp8_method.py``: ``quantization="fp8"``, a 16/32-bit checkpoint quantized to e4m3 at load
   (per-channel weight scales, dynamic per-token activation scales, ``torch._scaled_mm``), and FP8
   checkpoints loaded as stored (``compressed_tensors.py``: llm-compressor's FP8 W8A8 dynamic).
@@ -41,7 +41,7 @@ HF_QUANT_METHODS = ("compressed-tensors", "awq", "gptq")
 
 # Whether GGUF layers run from their blocks on CUDA without ``quantization="gguf"``. Off until the
 # Triton kernel has passed tests/test_gpu_quant.py on a GPU (it is checked under TRITON_INTERPRET
-# on the CPU only); until then CUDA, like the CPU, dequantizes non-Q4 GGUF weights at load.
+# on the CPU only); until then CUDA dequantizes GGUF weights at load, as before.
 GGUF_BLOCKS_ON_CUDA_BY_DEFAULT = False
 
 
