@@ -52,14 +52,18 @@ def draft_config(path, k: int = 3) -> dict:
 
 # ---- greedy exactness ---------------------------------------------------------------------------
 
+def _pool_for(check: str) -> dict:
+    return {} if check == "forced_preemption" else {"kv_cache_memory": SMALL_POOL}  # that one sizes its own
+
+
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_ngram_greedy_matches_hf(check, target, make_llm):
-    CHECKS[check](target, make_llm, dtype=FP32, speculative=NGRAM)
+    CHECKS[check](target, make_llm, dtype=FP32, speculative=NGRAM, **_pool_for(check))
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_draft_model_greedy_matches_hf(check, target, draft, make_llm):
-    CHECKS[check](target, make_llm, dtype=FP32, speculative=draft_config(draft))
+    CHECKS[check](target, make_llm, dtype=FP32, speculative=draft_config(draft), **_pool_for(check))
 
 
 def test_draft_proposals_are_both_accepted_and_rejected(target, draft, make_llm):
