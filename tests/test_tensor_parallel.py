@@ -34,7 +34,9 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=True,
                                  architectures=["Qwen3ForCausalLM"]),
 }
-TP_KWARGS = dict(tensor_parallel_size=2, dtype="float32", block_size=8, show_progress=False)
+# The CPU even where CUDA is visible: gloo processes on any machine (tests/test_tensor_parallel_gpu.py: NCCL).
+CPU = dict(device="cpu", dtype="float32", show_progress=False)
+TP_KWARGS = dict(tensor_parallel_size=2, block_size=8, **CPU)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_tp2_qwen3_matches_hf_and_single_process(model_dirs, tp_llms):
     path, llm = model_dirs["qwen3"], tp_llms("qwen3")
     check_alone_and_batched(path, _shared(llm))
     prompts = random_prompts(5, [9, 40, 2], seed=21)
-    with LLM(str(path), dtype="float32", block_size=8, show_progress=False) as single:
+    with LLM(str(path), block_size=8, **CPU) as single:
         expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY, use_tqdm=False)]
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert_pool_whole(llm.stats())
@@ -86,7 +88,7 @@ def test_tp2_qwen3_matches_hf_and_single_process(model_dirs, tp_llms):
 
 def test_each_rank_holds_only_its_slice_of_the_weights(model_dirs, tp_llms):
     llm = tp_llms("qwen3")
-    with LLM(str(model_dirs["qwen3"]), dtype="float32", block_size=8, show_progress=False) as single:
+    with LLM(str(model_dirs["qwen3"]), block_size=8, **CPU) as single:
         model = single.engine.runner.model
         split = _split_bytes(model)
         expected = weights_bytes(model) - split + split // 2  # norms and rotary tables stay whole
@@ -126,7 +128,7 @@ def test_sleep_is_refused_by_name(tp_llms):
 ])
 def test_unsplittable_settings_are_refused_by_name_before_workers_start(model_dirs, kwargs, field):
     with pytest.raises(ValueError, match=field):
-        LLM(str(model_dirs["qwen3"]), dtype="float32", show_progress=False, **kwargs)
+        LLM(str(model_dirs["qwen3"]), **CPU, **kwargs)
 
 
 def test_moe_model_is_refused_by_module_name(tmp_path):
@@ -134,7 +136,7 @@ def test_moe_model_is_refused_by_module_name(tmp_path):
                             architectures=["Qwen3MoeForCausalLM"])
     path = save_tiny_model(config, tmp_path / "moe")
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Qwen3MoeForCausalLM"):
-        LLM(str(path), dtype="float32", show_progress=False, tensor_parallel_size=2)
+        LLM(str(path), **CPU, tensor_parallel_size=2)
 
 
 def test_killed_worker_fails_pending_requests_with_engine_dead_and_reaps_workers(model_dirs, tp_llms):
