@@ -102,7 +102,8 @@ GGUF_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
 
 
 def _shape(name: str) -> tuple[int, int]:
-    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
+    kv_rows = KV_HEADS * HEAD_DIM
+    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv_rows, HIDDEN), "attn_v": (kv_rows, HIDDEN),
             "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN),
             "ffn_down": (HIDDEN, INTERMEDIATE)}[name]
 
@@ -129,7 +130,8 @@ def all_types_gguf(tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     writer.add_tensor("token_embd.weight", (torch.randn(TINY_VOCAB, HIDDEN, generator=generator)).numpy())
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.add_tensor("output.weight", _quantized("Q8_0", (TINY_VOCAB, HIDDEN), seed=99), raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output.weight", _quantized("Q8_0", (TINY_VOCAB, HIDDEN), seed=99),
+                      raw_dtype=GGMLQuantizationType.Q8_0)
     linear_bytes = 0
     for layer, types in enumerate(LAYER_TYPES):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))

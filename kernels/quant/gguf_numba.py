@@ -4,13 +4,13 @@ Decode steps multiply a handful of rows by the whole weight, so their cost is re
 the weight once. Here one fused loop per format decodes each weight with the operations of
 ``gguf_reference`` and accumulates its product with ``x`` in float32; LLVM may reassociate those
 products and sums (``reassoc``: what lets it vectorize; no FMA contraction), so results agree with
-the reference to float32 rounding (~1e-7 relative), as any GEMV's summation order does. Output rows run in parallel (numba's OpenMP
-layer where it exists, else one thread: its default work queue aborts when two Python threads
-launch kernels at once).
+the reference to float32 rounding (~1e-7 relative), as any GEMV's summation order does. Output rows
+run in parallel (numba's OpenMP layer where it exists, else one thread: its default work queue
+aborts when two Python threads launch kernels at once).
 
 numba is optional (``pip install hearth-llm[quant-cpu]``): :data:`AVAILABLE` says whether it
 imported; ``gguf_cpu`` falls back to its tiled torch path without it. The first call of a process
-compiles (a few seconds; cached on disk after that).
+compiles every format at once (10-30 s on 2 busy cores; cached on disk in __pycache__ after that).
 
 >>> out = gguf_gemv(x_rows, data, "Q4_K")        # float32 [M, N]
 """
