@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         from .embeddings import write_passage_encoder
 
         started = time.perf_counter()
-        path = write_passage_encoder(str(root / "embedder"), args.embedder)
+        # a random bge-m3-shaped XLM-R written here (its tokenizer too, where the bundled MiniLM is not installed)
+        path = write_passage_encoder(str(root / "embedder"), args.embedder, maker)
         embedder = EmbeddingEngine(EmbeddingConfig(model=path, device=args.device, dtype=dtype))
         embedder.start()
         emit(step="embedder loaded", seconds=round(time.perf_counter() - started, 1))

@@ -107,7 +107,7 @@ class EngineCore:
         # to shrink this one's KV cache between two steps.
         self._step_lock = threading.Lock()
         self._memory = EngineMemory(f"engine {os.path.basename(str(config.model))!r}", config.torch_device,
-                                    self._step_lock)
+                                    self._step_lock, on_resized=self._refresh_stats)
         self._sleep_state: SleepState | None = None
         self._pending_sleeps: list[_Sleep] = []
         self._keep_alive = config.keep_alive
@@ -301,6 +301,11 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) before the next step; unknown or finished ids are ignored."""
         self._enqueue(_AbortRequest(str(request_id)))
+
+    def _refresh_stats(self, engine: LLMEngine) -> None:
+        """After another engine's load shrank this one's KV cache (under the step lock): an idle
+        engine takes no step that would refresh its counters."""
+        self._stats = engine.stats()
 
     def stats(self) -> dict:
         """The engine's counters after its last step (empty before the model loaded), and its

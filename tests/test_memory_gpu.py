@@ -1,10 +1,12 @@
 """The memory budget, shrink and sleep/wake on CUDA (skipped without a GPU): weights go to pinned
 host memory and back, the device memory really returns (``torch.cuda.mem_get_info``), CUDA graphs
 are captured again on wake and after a shrink, and a request in flight on one engine (async
-scheduling) survives another engine's load shrinking its cache."""
+scheduling) survives another engine's load shrinking its cache (its steps slowed down until then: on
+an H200 the request would end before the second engine has loaded)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -84,6 +86,18 @@ def test_level_2_drops_the_weights_and_reloads_them(tiny_model_dirs, fresh_gpu_b
     assert tokens(llm, prompts) == awake
 
 
+def slowed_until(engine, event: threading.Event, seconds: float = 0.03) -> None:
+    """Each of ``engine``'s steps waits ``seconds`` first until ``event`` is set: an H200 runs a tiny
+    model's 200 decode steps before a second engine has loaded, and the shrink must come mid-request."""
+    step = engine.step
+
+    def slow_step():
+        event.wait(seconds)
+        return step()
+
+    engine.step = slow_step
+
+
 def test_a_second_engine_shrinks_the_first_while_it_serves(tiny_model_dirs, fresh_gpu_budget, gpu_llms):
     llama, qwen2 = tiny_model_dirs["llama"], tiny_model_dirs["qwen2"]
     budget = fresh_gpu_budget(64 << 20)
@@ -93,10 +107,18 @@ def test_a_second_engine_shrinks_the_first_while_it_serves(tiny_model_dirs, fres
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     expected_long = first.generate([prompts[1]], long, use_tqdm=False)[0].outputs[0].token_ids
     full_blocks = first.stats()["num_total_blocks"]
+    generated_before = first.stats()["num_generation_tokens"]
+    second_loaded = threading.Event()
+    slowed_until(first.engine, second_loaded)                 # >= 6 s for the 200 tokens until then
+    started = time.monotonic()
     reading = iter(first._core.add_request(prompts[1], long))
     head = next(reading).delta_token_ids
     second = gpu_llms(qwen2)                                  # shrinks the first between two of its steps
-    assert first.stats()["num_total_blocks"] < full_blocks
+    shrunk, load_s = first.stats(), time.monotonic() - started
+    second_loaded.set()
+    assert shrunk["num_total_blocks"] < full_blocks           # counted by the shrink itself, not the next step
+    assert first.engine.kv_cache.num_total_blocks == shrunk["num_total_blocks"]
+    assert shrunk["num_generation_tokens"] - generated_before < 200, f"the request ended first ({load_s:.1f} s)"
     assert head + [t for out in reading for t in out.delta_token_ids] == expected_long
     assert tokens(first, prompts) == expected_first
     assert tokens(second, prompts) and budget.num_reserved_bytes <= budget.capacity_bytes

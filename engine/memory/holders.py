@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,15 +66,19 @@ class EngineMemory:
 
     It reserves before the weights load, books what the loaded engine holds, and gives back
     free KV blocks when another engine needs them: under the core's step lock, so between steps.
+    ``on_resized(engine)`` runs (under that lock) after such a shrink: an idle engine takes no
+    step after it, so this is where its core refreshes the counters its ``stats()`` reports.
 
     >>> memory = EngineMemory("engine 'default'", torch.device("cpu"), step_lock)
     >>> kv_bytes = memory.reserve_for_load(plan_load(checkpoint, config))
     """
 
-    def __init__(self, name: str, device: torch.device, step_lock: threading.Lock) -> None:
+    def __init__(self, name: str, device: torch.device, step_lock: threading.Lock,
+                 on_resized: Callable[[object], None] | None = None) -> None:
         self.name = name
         self.device = device
         self._step_lock = step_lock
+        self._on_resized = on_resized
         self._budget: MemoryBudget | None = None
         self.engine = None
         self.bytes_per_block = 0
@@ -177,6 +182,8 @@ class EngineMemory:
             shrink_kv_cache(engine, engine.runner.num_blocks - -(-num_bytes // self.bytes_per_block))
             self.budget.book(self, self.loaded_weights_bytes, kv_cache_bytes(engine))
             released = before - kv_cache_bytes(engine)
+            if released and self._on_resized is not None:
+                self._on_resized(engine)
             logger.info("%s gave back %d KV blocks (%d bytes) to the %s memory budget", self.name,
                         released // self.bytes_per_block, released, self.budget.device)
             return released
