@@ -90,7 +90,8 @@ def make_engine(model: str, speculative: dict | None, args, checkpoint=None):
 
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
                           kv_cache_memory=args.kv_cache_memory, show_progress=False, speculative=speculative,
-                          adaptive_threads=getattr(args, "adaptive_threads", False))
+                          adaptive_threads=getattr(args, "adaptive_threads", False),
+                          num_threads=getattr(args, "num_threads", None))
     return LLMEngine(config, checkpoint=checkpoint)
 
 
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: the engine's)")
     parser.add_argument("--adaptive-threads", action="store_true",
                         help="let the CPU thread governor pick thread counts per step (its choices change bf16 "
                              "rounding from run to run, so plain runs differ among themselves); default: fixed")
