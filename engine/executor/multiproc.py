@@ -3,7 +3,8 @@ rank holds a slice of the model and of the KV cache.
 
 The process model: the engine's own process (the driver) owns the scheduler, the KV block
 bookkeeping, sampling and detokenizing, as with one device. It starts ``tensor_parallel_size``
-worker processes (spawn), one per device, joined in one ``torch.distributed`` group (gloo on the
+worker processes (forked from a clean forkserver, or spawned; never forked from the driver), one
+per device, joined in one ``torch.distributed`` group (gloo on the
 CPU, NCCL on CUDA). Each step the driver sends every worker the same small step message over its
 pipe; the workers run the forward pass together (Megatron-style: QKV and gate/up column-parallel,
 o_proj and down_proj row-parallel with one all-reduce each; key/value heads split across ranks,
@@ -27,6 +28,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing import connection, get_all_start_methods, get_context
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 from torch import nn
@@ -104,9 +106,10 @@ class MultiprocExecutor:
     def _broadcast(self, command, what: str) -> dict:
         if self.is_dead:
             raise EngineDeadError("the tensor-parallel workers are gone (an earlier failure)")
+        payload = bytes(ForkingPickler.dumps(command))  # pickled once for every rank
         for worker in self._workers:
             try:
-                worker.conn.send(command)
+                worker.conn.send_bytes(payload)
             except (BrokenPipeError, EOFError, OSError):
                 self._die(f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) is gone "
                           f"(exit code {worker.process.exitcode}) before {what}")

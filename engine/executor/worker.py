@@ -1,6 +1,6 @@
 """A tensor-parallel worker: one process per rank, holding its slice of the model and KV cache.
 
-Started by :class:`~.multiproc.MultiprocExecutor` (spawn start method); it joins the process
+Started by :class:`~.multiproc.MultiprocExecutor` (forkserver, or spawn); it joins the process
 group, loads only its shards (the checkpoint is streamed and each tensor cut to this rank's rows
 or columns before it is kept), tells the driver how many KV blocks it has, then runs whatever the
 driver sends until told to stop or until the driver's end of the pipe closes. Every rank answers
