@@ -404,10 +404,13 @@ class EngineCore:
         with self._step_lock:
             for command in commands:
                 self._apply(engine, command)
-            if engine.has_unfinished_requests():
-                self._dispatch(engine, engine.step())
+            outputs = engine.step() if engine.has_unfinished_requests() else None
+            # Counters before outputs: a reader woken by its last output sees its blocks freed.
             self._stats = stats = engine.stats()
             self._num_waiting = stats["num_waiting"]
+            if outputs is not None:
+                self._dispatch(engine, outputs)
+                self._stats = engine.stats()  # and after: a reader that left has its request aborted
         self._last_active = time.monotonic()
         if self._pending_sleeps and not engine.has_unfinished_requests():
             self._sleep_now(engine)

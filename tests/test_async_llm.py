@@ -228,11 +228,11 @@ async def test_a_dead_loop_fails_pending_and_later_calls_fast(make_async_llm):
     real_schedule = scheduler.schedule
     state = {"calls": 0}
 
-    def die_on_third_step():
+    def die_on_third_step(*args, **kwargs):  # schedule(proposals=None) since speculative decoding
         state["calls"] += 1
         if state["calls"] == 3:
             raise RuntimeError("scheduler bug")
-        return real_schedule()
+        return real_schedule(*args, **kwargs)
 
     scheduler.schedule = die_on_third_step
     with pytest.raises(EngineDeadError, match="scheduler bug"):
