@@ -508,7 +508,10 @@ class EngineCore:
         self._forget(engine, command.request_id)
 
     def _dispatch(self, engine: LLMEngine, deltas: list[RequestDelta]) -> None:
-        for delta in deltas:
+        # Samples of one request (n > 1) that finish in the same step each have a delta: the group
+        # ends only at its last one, or the siblings after it would find their stream gone.
+        last_delta_of = {delta.request.group_id: index for index, delta in enumerate(deltas)}
+        for index, delta in enumerate(deltas):
             group_id = delta.request.group_id
             stream = self._streams.get(group_id)
             if stream is None:
@@ -519,7 +522,7 @@ class EngineCore:
                 self._forget(engine, group_id)
                 continue
             children = engine.groups[group_id]
-            is_group_finished = all(child.is_finished for child in children)
+            is_group_finished = index == last_delta_of[group_id] and all(child.is_finished for child in children)
             output = stream_output(delta)
             if is_group_finished:
                 mark_last(output, children)

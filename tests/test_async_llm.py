@@ -158,6 +158,18 @@ async def test_samples_of_n_arrive_with_their_index_and_one_final_usage(make_asy
     assert outputs[-1].usage.completion_tokens == 8
 
 
+async def test_samples_finishing_in_the_same_step_each_get_their_last_tokens(make_async_llm):
+    llm = make_async_llm()
+    params = SamplingParams(n=16, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True)
+    outputs = await collect(llm, [3, 4, 5], params)
+    per_sample = {}
+    for out in outputs:
+        per_sample.setdefault(out.index, []).extend(out.delta_token_ids)
+    assert sorted(per_sample) == list(range(16))
+    assert all(len(tokens) == 3 for tokens in per_sample.values()), per_sample
+    assert outputs[-1].finished and outputs[-1].usage.completion_tokens == 48
+
+
 async def test_a_full_waiting_queue_raises_overloaded_at_once(make_async_llm):
     llm = make_async_llm(max_num_seqs=1, max_waiting_requests=2)
     streams = []
