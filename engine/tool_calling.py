@@ -13,6 +13,7 @@ model emits a well-formed call with schema-valid arguments.
 from __future__ import annotations
 
 import json
+import keyword
 
 from .structured_output import StructuredOutput
 from .tool_parsers import select_tool_parser
@@ -181,11 +182,13 @@ def _call_grammar(tools: list[dict], tool_parser: str) -> str:
 
     if tool_parser == "qwen3_coder":
         return str(_qwen3_coder_grammar(tools))
+    if tool_parser == "gemma":
+        return str(_gemma_grammar(tools))
     arguments_key = {"hermes": "arguments", "llama3_json": "parameters", "granite": "arguments",
                      "phi4_mini": "arguments"}.get(tool_parser)
     if arguments_key is None:
         raise ValueError(f"tool_choice other than 'auto'/'none' is supported for tool_parser 'hermes', "
-                         f"'llama3_json', 'granite', 'phi4_mini' and 'qwen3_coder', not {tool_parser!r}")
+                         f"'llama3_json', 'granite', 'phi4_mini', 'qwen3_coder' and 'gemma', not {tool_parser!r}")
     schema = {"anyOf": [{
         "type": "object",
         "properties": {"name": {"const": tool["function"]["name"]}, arguments_key: tool["function"]["parameters"]},
@@ -230,6 +233,50 @@ def _qwen3_coder_grammar(tools: list[dict]):
             parts.append(parameter if key in required else xgr.Grammar.union(parameter, literal("")))
         parts.append(literal("</function>\n</tool_call>"))
         return xgr.Grammar.concat(*parts)
+
+    calls = [function(tool) for tool in tools]
+    return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+
+
+def _gemma_grammar(tools: list[dict]):
+    """A call in Gemma's fenced block: a ``tool_code`` fence line, ``name(key=value, ...)``, a closing
+    fence line; the keyword arguments in the schema's order (the required ones always), each value JSON of its
+    schema (the gemma parser reads JSON literals, ``true``/``false``/``null`` included, back as-is).
+
+    ``ValueError`` naming ``tools`` for a tool or parameter name that is not a Python identifier
+    (no call with it could be read back).
+    """
+    import xgrammar as xgr
+
+    def literal(text: str):
+        return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+    def argument(key: str, schema):
+        value = xgr.Grammar.from_json_schema(json.dumps(schema if isinstance(schema, dict) else {}),
+                                             any_whitespace=False)
+        return xgr.Grammar.concat(literal(f"{key}="), value)
+
+    def function(tool: dict):
+        name, parameters = tool["function"]["name"], tool["function"]["parameters"]
+        properties = [(key, schema) for key, schema in (parameters.get("properties") or {}).items()]
+        bad = [word for word in [name] + [key for key, _ in properties]
+               if not word.isidentifier() or keyword.iskeyword(word)]
+        if bad:
+            raise ValueError(f"tools: {bad[0]!r} (in tool {name!r}) is not a Python identifier, so the gemma "
+                             f"format cannot write a call with it")
+        required = set(parameters.get("required") or [])
+        # The first argument written has no comma before it: one alternative per possible first
+        # argument (any argument up to the first required one), so the size stays quadratic.
+        first_required = next((i for i, (key, _) in enumerate(properties) if key in required), len(properties))
+        alternatives = [] if first_required < len(properties) else [literal("")]
+        for first in range(min(first_required + 1, len(properties))):
+            parts = [argument(*properties[first])]
+            for key, schema in properties[first + 1:]:
+                later = xgr.Grammar.concat(literal(", "), argument(key, schema))
+                parts.append(later if key in required else xgr.Grammar.union(later, literal("")))
+            alternatives.append(parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts))
+        body = alternatives[0] if len(alternatives) == 1 else xgr.Grammar.union(*alternatives)
+        return xgr.Grammar.concat(literal(f"```tool_code\n{name}("), body, literal(")\n```"))
 
     calls = [function(tool) for tool in tools]
     return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)

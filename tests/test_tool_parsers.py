@@ -234,7 +234,7 @@ def test_pythonic_output_that_is_not_a_call_list_is_content():
 # ---- choosing a parser ----------------------------------------------------------------------------
 
 def test_unknown_parser_name_raises_value_error_naming_the_known_ones():
-    with pytest.raises(ValueError, match=r"tool_parser must be one of \['granite', 'hermes', 'llama3_json', 'mistral', "
+    with pytest.raises(ValueError, match=r"tool_parser must be one of \['gemma', 'granite', 'hermes', 'llama3_json', 'mistral', "
                                          r"'phi4_mini', 'pythonic', 'qwen3_coder'\]; got 'qwen'"):
         get_tool_parser("qwen")
 

@@ -1,10 +1,11 @@
 """The tool-call formats of the newer families: Qwen3-Coder's XML, Granite's and Phi-4-mini's JSON
-lists (Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` is in test_tool_parsers.py). Each whole, and
-streamed at every split point, one character at a time and in random chunks: the stream rebuilds
+lists, Gemma's ```tool_code blocks (Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` is in test_tool_parsers.py).
+Each whole, and streamed at every split point, one character at a time and in random chunks: the stream rebuilds
 exactly what the whole-text parse returns."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +26,13 @@ QWEN3_CODER_DUPLICATE = "<function=f>\n<parameter=a>\n1\n</parameter>\n<paramete
 GRANITE_TWO_CALLS = ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                      '{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}]')
 PHI4_MINI_CALL = 'Sure. functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]'
+GEMMA_TWO_CALLS = ("I'll look both up.\n```tool_code\nget_weather(city='San Francisco', days=3, hourly=false)\n"
+                   "get_time(timezone=\"Europe/Paris\", formats=['iso', \"unix\"])\n```")
+GEMMA_LIST_AND_BLOCKS = ("```tool_code\n[search(query='a ```fence``` in a string'), count(n=-2)]\n```\nThen:\n"
+                         "```tool_code\nplot(points=[(1, 2),\n        (3, 4)], style={'color': 'red'})\n```\nDone.")
+GEMMA_CUT = "```tool_code\nget_time(timezone='UTC')\nget_weather(city='Par"
+GEMMA_NOT_LITERAL = "```tool_code\nf(a=__import__('os').system('x'))\ng('positional')\n```"
+GEMMA_OTHER_FENCE = "Run this:\n```python\nprint(get_time(timezone='UTC'))\n```"
 GRANITE_CLOSED = '<|tool_call|>[{"name": "f", "parameters": {"x": 1}}]<|/tool_call|> Done.'
 
 SAMPLES = {
@@ -32,6 +40,8 @@ SAMPLES = {
                     "<tool_call>\nnot a function\n</tool_call> and text", "Plain <b>answer</b>."],
     "granite": [GRANITE_TWO_CALLS, GRANITE_CLOSED, "<|tool_call|>oops", "No call here."],
     "phi4_mini": [PHI4_MINI_CALL, 'functools[{"name": "f", "arguments": {"a": "b"', "functools are nice"],
+    "gemma": [GEMMA_TWO_CALLS, GEMMA_LIST_AND_BLOCKS, GEMMA_CUT, GEMMA_NOT_LITERAL, GEMMA_OTHER_FENCE,
+              "```tool_code\n[1, 2]\n``` after", "```tool_code\nf(x=1)``"],
 }
 ALL_SAMPLES = [(name, text) for name, texts in SAMPLES.items() for text in texts]
 
@@ -75,10 +85,52 @@ def test_granite_and_phi4_mini_read_their_json_lists():
     assert parse("granite", "<|tool_call|>oops").invalid_tool_calls
 
 
+def test_gemma_reads_content_then_the_calls_of_a_tool_code_block():
+    parsed = parse("gemma", GEMMA_TWO_CALLS)
+    assert parsed.content == "I'll look both up." and not parsed.invalid_tool_calls
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "San Francisco", "days": 3, "hourly": False}),
+        ("get_time", {"timezone": "Europe/Paris", "formats": ["iso", "unix"]})]
+
+
+def test_gemma_reads_a_call_list_several_blocks_and_fences_inside_strings():
+    parsed = parse("gemma", GEMMA_LIST_AND_BLOCKS)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("search", {"query": "a ```fence``` in a string"}), ("count", {"n": -2}),
+        ("plot", {"points": [[1, 2], [3, 4]], "style": {"color": "red"}})]
+    assert parsed.content == "Then:Done." and not parsed.invalid_tool_calls
+
+
+def test_gemma_block_cut_short_keeps_whole_calls_and_flags_the_cut_one():
+    parsed = parse("gemma", GEMMA_CUT)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_time", {"timezone": "UTC"})]
+    [cut] = parsed.invalid_tool_calls
+    assert cut.name == "get_weather" and "without its closing ```" in cut.error
+
+
+def test_gemma_refuses_what_is_not_a_literal_keyword_call_and_leaves_other_fences_alone():
+    parsed = parse("gemma", GEMMA_NOT_LITERAL)
+    assert parsed.tool_calls == [] and [c.name for c in parsed.invalid_tool_calls] == ["f", "g"]
+    assert "not a literal" in parsed.invalid_tool_calls[0].error and "positional" in parsed.invalid_tool_calls[1].error
+    other = parse("gemma", GEMMA_OTHER_FENCE)
+    assert other.content == GEMMA_OTHER_FENCE and other.tool_calls == [] == other.invalid_tool_calls
+
+
+def test_gemma_stream_holds_back_a_possible_fence_and_streams_settled_arguments():
+    stream = get_tool_parser("gemma")().streamer()
+    assert [e.text for e in stream.feed("Sure. ```tool_co")] == ["Sure."]
+    [first] = stream.feed("de\nget_time(timezone='UTC', ")
+    assert (first.index, first.name, first.arguments_fragment) == (0, "get_time", '{"timezone": "UTC"')
+    [rest] = stream.feed("day=1)\n```")
+    assert (rest.name, rest.arguments_fragment) == (None, ', "day": 1}') and stream.finish() == []
+
+
 @pytest.mark.parametrize("chat_template, expected", [
     ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "qwen3_coder"),
     ("{{- '<|tool_call|>' + message.tool_calls | tojson }}", "granite"),
     ("<|tool|>{{ tools | tojson }}<|/tool|>", "phi4_mini"),
+    ("{{- '```tool_code\\n' + tool_call.name + '(' }}...{{- '```tool_output\\n' + message.content }}", "gemma"),
+    ("Call functions as [func_name1(params_name1=params_value1)] in ```tool_code fences", "gemma"),
 ])
 def test_the_format_is_read_from_the_chat_template(chat_template, expected):
     assert select_tool_parser(chat_template, None) == expected
@@ -99,7 +151,8 @@ def test_a_stream_cut_anywhere_rebuilds_the_parse(parser_name, text):
 
 FORMAT_TEXTS = [text for _, text in ALL_SAMPLES]
 FORMAT_PIECES = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", ">",
-                 "<|tool_call|>", "<|/tool_call|>", "functools", '{"name": "f", "arguments": ', "{", "}", "[", "]",
+                 "<|tool_call|>", "<|/tool_call|>", "functools", "```tool_code", "```", "\n```", "`", "(", ")", "=",
+                 "'", "f(a=", '{"name": "f", "arguments": ', "{", "}", "[", "]",
                  '"', "\\", ",", " ", "\n", "3", "true", "x"]
 
 
@@ -135,6 +188,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     ("granite",
      '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 3, "unit": "c"}}]'),
     ("phi4_mini", 'functools[{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 3, "unit": "c"}}]'),
+    ("gemma", '```tool_code\nget_weather(city="Paris, France", days=3, unit="c")\n```'),
 ])
 def test_a_forced_call_grammar_admits_the_formats_call_and_it_parses_back(parser_name, call_text):
     import xgrammar as xgr
@@ -152,3 +206,31 @@ def test_a_forced_call_grammar_admits_the_formats_call_and_it_parses_back(parser
         assert accepts(grammar, call_text.replace("<parameter=unit>\nc\n</parameter>\n", ""))   # optional one
         assert not accepts(grammar, call_text.replace("\n3\n", "\nthree\n"))        # an integer's schema
         assert not accepts(grammar, call_text.replace(">\nc\n<", ">\nk\n<"))       # an enum's values
+    if parser_name == "gemma":
+        assert not accepts(grammar, call_text.replace("days=3, ", ""))              # required argument
+        assert accepts(grammar, call_text.replace(', unit="c"', ""))                 # optional one
+        assert not accepts(grammar, call_text.replace("days=3", 'days="3"'))        # an integer's schema
+        assert not accepts(grammar, call_text.replace('unit="c"', 'unit="k"'))      # an enum's values
+
+
+def test_gemma_forced_call_grammar_with_only_optional_arguments_and_bad_names():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from hearth_llm.engine.tool_calling import tool_choice_constraint
+
+    tool = {"name": "find", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"type": "array", "items": {"type": "string"}}}}}
+    grammar = xgr.Grammar.from_ebnf(tool_choice_constraint([tool], {"name": "find"}, "gemma").grammar)
+    for arguments in ["", "a=1", "b=true", 'c=["x"]', "a=1, c=[]", 'a=-2, b=false, c=["y", "z"]']:
+        text = f"```tool_code\nfind({arguments})\n```"
+        assert accepts(grammar, text), text
+        [call] = parse("gemma", text).tool_calls
+        assert call.name == "find" and set(call.arguments) == set(re.findall(r"(\w+)=", arguments))
+    for wrong in ["b=true, a=1", ", a=1", "a=1,", "a=1 b=true"]:
+        assert not accepts(grammar, f"```tool_code\nfind({wrong})\n```"), wrong
+    with pytest.raises(ValueError, match="tools: 'get-weather'"):
+        tool_choice_constraint([{"name": "get-weather", "parameters": {}}], "required", "gemma")
+    with pytest.raises(ValueError, match="tools: 'class'"):
+        tool_choice_constraint([{"name": "f", "parameters": {"type": "object", "properties": {"class": {}}}}],
+                               "required", "gemma")

@@ -10,12 +10,13 @@
 >>> stream.finish()                               # the last events
 
 One module per format; ``base`` holds the types and the streamer, ``json_calls`` the JSON reading
-that hermes, llama3_json, mistral, granite and phi4_mini share.
+that hermes, llama3_json, mistral, granite and phi4_mini share (``gemma`` reuses ``pythonic``'s).
 """
 from __future__ import annotations
 
 from .base import (ContentDelta, InvalidToolCall, InvalidToolCallDelta, ParsedOutput, StreamEvent, ToolCall,
                    ToolCallDelta, ToolCallStreamer, ToolParser, arguments_json)
+from .gemma import GemmaToolParser
 from .hermes import HermesToolParser
 from .json_list import GraniteToolParser, Phi4MiniToolParser
 from .llama3_json import Llama3JsonToolParser
@@ -26,7 +27,7 @@ from .qwen3_coder import Qwen3CoderToolParser
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
     for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-                   Qwen3CoderToolParser, GraniteToolParser, Phi4MiniToolParser)
+                   Qwen3CoderToolParser, GraniteToolParser, Phi4MiniToolParser, GemmaToolParser)
 }
 
 # What a chat template shows about the format it asks for, most specific first.
@@ -36,6 +37,7 @@ _TEMPLATE_HINTS = (
     ("<|tool_call|>", "granite"),
     ("<|tool|>", "phi4_mini"),
     ("<tool_call>", "hermes"),
+    ("tool_code", "gemma"),             # a template that asks for ```tool_code blocks
     ("[func_name1(", "pythonic"),
     ("<|python_start|>", "pythonic"),
     ("<|python_tag|>", "llama3_json"),
@@ -77,4 +79,4 @@ __all__ = ["get_tool_parser", "select_tool_parser", "TOOL_PARSERS", "DEFAULT_TOO
            "ToolCallStreamer", "ParsedOutput", "ToolCall", "InvalidToolCall", "ContentDelta", "ToolCallDelta",
            "InvalidToolCallDelta", "StreamEvent", "arguments_json", "HermesToolParser", "Llama3JsonToolParser",
            "MistralToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "GraniteToolParser",
-           "Phi4MiniToolParser"]
+           "Phi4MiniToolParser", "GemmaToolParser"]
