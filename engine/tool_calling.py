@@ -241,7 +241,8 @@ def _qwen3_coder_grammar(tools: list[dict]):
 def _gemma_grammar(tools: list[dict]):
     """A call in Gemma's fenced block: a ``tool_code`` fence line, ``name(key=value, ...)``, a closing
     fence line; the keyword arguments in the schema's order (the required ones always), each value JSON of its
-    schema (the gemma parser reads JSON literals, ``true``/``false``/``null`` included, back as-is).
+    schema (the gemma parser reads JSON literals, ``true``/``false``/``null`` included, back as-is;
+    the one difference is JSON's ``\\/`` escape, which Python reads as a backslash and a slash).
 
     ``ValueError`` naming ``tools`` for a tool or parameter name that is not a Python identifier
     (no call with it could be read back).
