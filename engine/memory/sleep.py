@@ -12,6 +12,7 @@ CUDA graphs again: captured graphs hold the old tensors' addresses, so they are 
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 from dataclasses import dataclass
 
@@ -120,3 +121,16 @@ def _return_memory(device: torch.device) -> None:
     gc.collect()  # modules in reference cycles hold tensors until a collection
     if device.type == "cuda":
         torch.cuda.empty_cache()  # back to the device, where mem_get_info and other processes see it
+    else:
+        _trim_host_heap()
+
+
+def _trim_host_heap() -> None:
+    """Give freed heap pages back to the OS. glibc raises its mmap threshold after large frees, so in a
+    long-lived process a model's tensors end up on the heap, and freeing them leaves the RSS as it was."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc (musl, macOS): nothing to trim, or its allocator returns pages itself
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
