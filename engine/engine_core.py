@@ -408,9 +408,8 @@ class EngineCore:
             # Counters before outputs: a reader woken by its last output sees its blocks freed.
             self._stats = stats = engine.stats()
             self._num_waiting = stats["num_waiting"]
-            if outputs is not None:
-                self._dispatch(engine, outputs)
-                self._stats = engine.stats()  # and after: a reader that left has its request aborted
+            if outputs is not None and self._dispatch(engine, outputs):
+                self._stats = engine.stats()  # and after, when a reader that left had its request aborted
         self._last_active = time.monotonic()
         if self._pending_sleeps and not engine.has_unfinished_requests():
             self._sleep_now(engine)
@@ -507,10 +506,12 @@ class EngineCore:
         stream.put(mark_last(output, engine.groups[command.request_id]))
         self._forget(engine, command.request_id)
 
-    def _dispatch(self, engine: LLMEngine, deltas: list[RequestDelta]) -> None:
+    def _dispatch(self, engine: LLMEngine, deltas: list[RequestDelta]) -> bool:
+        """Hand each delta to its stream; True when a request was aborted (its blocks freed) meanwhile."""
         # Samples of one request (n > 1) that finish in the same step each have a delta: the group
         # ends only at its last one, or the siblings after it would find their stream gone.
         last_delta_of = {delta.request.group_id: index for index, delta in enumerate(deltas)}
+        aborted = False
         for index, delta in enumerate(deltas):
             group_id = delta.request.group_id
             stream = self._streams.get(group_id)
@@ -518,6 +519,7 @@ class EngineCore:
                 continue  # its group failed earlier in this step
             if delta.error is not None:
                 engine.abort_request(group_id)  # the other samples of the request, if any
+                aborted = True
                 stream.put(_request_failed(group_id, delta.error))
                 self._forget(engine, group_id)
                 continue
@@ -528,9 +530,10 @@ class EngineCore:
                 mark_last(output, children)
             if not stream.put(output):
                 engine.abort_request(group_id)
-                is_group_finished = True
+                is_group_finished = aborted = True
             if is_group_finished:
                 self._forget(engine, group_id)
+        return aborted
 
     def _forget(self, engine: LLMEngine, request_id: str) -> None:
         engine.release(request_id)

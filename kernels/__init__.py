@@ -14,11 +14,11 @@ torch.Size([2, 4])
 """
 from __future__ import annotations
 
-import importlib
 
 import torch
 
 from . import activation, attention, attention_inputs, kv_cache, matmul, norm, rotary, sampling
+from .lazy_triton import triton_module
 from .matmul.formats import DenseWeight, Fp16Weight, Int4Weight, OnednnBf16Weight
 
 __all__ = ["argmax", "sample_rows", "write_kv_cache", "paged_attention", "qk_norm_rope_and_cache", "rms_norm",
@@ -30,20 +30,9 @@ __all__ = ["argmax", "sample_rows", "write_kv_cache", "paged_attention", "qk_nor
 # Choosing a routine by device
 # ------------------------------------------------------------------------------------------
 
-_UNSET = object()
-_TRITON_MODULES: dict[str, object] = {}
-
-
 def _triton_module(op):
     """The op's Triton module (``<op>/triton_<op>.py``), or None where Triton is unavailable."""
-    module = _TRITON_MODULES.get(op.__name__, _UNSET)
-    if module is _UNSET:
-        try:
-            module = importlib.import_module(f"{op.__name__}.triton_{op.__name__.rsplit('.', 1)[1]}")
-        except ImportError:
-            module = None
-        _TRITON_MODULES[op.__name__] = module
-    return module
+    return triton_module(op.__name__)
 
 
 def _implementation(op, name: str, tensor: torch.Tensor):

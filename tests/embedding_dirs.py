@@ -42,9 +42,8 @@ def encoder_config(kind: str):
                             global_attn_every_n_layers=2, global_rope_theta=160000.0, local_rope_theta=10000.0)
 
 
-def write_encoder(path: Path, kind: str, pooling: str = "mean", normalize: bool = True) -> Path:
-    """A random encoder of ``kind`` with a BERT tokenizer (the bundled MiniLM's where installed), as a
-    sentence-transformers directory."""
+def random_encoder(kind: str):
+    """A random HF encoder of ``kind`` (seeded) whose norms and attention make mistakes show."""
     torch.manual_seed(3)
     model = AutoModel.from_config(encoder_config(kind))
     with torch.no_grad():
@@ -53,7 +52,13 @@ def write_encoder(path: Path, kind: str, pooling: str = "mean", normalize: bool 
                 param.add_(0.3 * torch.randn_like(param))
             if any(part in name for part in ("Wqkv", "q_proj", "k_proj", "query", "key")):
                 param.mul_(6.0)              # peaked attention, so that positions and windows matter
-    model.save_pretrained(path)
+    return model
+
+
+def write_encoder(path: Path, kind: str, pooling: str = "mean", normalize: bool = True) -> Path:
+    """A random encoder of ``kind`` with a BERT tokenizer (the bundled MiniLM's where installed), as a
+    sentence-transformers directory."""
+    random_encoder(kind).save_pretrained(path)
     write_bert_tokenizer(path)
     return write_pipeline_files(path, ENCODER_COMMON["hidden_size"], pooling, normalize, max_seq_length=64)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, ModernBertConfig, NomicBertConfig, XLMRobertaConfig
+from embedding_dirs import random_encoder
 
 from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine, default_model_path, read_encoder_spec
 
@@ -26,34 +26,13 @@ MIN_COSINE = 0.99999
 TEXTS = ["a short one", "a somewhat longer text with more words in it than the others have", "x",
          "same length", "Numbers 3.14159 and dates 2024-01-01, then a long tail of words to pass a window " * 2,
          "Ünïcödé and 中文字符 too"]
-COMMON = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48)
-
-
-def hf_config(kind: str):
-    if kind == "xlm-roberta":
-        return XLMRobertaConfig(**COMMON, max_position_embeddings=130, pad_token_id=1, type_vocab_size=1)
-    if kind == "nomic_bert":
-        return NomicBertConfig(**COMMON, max_position_embeddings=128, pad_token_id=0,
-                               rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
-    # two bases and a window narrower than most texts, so local layers differ from global ones
-    return ModernBertConfig(**COMMON, max_position_embeddings=128, pad_token_id=0, bos_token_id=101,
-                            eos_token_id=102, cls_token_id=101, sep_token_id=102, local_attention=8,
-                            global_attn_every_n_layers=2, global_rope_theta=160000.0, local_rope_theta=10000.0)
 
 
 def write_model(path, kind: str, pooling: str = "mean", normalize: bool = True, prompts: dict | None = None,
                 default_prompt_name: str | None = None):
     """A random encoder of ``kind`` saved by sentence-transformers with the given pipeline."""
     raw = path / "raw"
-    torch.manual_seed(3)
-    model = AutoModel.from_config(hf_config(kind))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name.lower():       # non-trivial norms, so that a norm in the wrong place shows
-                param.add_(0.3 * torch.randn_like(param))
-            if any(part in name for part in ("Wqkv", "q_proj", "k_proj", "query", "key")):
-                param.mul_(6.0)              # peaked attention, so that positions and windows matter
-    model.save_pretrained(raw)
+    random_encoder(kind).save_pretrained(raw)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, raw / name)
     transformer = st_modules.Transformer(str(raw), max_seq_length=64)

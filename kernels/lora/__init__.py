@@ -20,24 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from ..lazy_triton import triton_module
 from . import reference
 
 __all__ = ["add_lora"]
 
-_UNSET = object()
-_TRITON = _UNSET
-
 
 def _triton_module():
     """The Triton implementation, or None where Triton is unavailable."""
-    global _TRITON
-    if _TRITON is _UNSET:
-        try:
-            from . import triton_lora
-        except ImportError:
-            triton_lora = None
-        _TRITON = triton_lora
-    return _TRITON
+    return triton_module(__name__)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora_a: torch.Tensor,

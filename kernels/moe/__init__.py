@@ -13,24 +13,15 @@ from __future__ import annotations
 
 import torch
 
+from ..lazy_triton import triton_module
 from . import cpu, reference
 
 __all__ = ["fused_moe", "select_experts"]
 
-_UNSET = object()
-_TRITON = _UNSET
-
 
 def _triton_module():
-    """The Triton implementations, or None where Triton is unavailable."""
-    global _TRITON
-    if _TRITON is _UNSET:
-        try:
-            from . import triton_moe
-        except ImportError:
-            triton_moe = None
-        _TRITON = triton_moe
-    return _TRITON
+    """The Triton implementation, or None where Triton is unavailable."""
+    return triton_module(__name__)
 
 
 def _implementation(name: str, tensor: torch.Tensor):
