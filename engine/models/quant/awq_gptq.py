@@ -117,7 +117,7 @@ class Int4CheckpointScheme:
 
 def unpack_int32(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """``[R, C]`` int32 words -> ``[R, 8 C]`` codes 0..15, nibble ``i`` of word ``c`` at column ``8 c + order[i]``."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # checkpoints may load on CUDA
     nibbles = (packed[:, :, None] >> shifts) & 0xF                                # [R, C, 8]
     columns = torch.empty_like(nibbles)
     columns[:, :, list(order)] = nibbles
@@ -125,7 +125,7 @@ def unpack_int32(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 
 
 def _check_g_idx(name: str, g_idx: torch.Tensor) -> None:
-    expected = torch.arange(g_idx.numel()) // GROUP_SIZE
+    expected = torch.arange(g_idx.numel(), device=g_idx.device) // GROUP_SIZE
     if not torch.equal(g_idx.to(torch.int64), expected):
         raise ValueError(f"{name}: g_idx is not k // {GROUP_SIZE} (act-order groups); only desc_act=False "
                          "GPTQ checkpoints are supported")
