@@ -68,6 +68,26 @@ def test_fp8_scaled_mm_matches_the_reference_on_gpu(num_rows):
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 300])  # the GEMV up to GEMV_MAX_ROWS, then _scaled_mm
+def test_triton_fp8_linear_matches_the_reference_on_gpu(num_rows):
+    if not fp8.has_fp8_gemm(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 GEMMs")
+    from hearth_llm.kernels.quant import triton_fp8
+
+    generator = torch.Generator("cuda").manual_seed(2)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(4096, 2048, device="cuda", generator=generator))
+    x = torch.randn(num_rows, 2048, device="cuda", generator=generator).bfloat16()
+    codes, scales = triton_fp8.quantize_rows(x)
+    expected_codes, expected_scales = fp8.quantize_rows(x)
+    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
+    bias = torch.randn(4096, device="cuda", generator=generator).bfloat16()
+    expected = fp8.fp8_linear_reference(x.float(), weight_fp8, weight_scale, bias.float())
+    out = triton_fp8.fp8_linear(x, weight_fp8, weight_scale, bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
 def test_fp8_engine_on_gpu_stays_close_to_bf16(tmp_path):
     if not fp8.has_fp8_gemm(torch.device("cuda")):
         pytest.skip("this GPU has no FP8 GEMMs")

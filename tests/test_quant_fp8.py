@@ -41,6 +41,25 @@ def test_scaled_mm_matches_the_float32_reference(dtype):
     torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("num_rows", [1, 3, 8])
+def test_triton_fp8_gemv_multiplies_the_codes_like_the_float32_reference(num_rows):
+    """The decode GEMV of triton_fp8 (TRITON_INTERPRET here; its quantizer is checked on the GPU,
+    the interpreter's float32 -> e4m3 cast does not round to nearest even)."""
+    from hearth_llm.kernels.quant import triton_fp8
+
+    generator = torch.Generator().manual_seed(3)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(40, 96, generator=generator))
+    x_fp8, x_scale = fp8.quantize_rows(torch.randn(num_rows, 96, generator=generator))
+    bias = torch.randn(40, generator=generator)
+    out = torch.empty(num_rows, 40)
+    m_pad = 1 << (num_rows - 1).bit_length()
+    triton_fp8._fp8_gemv_kernel[(3,)](x_fp8, x_scale, weight_fp8, weight_scale, bias, out, num_rows, 40, 96,
+                                      x_fp8.stride(0), weight_fp8.stride(0), out.stride(0), HAS_BIAS=True,
+                                      M_PAD=m_pad, BLOCK_N=16, BLOCK_K=64)
+    expected = (x_fp8.float() @ weight_fp8.float().t()) * x_scale[:, None] * weight_scale[None, :] + bias
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_tiny_model(TINY_CONFIGS["llama"](), tmp_path_factory.mktemp("fp8") / "llama")

@@ -6,7 +6,8 @@
   steps, ``gguf_numba.py``; else dequantize a tile at a time). AWQ/GPTQ 4-bit weights run through
   the same kernels, repacked exactly into the ``W4G128`` block format.
 - FP8 W8A8 (e4m3, per-channel weight scales, dynamic per-token activation scales): ``fp8.py``
-  (``torch._scaled_mm``, and its float32 reference).
+  (``torch._scaled_mm``, and its float32 reference); ``triton_fp8.py`` on CUDA (a one-launch
+  activation quantizer, a GEMV for decode-sized steps, ``_scaled_mm`` above that).
 
 Importing this package registers the routines, so ``kernels.linear(x, GGUFBlockWeight(...))`` picks
 Triton for CUDA inputs, the tiled CPU path for CPU ones.
@@ -75,3 +76,12 @@ register_linear_routine(GGUFBlockWeight, "cpu",
                         lambda x, weight, bias: gguf_cpu.gguf_linear(x, weight.data, weight.quant_type, bias))
 register_linear_routine(GGUFBlockWeight, "cuda", _triton_linear)
 register_linear_routine(Fp8Weight, None, lambda x, weight, bias: fp8.fp8_linear(x, weight.weight, weight.scale, bias))
+
+
+def _triton_fp8_linear(x, weight: Fp8Weight, bias):
+    from . import triton_fp8  # triton is imported only when a CUDA tensor needs it
+
+    return triton_fp8.fp8_linear(x, weight.weight, weight.scale, bias)
+
+
+register_linear_routine(Fp8Weight, "cuda", _triton_fp8_linear)

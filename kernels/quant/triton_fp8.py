@@ -1,0 +1,104 @@
+"""Triton: the FP8 W8A8 linear of ``fp8.py`` in fewer launches.
+
+- :func:`quantize_rows` — one launch per call (``fp8.quantize_rows`` in torch is seven: abs, amax,
+  divide, clamp, divide, clamp, cast), the same e4m3 codes and scales.
+- :func:`fp8_linear` — decode-sized steps (at most ``GEMV_MAX_ROWS`` rows) take a GEMV that streams
+  the e4m3 weight once for all rows and multiplies the e4m3 activation codes in float32, the
+  reference's math (``fp8.fp8_linear_reference``) up to summation order; larger steps take
+  ``torch._scaled_mm`` (cuBLASLt/CUTLASS row-wise), which wins once the step is compute-bound.
+
+>>> out = fp8_linear(x.cuda(), weight_fp8.cuda(), weight_scale.cuda())  # ≈ fp8.fp8_linear_reference(...)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+# Up to this many rows the GEMV streams the weight once for all of them (measured on the H200 in
+# benchmarks: the cuBLASLt row-wise kernel is launch- and tile-bound there).
+GEMV_MAX_ROWS = 8
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_columns, stride_x, stride_q,
+                          FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, num_columns, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(x_row + cols, mask=cols < num_columns, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, num_columns, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(x_row + cols, mask=cols < num_columns, other=0.0).to(tl.float32)
+        q = tl.clamp(v / scale, -FP8_MAX_C, FP8_MAX_C)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_columns)
+
+
+@triton.jit
+def _fp8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, num_rows_x, num_rows, num_columns,
+                     stride_x, stride_w, stride_out, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_PAD)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for start in range(0, num_columns, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :],
+                    mask=(n[:, None] < num_rows) & (k[None, :] < num_columns), other=0.0).to(tl.float32)
+        x = tl.load(xq_ptr + m[:, None] * stride_x + k[None, :],
+                    mask=(m[:, None] < num_rows_x) & (k[None, :] < num_columns), other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    x_scale = tl.load(xs_ptr + m, mask=m < num_rows_x, other=0.0)
+    w_scale = tl.load(ws_ptr + n, mask=n < num_rows, other=0.0)
+    out = acc * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n < num_rows, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * stride_out + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < num_rows_x) & (n[None, :] < num_rows))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 [M, K], float32 scales [M])`` of a CUDA ``x`` ``[M, K]``; as ``fp8.quantize_rows``."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX_C=FP8_MAX,
+                                    MIN_SCALE_C=MIN_SCALE, BLOCK=min(1024, triton.next_power_of_2(k)))
+    return q, scale
+
+
+def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, *, gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+    """``x @ W.T + bias`` for CUDA ``x`` ``[M, K]`` and the e4m3 ``weight_fp8`` ``[N, K]`` with
+    float32 ``weight_scale`` ``[N]``; the result in ``x``'s dtype (see the module docstring)."""
+    if x.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
+        raise ValueError(f"x must be [M, {weight_fp8.shape[1]}] for this FP8 weight, got {tuple(x.shape)}")
+    m = x.shape[0]
+    x_fp8, x_scale = quantize_rows(x)
+    if m > gemv_max_rows:
+        out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale[:, None],
+                               scale_b=weight_scale.float()[None, :], out_dtype=torch.bfloat16)
+        if bias is not None:
+            out = out + bias
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+    num_rows = weight_fp8.shape[0]
+    out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    m_pad = triton.next_power_of_2(m)
+    block_n, block_k = (16, 512) if m_pad <= 2 else (8, 256)
+    _fp8_gemv_kernel[(triton.cdiv(num_rows, block_n),)](
+        x_fp8, x_scale, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out, m, num_rows,
+        weight_fp8.shape[1], x_fp8.stride(0), weight_fp8.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
