@@ -72,6 +72,10 @@ class EngineConfig:
     - ``tensor_parallel_size``: split the model over this many worker processes (one per GPU on CUDA, from
       ``device`` on; CPU processes with gloo otherwise), Megatron-style (:mod:`~.executor.multiproc`); the
       scheduler and the sampler stay in this process. ``kv_cache_memory`` is then per rank. 1: this process only.
+    - ``engine_core``: where the engine loop runs: ``"thread"`` (a thread of this process) or ``"process"`` (a
+      child process behind the same classes, :mod:`~.core_process`): there other torch work of this process
+      (a notebook's tensors, HF models) cannot slow its OpenMP threads down, nor it theirs; outputs cross a
+      pipe. ``LLM.engine`` is then a read-only view; LoRA and tensor parallelism need ``"thread"``.
     """
 
     model: str = "default"
@@ -102,6 +106,7 @@ class EngineConfig:
     sleep_level: int = 1
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    engine_core: str = "thread"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -143,6 +148,17 @@ class EngineConfig:
         if isinstance(self.sleep_level, bool) or self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        self._validate_engine_core()
+
+    def _validate_engine_core(self) -> None:
+        if self.engine_core not in ("thread", "process"):
+            raise ValueError(f"engine_core must be 'thread' or 'process', got {self.engine_core!r}")
+        if self.engine_core == "process" and self.enable_lora:
+            raise ValueError("engine_core='process' cannot be combined with enable_lora=True yet (adapters are "
+                             "added through the in-process engine); use engine_core='thread'")
+        if self.engine_core == "process" and self.tensor_parallel_size > 1:
+            raise ValueError(f"engine_core='process' cannot be combined with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (its workers would be a daemon's children); use 'thread'")
 
     def _validate_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

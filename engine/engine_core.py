@@ -294,9 +294,12 @@ class EngineCore:
 
     def _new_add(self, prompt, params, request_id, priority, cache_salt, timeout, lora_request=None) -> _AddRequest:
         checked = request_input(prompt, params, request_id, priority, cache_salt, lora_request)
-        stream = RequestStream(checked.request_id, timeout, abort=self._abort_stream,
-                               is_engine_alive=self._is_thread_alive, model=str(self.config.model))
-        return _AddRequest(stream, checked)
+        return _AddRequest(self._make_stream(checked.request_id, timeout), checked)
+
+    def _make_stream(self, request_id: str, timeout: float | None) -> RequestStream:
+        """The stream a request's outputs go to (a child-process core sends them over its pipe instead)."""
+        return RequestStream(request_id, timeout, abort=self._abort_stream, is_engine_alive=self._is_thread_alive,
+                             model=str(self.config.model))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) before the next step; unknown or finished ids are ignored."""

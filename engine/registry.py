@@ -45,12 +45,21 @@ def get_engine(model: str = "default", **engine_kwargs) -> EngineCore:
     with _registry_lock:
         core = _cores.get(key)
         if core is None or core.is_stopped:
-            core = EngineCore(config, on_stop=_forget_core)
+            core = _core_class(config)(config, on_stop=_forget_core)
             _cores[key] = core
         elif "keep_alive" in engine_kwargs or "sleep_level" in engine_kwargs:
             core.set_keep_alive(config.keep_alive if "keep_alive" in engine_kwargs else core.keep_alive,
                                 config.sleep_level if "sleep_level" in engine_kwargs else None)
         return core
+
+
+def _core_class(config: EngineConfig):
+    """The in-thread core, or for ``engine_core="process"`` the one whose engine runs in a child process."""
+    if config.engine_core == "process":
+        from .core_process import ProcessEngineCore  # imported only when asked for
+
+        return ProcessEngineCore
+    return EngineCore
 
 
 def shutdown_engines() -> None:

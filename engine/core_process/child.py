@@ -1,0 +1,161 @@
+"""The child process of ``engine_core="process"``: a plain :class:`~..engine_core.EngineCore` whose
+streams write to the pipe instead of to a reader in this process.
+
+Its main thread reads the parent's messages and applies them to the core (adds, aborts, calls);
+the core's own thread runs the steps, and each output it hands to a stream goes straight to the
+parent as an :class:`~.messages.Output`. The child ends when the parent says :class:`Close`,
+when the parent's end of the pipe closes (the parent died: no orphan stays), or after its engine
+stopped.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from dataclasses import replace
+
+from ..engine_core import EngineCore
+from ..errors import EngineDeadError
+from ..outputs import StreamOutput
+from .messages import (AbortRequest, AddRequests, Call, Close, CloseStream, EngineView, Output, Reply, Started,
+                       StartFailed, Stopped)
+
+# Calls that wait for the engine (sleep finishes the running requests first): each gets a thread,
+# so aborts and adds keep flowing meanwhile.
+_BLOCKING_CALLS = frozenset({"sleep", "wake_up"})
+_CALLS = frozenset({"stats", "set_keep_alive", "is_sleeping"}) | _BLOCKING_CALLS
+
+
+class _Link:
+    """The child's end of the pipe, shared by the main thread and the engine thread."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message) -> bool:
+        """False when the parent is gone."""
+        try:
+            with self._lock:
+                self.conn.send(message)
+            return True
+        except (BrokenPipeError, EOFError, OSError):
+            return False
+        except Exception as error:  # noqa: BLE001 - an output or error that does not pickle
+            if isinstance(message, Output) and isinstance(message.item, BaseException):
+                return self.send(Output(message.stream_id, RuntimeError(f"{type(message.item).__name__}: "
+                                                                        f"{message.item}")))
+            raise error
+
+
+class _PipeStream:
+    """Stands for the parent's ``RequestStream``: what the core puts here is sent over the pipe."""
+
+    def __init__(self, stream_id: int, request_id: str, link: _Link, on_done) -> None:
+        self.stream_id = stream_id
+        self.request_id = request_id
+        self._link = link
+        self._on_done = on_done
+
+    def put(self, item: StreamOutput | BaseException) -> bool:
+        if isinstance(item, BaseException) or item.finished:
+            self._on_done(self)
+        return self._link.send(Output(self.stream_id, item))
+
+
+class ChildEngineCore(EngineCore):
+    """The core inside the child: its streams are :class:`_PipeStream` objects."""
+
+    def __init__(self, config, link: _Link) -> None:
+        super().__init__(replace(config, engine_core="thread"), on_stop=self._report_stop)
+        self._link = link
+        self._next_stream_ids: deque[int] = deque()   # for the add in progress, in prompt order
+        self.pipe_streams: dict[int, _PipeStream] = {}
+        self._pipe_lock = threading.Lock()
+
+    def add_for_parent(self, message: AddRequests) -> None:
+        self._next_stream_ids.extend(message.stream_ids)
+        try:
+            self.add_requests(message.prompts, message.sampling_params, message.request_ids, message.priorities,
+                              message.cache_salt, None, lora_requests=message.lora_requests)
+        finally:
+            self._next_stream_ids.clear()
+
+    def close_stream(self, stream_id: int) -> None:
+        with self._pipe_lock:
+            stream = self.pipe_streams.get(stream_id)
+        if stream is not None:
+            self._abort_stream(stream)
+
+    def _make_stream(self, request_id: str, timeout: float | None) -> _PipeStream:
+        # the parent's stream keeps the deadline: only it has a reader to raise RequestTimeoutError in
+        stream = _PipeStream(self._next_stream_ids.popleft(), request_id, self._link, self._forget_stream)
+        with self._pipe_lock:
+            self.pipe_streams[stream.stream_id] = stream
+        return stream
+
+    def _forget_stream(self, stream: _PipeStream) -> None:
+        with self._pipe_lock:
+            self.pipe_streams.pop(stream.stream_id, None)
+
+    def _report_stop(self, core: EngineCore) -> None:
+        self._link.send(Stopped(self._stop_error or EngineDeadError("the engine stopped")))
+
+
+def core_process_main(config, conn) -> None:
+    """The child's entry point: serve ``conn`` until the parent closes it or says :class:`Close`."""
+    link = _Link(conn)
+    core = ChildEngineCore(config, link)
+    core.start()
+    threading.Thread(target=_report_start, args=(core, link), name="hearth-core-start", daemon=True).start()
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                break
+            if isinstance(message, Close):
+                break
+            _handle(core, link, message)
+    finally:
+        core.close()
+
+
+def _report_start(core: ChildEngineCore, link: _Link) -> None:
+    try:
+        core.wait_until_started()
+    except BaseException as error:  # noqa: BLE001 - the parent's wait_until_started raises it
+        link.send(StartFailed(error))
+        return
+    engine = core.engine
+    view = EngineView(tokenizer=engine.tokenizer, hf_config=engine.hf_config, max_model_len=engine.max_model_len,
+                      vocab_size=engine.vocab_size, eos_token_ids=frozenset(engine.eos_token_ids),
+                      dtype=engine.runner.dtype, pid=os.getpid())
+    link.send(Started(view, core.model_info, core.stats()))
+
+
+def _handle(core: ChildEngineCore, link: _Link, message) -> None:
+    if isinstance(message, AddRequests):
+        _answer(link, message.call_id, lambda: core.add_for_parent(message))
+    elif isinstance(message, AbortRequest):
+        core.abort(message.request_id)
+    elif isinstance(message, CloseStream):
+        core.close_stream(message.stream_id)
+    elif isinstance(message, Call) and message.method in _CALLS:
+        run = (lambda: core.is_sleeping) if message.method == "is_sleeping" else \
+            (lambda: getattr(core, message.method)(*message.args))
+        if message.method in _BLOCKING_CALLS:
+            threading.Thread(target=_answer, args=(link, message.call_id, run), daemon=True).start()
+        else:
+            _answer(link, message.call_id, run)
+    else:
+        raise TypeError(f"the engine process got an unknown message {message!r}")
+
+
+def _answer(link: _Link, call_id: int, run) -> None:
+    try:
+        value = run()
+    except Exception as error:  # noqa: BLE001 - raised again in the parent, on the caller's thread
+        link.send(Reply(call_id, error=error))
+        return
+    link.send(Reply(call_id, value))

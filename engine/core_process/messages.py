@@ -1,0 +1,107 @@
+"""What the parent and the child-process engine core say to each other over their pipe.
+
+Parent → child: :class:`AddRequests`, :class:`AbortRequest`, :class:`CloseStream`, :class:`Call`,
+:class:`Close`. Child → parent: :class:`Started` (or :class:`StartFailed`), one :class:`Output` per
+stream item, a :class:`Reply` per call, and :class:`Stopped` when its engine stops. Every message
+is a small picklable dataclass; token outputs are the engine's own ``StreamOutput`` objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model_info import ModelInfo
+
+
+# ---- parent → child ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AddRequests:
+    """``EngineCore.add_requests``' arguments, checked in the parent (ids fixed there);
+    ``stream_ids`` name the parent's streams, one per prompt. Answered with a :class:`Reply`."""
+
+    call_id: int
+    stream_ids: list[int]
+    prompts: list
+    sampling_params: list
+    request_ids: list[str]
+    priorities: list[int]
+    cache_salt: str | None
+    lora_requests: list
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(slots=True)
+class CloseStream:
+    """The parent's reader stopped early: abort the request if this stream still owns it."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class Call:
+    """Run ``EngineCore.<method>(*args)`` in the child and answer with a :class:`Reply`."""
+
+    call_id: int
+    method: str
+    args: tuple = ()
+
+
+@dataclass(slots=True)
+class Close:
+    pass
+
+
+# ---- child → parent ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineView:
+    """What the parent may read of the child's loaded engine (``LLM.engine`` in process mode).
+
+    >>> LLM("default", engine_core="process").engine.max_model_len
+    8192
+    """
+
+    tokenizer: object
+    hf_config: object
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    dtype: object          # torch.dtype the weights compute in
+    pid: int               # the child process
+    lora_manager: None = None  # LoRA needs engine_core="thread"
+
+
+@dataclass(slots=True)
+class Started:
+    view: EngineView
+    model_info: ModelInfo
+    stats: dict
+
+
+@dataclass(slots=True)
+class StartFailed:
+    error: BaseException
+
+
+@dataclass(slots=True)
+class Output:
+    stream_id: int
+    item: object           # a StreamOutput, or the exception the stream raises
+
+
+@dataclass(slots=True)
+class Reply:
+    call_id: int
+    value: object = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class Stopped:
+    error: BaseException  # EngineClosedError, or the EngineDeadError the loop died with
