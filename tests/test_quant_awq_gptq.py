@@ -129,3 +129,19 @@ def test_gptq_fields_we_do_not_run_are_refused_by_name(quantized_dirs, tmp_path,
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"quantization_config.{field}={value!r} is not supported"):
         LLM(str(path), device="cpu", show_progress=False)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 20])  # the GEMV, and the tl.dot GEMM
+def test_word_wise_w4g128_kernel_matches_the_reference(num_rows):
+    """kernels/quant/triton_w4g128.py (TRITON_INTERPRET here; tests/test_gpu_quant.py on the H200)."""
+    from hearth_llm.kernels.quant import gguf_reference, triton_w4g128
+
+    generator = torch.Generator().manual_seed(num_rows)
+    codes = torch.randint(0, 16, (40, 256), generator=generator)
+    scales = (torch.rand(40, 2, generator=generator) * 0.1).half()
+    zeros = torch.randint(0, 16, (40, 2), generator=generator)
+    data = gguf_reference.pack_w4g128(codes, scales, zeros)
+    x, bias = torch.randn(num_rows, 256, generator=generator), torch.randn(40, generator=generator)
+    expected = gguf_reference.gguf_linear(x, data, "W4G128", bias)
+    out = triton_w4g128.w4g128_linear(x, data, bias, block_n=16)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

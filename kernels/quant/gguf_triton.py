@@ -142,6 +142,10 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bias: torc
                 ) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` and ``W`` given as uint8 block rows ``data``
     ``[N, row_bytes]`` of ``quant_type``; the result is in ``x``'s dtype."""
+    if quant_type == "W4G128":  # word-wise tiles, not the byte-gathering decoder below
+        from .triton_w4g128 import w4g128_linear
+
+        return w4g128_linear(x, data, bias)
     fmt = block_format(quant_type)
     num_rows, num_columns = data.shape[0], fmt.num_columns(data.shape[1])
     if x.dim() != 2 or x.shape[1] != num_columns:
