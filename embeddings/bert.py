@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from . import varlen_attention
 from .linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
@@ -88,9 +89,13 @@ class BertConfig:
 @dataclass(slots=True)
 class PackedLayout:
     """Where the real tokens of a right-padded ``[batch, length]`` batch sit once packed, and which
-    texts attention takes together: each run of consecutive texts of equal length.
+    texts attention takes together: each run of consecutive texts of equal length, or on CUDA in
+    half precision all texts at once through flash attention's variable-length kernel
+    (``cu_seqlens``: where each text starts in the packed tokens, and the end).
 
     >>> PackedLayout.from_mask(torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]])).runs
+    [(0, 1, 3), (3, 2, 2)]
+    >>> PackedLayout.from_lengths([3, 2, 2], torch.device("cpu")).runs        # the same, no mask read back
     [(0, 1, 3), (3, 2, 2)]
     """
 
@@ -98,19 +103,32 @@ class PackedLayout:
     length: int
     token_index: torch.Tensor | None     # [num_tokens] flat padded position of each token; None: no padding
     runs: list[tuple[int, int, int]]     # (first packed token, num_texts, length) of each equal-length run
+    cu_seqlens: torch.Tensor | None = None   # int32 [batch + 1] on a CUDA device; None: attention by runs
 
     @classmethod
     def from_mask(cls, attention_mask: torch.Tensor) -> PackedLayout:
-        batch, length = attention_mask.shape
-        if bool(attention_mask.all()):
-            return cls(batch, length, None, [(0, batch, length)])
+        """From a mask on any device; reads it back to the host (a sync on CUDA)."""
+        return cls.from_lengths(attention_mask.sum(dim=1).tolist(), attention_mask.device)
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device) -> PackedLayout:
+        """From the texts' token counts, known on the host: on CUDA nothing waits for the device
+        (the index tensors go up with non-blocking copies from pinned memory)."""
+        batch, length = len(lengths), max(lengths)
         runs, start = [], 0
-        for text_length, texts in itertools.groupby(attention_mask.sum(dim=1).tolist()):
+        for text_length, texts in itertools.groupby(lengths):
             num_texts = len(list(texts))
             if text_length:
                 runs.append((start, num_texts, text_length))
             start += num_texts * text_length
-        return cls(batch, length, attention_mask.flatten().nonzero().squeeze(1), runs)
+        token_index = cu_seqlens = None
+        if any(text_length != length for text_length in lengths):
+            is_real = torch.arange(length).expand(batch, length) < torch.tensor(lengths).unsqueeze(1)
+            token_index = _to_device(is_real.flatten().nonzero().squeeze(1), device)
+        if device.type == "cuda" and all(lengths):
+            starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            cu_seqlens = _to_device(starts, device)
+        return cls(batch, length, token_index, runs, cu_seqlens)
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """``[batch * length, ...]`` → ``[num_tokens, ...]``."""
@@ -124,11 +142,23 @@ class PackedLayout:
         return padded.index_copy_(0, self.token_index, packed)
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def packed_attention(qkv: torch.Tensor, layout: PackedLayout, num_heads: int) -> torch.Tensor:
-    """``[num_tokens, 3 * width]`` packed query, key and value → ``[num_tokens, width]``, one
-    unmasked attention per run of equal-length texts."""
+    """``[num_tokens, 3 * width]`` packed query, key and value → ``[num_tokens, width]``: one
+    variable-length flash attention over all texts where :func:`~.varlen_attention.can_run`
+    allows it, else one unmasked attention per run of equal-length texts."""
     width = qkv.shape[1] // 3
     head_dim = width // num_heads
+    if layout.cu_seqlens is not None and varlen_attention.can_run(qkv, head_dim):
+        query, key, value = qkv.view(-1, 3, num_heads, head_dim).unbind(1)
+        out = varlen_attention.attend(query, key, value, layout.cu_seqlens, layout.length)
+        if out is not None:
+            return out.reshape(-1, width)
     attended = qkv.new_empty(qkv.shape[0], width)
     for start, num_texts, length in layout.runs:
         end = start + num_texts * length
@@ -178,12 +208,14 @@ class BertEncoder(nn.Module):
         self.is_mixed_precision = False     # set by prepack
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, layout: PackedLayout | None = None) -> torch.Tensor:
         """``input_ids`` and ``attention_mask`` are ``[batch, length]``, right-padded; returns
         ``[batch, length, hidden]`` with zeros at the padded positions. Without
-        ``token_type_ids`` every token is of type 0 (one text); a cross-encoder's pairs pass theirs."""
+        ``token_type_ids`` every token is of type 0 (one text); a cross-encoder's pairs pass theirs.
+        ``layout``: the mask's :class:`PackedLayout` if the caller has it (saves reading the mask back)."""
         batch, length = input_ids.shape
-        layout = PackedLayout.from_mask(attention_mask)
+        if layout is None:
+            layout = PackedLayout.from_mask(attention_mask)
         offset = self.config.position_offset
         # Right padding puts every real token at the position it would have alone.
         positions = torch.arange(offset, offset + length, device=input_ids.device).expand(batch, length)

@@ -4,7 +4,8 @@ Callers on any thread or event loop submit a list of texts and get a future. The
 fair share of every waiting request (:func:`~.batching.fair_shares`), tokenizes that step's texts
 in one call, sorts them by length and cuts them into batches (:func:`~.batching.plan_batches`),
 runs the batches under ``torch.inference_mode`` — side by side on single-threaded workers
-(:class:`~.workers.ForwardWorkers`) when there are several, on this thread when there is one — and
+(:class:`~.workers.ForwardWorkers`) when there are several, on this thread when there is one, and
+on CUDA on one worker thread that feeds the device while this thread tokenizes the next step — and
 resolves a request's future when its last text is done. So 64 coroutines that each embed one query
 become one or two forward passes, and the event loop never runs the model.
 """
@@ -95,6 +96,10 @@ class EmbeddingEngine:
         # resolved here: its default follows the calling thread's torch threads, and the engine
         # thread runs on one
         self.num_workers = self.config.worker_count
+        # On CUDA a worker thread runs the batches, so that the next step's tokenization (seconds
+        # of CPU for a large corpus, which on one thread would leave the device idle) overlaps them.
+        self._runs_on_gpu = self.config.torch_device.type == "cuda"
+        self._num_step_batches = 0   # batches the last step handed to the workers
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._waiting: deque[_Request] = deque()
@@ -298,9 +303,9 @@ class EmbeddingEngine:
 
     def _start_locked(self) -> None:
         if self._thread is None:
-            if self.num_workers > 1:   # batches run on the workers; see workers.py for why
+            if self.num_workers > 1 or self._runs_on_gpu:   # batches run on the workers; see workers.py for why
                 # both made on the caller's thread, whose thread count is the process's to keep
-                self._workers = ForwardWorkers(self.num_workers)
+                self._workers = ForwardWorkers(self.num_workers, self.config.torch_device)
                 self._thread = start_single_threaded(self._run, name="hearth-embeddings")
             else:
                 self._thread = threading.Thread(target=self._run, name="hearth-embeddings", daemon=True)
@@ -349,7 +354,7 @@ class EmbeddingEngine:
                 while (items := self._next_step(wait=not self._in_flight)) is not None:
                     if items:
                         self._run_step(items)
-                    self._finish_batches(num_left=self.num_workers if items else 0)
+                    self._finish_batches(num_left=self._num_batches_ahead if items else 0)
         except BaseException as error:  # noqa: BLE001
             self._stop(EmbeddingEngineDeadError(f"the embedding engine thread crashed: {type(error).__name__}: "
                                                 f"{error}"), error)
@@ -403,15 +408,23 @@ class EmbeddingEngine:
         batches = [[items[i] for i in batch]
                    for batch in plan_batches(lengths, self.config.batch_token_budget, self.config.batch_size_limit,
                                              split_below=self._runner.float32_below_length)]
+        self._num_step_batches = 0
         if self._workers is None or (len(batches) == 1 and not self._in_flight):
             for batch in batches:
                 self._run_batch(batch)
             return
+        self._num_step_batches = len(batches)
         for batch in batches:   # longest first: the free worker takes the next, which balances them
             batch = self._drop_finished_items(batch)
             if batch:
                 future = self._workers.submit(self._runner.run, [item.token_ids for item in batch])
                 self._in_flight[future] = batch
+
+    @property
+    def _num_batches_ahead(self) -> int:
+        """Batches left running while the next step is taken and tokenized: one per CPU worker (each
+        is a core); on CUDA the whole last step, so that the device works through it meanwhile."""
+        return self._num_step_batches if self._runs_on_gpu else self.num_workers
 
     def _finish_batches(self, num_left: int) -> None:
         """Settle the workers' batches as they end, until at most ``num_left`` are in flight."""

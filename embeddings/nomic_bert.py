@@ -119,10 +119,13 @@ class NomicBertEncoder(nn.Module):
         head_dim = config.hidden_size // config.num_attention_heads
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, config.rope_theta), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Right-padded ``[batch, length]`` → ``[batch, length, hidden]``, zeros at padding."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                layout: PackedLayout | None = None) -> torch.Tensor:
+        """Right-padded ``[batch, length]`` → ``[batch, length, hidden]``, zeros at padding;
+        ``layout`` as :meth:`~.bert.BertEncoder.forward` takes it."""
         batch, length = input_ids.shape
-        layout = PackedLayout.from_mask(attention_mask)
+        if layout is None:
+            layout = PackedLayout.from_mask(attention_mask)
         tokens = layout.pack(input_ids.reshape(-1))
         hidden = self.embedding_norm(self.word_embeddings(tokens) + self.token_type_embeddings.weight[0])
         cos, sin = rotary_tables(packed_positions(layout, tokens.device), self.inv_freq, hidden.dtype)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .bert import MIXED_PRECISION_MIN_TOKENS, has_safetensors
+from .bert import MIXED_PRECISION_MIN_TOKENS, PackedLayout, has_safetensors
 from .config import EmbeddingConfig
 from .cross_encoder import SCORE_ACTIVATIONS, CrossEncoder, pair_token_types
 from .encoders import BERT_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_config, encoder_class
@@ -101,36 +101,42 @@ class EncoderRunner:
     def tokenize(self, texts: list[str], truncate: bool) -> tuple[list[list[int]], list[bool]]:
         """Token ids of each text (special tokens included) and whether it was longer than
         ``max_seq_length``; over-long texts are truncated when ``truncate``, else left cut at
-        ``max_seq_length + 1`` for the caller to refuse."""
+        ``max_seq_length + 1`` for the caller to refuse. With ``truncate`` the flag says whether the
+        text reached ``max_seq_length`` (it may have been cut there): that mode encodes once."""
         if self.spec.do_lower_case:
             texts = [text.lower() for text in texts]
         limit = self.spec.max_seq_length
+        if truncate:
+            # One pass (this used to encode at limit + 1, then again at limit the texts found too
+            # long): a text within the limit encodes the same either way, and nobody refuses the others.
+            ids = self._encode(texts, limit)
+            return ids, [len(row) >= limit for row in ids]
         ids = self._encode(texts, limit + 1)
-        is_too_long = [len(row) > limit for row in ids]
-        if truncate and any(is_too_long):
-            positions = [i for i, too_long in enumerate(is_too_long) if too_long]
-            for i, row in zip(positions, self._encode([texts[i] for i in positions], limit), strict=True):
-                ids[i] = row
-        return ids, is_too_long
+        return ids, [len(row) > limit for row in ids]
 
     def run(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """Right-pad one batch, encode, pool: float32 ``[len(token_ids), dimension]`` on the CPU."""
+        """Right-pad one batch, encode, pool: float32 ``[len(token_ids), dimension]`` on the CPU.
+        On CUDA the only wait for the device is that last copy back."""
         input_ids, attention_mask = self._padded(token_ids)
         if self.implementation == "hearth":
-            hidden = self.model(input_ids, attention_mask)
+            layout = PackedLayout.from_lengths([len(row) for row in token_ids], self.device)
+            hidden = self.model(input_ids, attention_mask, layout=layout)
         else:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         dimensions = self.spec.dimension if self.spec.is_truncated else None
         return pool(hidden, attention_mask, self.spec.pooling, self.spec.normalize, dimensions).cpu()
 
     def _padded(self, token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        length = max(len(row) for row in token_ids)
-        input_ids = torch.full((len(token_ids), length), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(token_ids), length), dtype=torch.long)
-        for i, row in enumerate(token_ids):
-            input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, :len(row)] = 1
-        return input_ids.to(self.device), attention_mask.to(self.device)
+        """``input_ids`` (pad id where padded) and ``attention_mask``, ``[batch, longest]``, on the device."""
+        lengths = [len(row) for row in token_ids]
+        length = max(lengths)
+        pad = [self.pad_token_id]
+        input_ids = torch.tensor([row + pad * (length - len(row)) for row in token_ids], dtype=torch.long)
+        attention_mask = (torch.arange(length) < torch.tensor(lengths).unsqueeze(1)).long()
+        if self.device.type == "cuda":   # non-blocking from pinned memory: the host does not wait for the device
+            return (input_ids.pin_memory().to(self.device, non_blocking=True),
+                    attention_mask.pin_memory().to(self.device, non_blocking=True))
+        return input_ids, attention_mask
 
     def _encode(self, texts: list[str], max_length: int) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length,

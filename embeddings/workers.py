@@ -23,7 +23,7 @@ import torch
 class ForwardWorkers:
     """Threads that each run whole forward passes on one intra-op thread.
 
-    >>> workers = ForwardWorkers(2)
+    >>> workers = ForwardWorkers(2)                          # on CUDA: ForwardWorkers(1, torch.device("cuda"))
     >>> future = workers.submit(runner.run, token_ids)     # float32 [len(token_ids), dimension]
     >>> workers.close()
 
@@ -32,7 +32,7 @@ class ForwardWorkers:
     the workers have theirs, so the rest of the process keeps its threads.
     """
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, device: torch.device | None = None) -> None:
         self.num_workers = num_workers
         num_threads = torch.get_num_threads()
         all_started = threading.Barrier(num_workers + 1)
@@ -40,7 +40,11 @@ class ForwardWorkers:
         def start_worker() -> None:
             torch.get_num_threads()      # torch's lazy per-thread setup first, or it would undo the next line
             torch.set_num_threads(1)
-            all_started.wait()
+            try:
+                if device is not None and device.type == "cuda" and device.index is not None:
+                    torch.cuda.set_device(device)    # kernels that launch on the current device (Triton) find it
+            finally:
+                all_started.wait()
 
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_workers, thread_name_prefix="hearth-embeddings-worker", initializer=start_worker)

@@ -1,0 +1,46 @@
+"""Attention over packed texts of different lengths in one call: flash attention's variable-length
+kernel (``torch.ops.aten._flash_attention_forward`` with cumulative sequence lengths, what torch's
+nested-tensor SDPA runs), on CUDA in float16/bfloat16.
+
+Without it, :func:`~.bert.packed_attention` runs one SDPA per run of equal-length texts: a batch of
+passages with many distinct lengths costs as many calls per layer, each with its own copy out. With
+it, a batch costs one call per layer, reads query, key and value straight from the fused projection
+and writes the output already packed: no padding, no mask, no copies. The CPU, float32 (the exact
+path) and shapes flash cannot take keep the per-run SDPA.
+
+>>> out = attend(query, key, value, cu_seqlens, max_length)   # [num_tokens, heads, head_dim] each
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("hearth_llm")
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_is_broken = False    # set when the kernel refused a call: the per-run path is used from then on
+
+
+def can_run(qkv: torch.Tensor, head_dim: int) -> bool:
+    """Whether :func:`attend` can take this packed projection (CUDA, half precision, a head size
+    flash supports, the op in this torch build, flash SDPA not switched off)."""
+    return (not _is_broken and qkv.is_cuda and qkv.dtype in _HALF_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+            and hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.flash_sdp_enabled())
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+           max_length: int) -> torch.Tensor | None:
+    """``[num_tokens, heads, head_dim]`` each (any strides with the last one 1), texts packed one after
+    another as ``cu_seqlens`` (int32 ``[num_texts + 1]``) says → the attention output, same shape,
+    each token attending to every token of its own text (no causal mask, scale ``1/sqrt(head_dim)``);
+    None if the kernel refused the call (then :func:`can_run` says no from then on)."""
+    global _is_broken
+    try:
+        return torch.ops.aten._flash_attention_forward(query, key, value, cu_seqlens, cu_seqlens, max_length,
+                                                       max_length, 0.0, False, False)[0]
+    except RuntimeError as error:    # refused up front (a build or GPU without it); nothing ran
+        logger.warning("variable-length flash attention unavailable (%s); attention runs per run of "
+                       "equal-length texts", error)
+        _is_broken = True
+        return None
