@@ -1,45 +1,79 @@
-"""CUDA graphs for decode steps: one captured forward per padded batch size, replayed with the
-step's inputs copied into static buffers, so a decode step costs one launch, not hundreds."""
+"""CUDA graphs for decode and verification steps: one captured forward per padded row count,
+replayed with the step's inputs copied into static buffers, so a step costs one launch, not hundreds.
+
+A graph's rows are single-token queries, each with its own block table row and context length.
+A decode step is one row per sequence. A speculative verification step (a sequence's last token
+and its ``k`` proposals) becomes ``k + 1`` rows that share the sequence's block table, row ``j``
+seeing the first ``start + j + 1`` positions: every row's keys and values are written to the cache
+before attention reads them, so this is exactly the causal attention of the ``k + 1`` tokens
+(:func:`as_single_token_rows`), run by the same decode kernel as a decode step.
+"""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .models.layers import AttentionMetadata
 
+MAX_GRAPH_ROWS = 512
 
-def capture_sizes(max_batch: int) -> list[int]:
-    sizes = [size for size in (1, 2, 4, 8) if size <= max_batch]
-    sizes += list(range(16, max_batch + 1, 16))
+
+def capture_sizes(max_rows: int) -> list[int]:
+    sizes = [size for size in (1, 2, 4, 8) if size <= max_rows]
+    sizes += list(range(16, max_rows + 1, 16))
+    if sizes[-1] < max_rows:  # e.g. 20 rows (4 sequences verifying 4 proposals each)
+        sizes.append(-(-max_rows // 16) * 16)
     return sizes
 
 
+def graph_rows(max_batch: int, num_speculative_tokens: int) -> int:
+    """Rows to capture for ``max_batch`` sequences, each verifying up to ``num_speculative_tokens``
+    proposals (``1 + k`` rows each), capped at :data:`MAX_GRAPH_ROWS` (beyond: eager)."""
+    return max(min(max_batch * (1 + num_speculative_tokens), MAX_GRAPH_ROWS), min(max_batch, MAX_GRAPH_ROWS))
+
+
+def as_single_token_rows(table: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray):
+    """A step whose sequences each compute their last few tokens, as single-token rows:
+    ``(block table row of each token, context length of each token)``.
+
+    >>> as_single_token_rows(np.array([[7, 8]]), np.array([0, 0, 0]), np.array([16, 17, 18]))[1]
+    array([17, 18, 19])
+    """
+    return table[seq_of_token], positions + 1
+
+
 class DecodeGraphs:
-    """Captured decode forwards for batch sizes up to ``max_batch``.
+    """Captured forwards of single-token rows, for row counts up to ``max_rows``.
 
     Padded rows write nowhere (slot -1) and attend to one cached token, so they cost little and
     touch no live block.
     """
 
-    def __init__(self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int, device) -> None:
+    def __init__(self, model, kv_caches, max_rows: int, max_model_len: int, block_size: int, device) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
-        self.sizes = capture_sizes(max_batch)
-        max_batch = self.sizes[-1]
+        self.sizes = self._capture_sizes(max_rows)
+        max_rows = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(max_batch, **long)
-        self.positions = torch.zeros(max_batch, **long)
-        self.slot_mapping = torch.full((max_batch,), -1, **long)
-        self.block_tables = torch.zeros(max_batch, max_blocks, **long)
-        self.context_lens = torch.ones(max_batch, **long)
-        self.query_start_loc = torch.arange(max_batch + 1, **long)
+        self.input_ids = torch.zeros(max_rows, **long)
+        self.positions = torch.zeros(max_rows, **long)
+        self.slot_mapping = torch.full((max_rows,), -1, **long)
+        self.block_tables = torch.zeros(max_rows, max_blocks, **long)
+        self.context_lens = torch.ones(max_rows, **long)
+        self.query_start_loc = torch.arange(max_rows + 1, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+        self.num_replayed_rows = 0
         self._capture_all()
 
-    def supports(self, batch_size: int) -> bool:
-        return batch_size <= self.sizes[-1]
+    def supports(self, num_rows: int) -> bool:
+        return num_rows <= self.sizes[-1]
+
+    def _capture_sizes(self, max_rows: int) -> list[int]:
+        return capture_sizes(max_rows)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -71,16 +105,20 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def run(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> torch.Tensor:
-        """Replay the smallest captured graph that fits; returns hidden states for the real rows."""
-        num_seqs = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= num_seqs)
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(slot_mapping)
-        self.slot_mapping[num_seqs:size].fill_(-1)
+        """Replay the smallest captured graph that fits; returns hidden states for the real rows.
+
+        ``block_tables`` and ``context_lens`` are per row (see :func:`as_single_token_rows`)."""
+        num_rows = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= num_rows)
+        self.input_ids[:num_rows].copy_(input_ids)
+        self.positions[:num_rows].copy_(positions)
+        self.slot_mapping[:num_rows].copy_(slot_mapping)
+        self.slot_mapping[num_rows:size].fill_(-1)
         width = min(block_tables.shape[1], self.block_tables.shape[1])  # beyond: zero padding
-        self.block_tables[:num_seqs, :width].copy_(block_tables[:, :width])
-        self.context_lens[:num_seqs].copy_(context_lens)
-        self.context_lens[num_seqs:size].fill_(1)
+        self.block_tables[:num_rows, :width].copy_(block_tables[:, :width])
+        self.context_lens[:num_rows].copy_(context_lens)
+        self.context_lens[num_rows:size].fill_(1)
         self.graphs[size].replay()
-        return self.outputs[size][:num_seqs]
+        self.num_replays += 1
+        self.num_replayed_rows += num_rows
+        return self.outputs[size][:num_rows]

@@ -75,6 +75,8 @@ class LLMEngine:
         self.arch = self.runner.arch
         self.vocab_size = self.arch.vocab_size
         self.max_model_len = self._resolve_max_model_len()
+        if config.speculative is not None:  # verification steps (1 + k tokens a sequence) get graphs too
+            self.runner.num_speculative_tokens = config.speculative.num_speculative_tokens
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(min(config.max_num_seqs, 512), self.max_model_len)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .batch import ForwardOutput, ScheduledBatch
+from .cuda_graphs import as_single_token_rows
 from .loader.model_loader import load_model
 from .lora.manager import LoRAManager
 from .models.layers import AttentionMetadata
@@ -17,6 +18,10 @@ GPU_MEMORY_UTILIZATION = 0.9
 
 
 class ModelRunner:
+    # Verification steps of up to 1 + this many tokens per sequence replay CUDA graphs too; the
+    # engine sets it (speculative decoding) before the graphs are captured.
+    num_speculative_tokens = 0
+
     def __init__(self, checkpoint, device: torch.device, dtype: torch.dtype, block_size: int,
                  kv_cache_memory: int | None, lora_config=None, max_num_batched_tokens: int = 2048,
                  parallel=None):
@@ -58,13 +63,14 @@ class ModelRunner:
         return num_blocks
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Capture decode graphs (CUDA only); decode steps up to ``max_batch`` sequences replay them."""
+        """Capture decode graphs (CUDA only); decode steps up to ``max_batch`` sequences replay them,
+        and so do verification steps of ``max_batch`` sequences with ``num_speculative_tokens`` each."""
         if self.device.type != "cuda":
             return
-        from .cuda_graphs import DecodeGraphs
+        from .cuda_graphs import DecodeGraphs, graph_rows
 
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_model_len, self.block_size,
-                                          self.device)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, graph_rows(max_batch, self.num_speculative_tokens),
+                                          max_model_len, self.block_size, self.device)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending_token_ids: torch.Tensor | None = None) -> ForwardOutput:
@@ -80,11 +86,10 @@ class ModelRunner:
         if inputs.num_pending:
             inputs.input_ids[inputs.pending_positions] = pending_token_ids[inputs.pending_rows]
         graphs = self.decode_graphs
-        # Graphs replay decode rows only: their seq_lens equal context_lens, which is all a graph's metadata has.
-        is_decode = meta.max_query_len == 1 and len(inputs.sampling_rows) == len(batch.requests)
-        if graphs is not None and is_decode and graphs.supports(len(batch.requests)):
-            hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.block_tables,
-                                meta.context_lens)
+        # Graphs replay single-token rows: a decode step's, or a verification step's as rows (see cuda_graphs).
+        if graphs is not None and inputs.row_tables is not None and graphs.supports(inputs.input_ids.shape[0]):
+            hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, inputs.row_tables,
+                                inputs.row_context_lens)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         prompt_logits = {}
@@ -107,6 +112,7 @@ class ModelRunner:
         starts, context_lens, seq_lens, sampling_rows, logits_indices = [], [], [], [], []
         prompt_logprob_rows, pending_positions, pending_rows = [], [], []
         num_tokens = 0
+        is_single_token_rows = self.decode_graphs is not None  # every request decodes or verifies
         for index, (request, num_new) in enumerate(zip(requests, num_new_tokens)):
             start = request.num_computed_tokens
             end = start + num_new
@@ -130,6 +136,9 @@ class ModelRunner:
             if proposals or end == num_known + request.num_pending_tokens:
                 sampling_rows.append(index)
                 logits_indices.extend(range(num_tokens - 1 - len(proposals), num_tokens))
+            else:
+                is_single_token_rows = False
+            is_single_token_rows = is_single_token_rows and num_new == 1 + len(proposals)
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens:
                 prompt_logprob_rows.append(index)
         num_new = np.array(num_new_tokens, dtype=np.int64)
@@ -139,8 +148,13 @@ class ModelRunner:
         table = _block_table(tables)
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
         slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
-        on_device = self._copy_to_device([token_ids, positions, slots, context_lens, query_start_loc, logits_indices,
-                                          pending_positions, pending_rows, table.reshape(-1), seq_lens])
+        arrays = [token_ids, positions, slots, context_lens, query_start_loc, logits_indices,
+                  pending_positions, pending_rows, table.reshape(-1), seq_lens]
+        is_verify = is_single_token_rows and num_tokens > num_seqs
+        if is_verify:  # the graphs' metadata: a block table row and a context length per token
+            row_table, row_context_lens = as_single_token_rows(table, seq_of_token, positions)
+            arrays += [row_table.reshape(-1), row_context_lens]
+        on_device = self._copy_to_device(arrays)
         meta = AttentionMetadata(
             slot_mapping=on_device[2],
             block_tables=on_device[8].view(table.shape),
@@ -150,11 +164,17 @@ class ModelRunner:
             max_context_len=max(context_lens),
             seq_lens=on_device[9],
         )
+        row_tables = row_context_lens = None
+        if is_verify:
+            row_tables, row_context_lens = on_device[10].view(num_tokens, table.shape[1]), on_device[11]
+        elif is_single_token_rows:  # a decode step: one row per sequence already
+            row_tables, row_context_lens = meta.block_tables, meta.context_lens
         return StepInputs(input_ids=on_device[0], positions=on_device[1], meta=meta, logits_indices=on_device[5],
                           sampling_rows=sampling_rows, num_pending=len(pending_rows),
                           pending_positions=on_device[6], pending_rows=on_device[7],
                           prompt_logprob_rows=prompt_logprob_rows,
-                          query_bounds=query_start_loc.tolist() if prompt_logprob_rows else [])
+                          query_bounds=query_start_loc.tolist() if prompt_logprob_rows else [],
+                          row_tables=row_tables, row_context_lens=row_context_lens)
 
     def _copy_to_device(self, arrays: list) -> list[torch.Tensor]:
         """Int64 copies of ``arrays`` on the device, from one pinned host buffer in one non-blocking
@@ -196,6 +216,10 @@ class StepInputs:
     pending_rows: torch.Tensor        # and which rows of the in-flight step's sampled ids they are
     prompt_logprob_rows: list[int]
     query_bounds: list[int]
+    # With CUDA graphs, a step of decoding or verifying requests only: its tokens as single-token
+    # rows (each token's block table row and context length); else None.
+    row_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
 
 def _kv_heads_per_rank(num_kv_heads: int, parallel) -> int:
