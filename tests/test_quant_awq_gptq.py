@@ -117,8 +117,7 @@ def test_int4_checkpoint_runs_token_equal_to_hf_on_the_dequantized_model(quantiz
         assert output.outputs[0].token_ids == hf_greedy(quantized_dirs["dense"], prompt, 8)
 
 
-@pytest.mark.parametrize("field, value", [("bits", 8), ("group_size", 64), ("desc_act", True),
-                                          ("checkpoint_format", "gptq_v2")])
+@pytest.mark.parametrize("field, value", [("bits", 8), ("group_size", 64), ("checkpoint_format", "gptq_v2")])
 def test_gptq_fields_we_do_not_run_are_refused_by_name(quantized_dirs, tmp_path, field, value):
     path = tmp_path / "gptq"
     path.mkdir()
@@ -145,3 +144,57 @@ def test_word_wise_w4g128_kernel_matches_the_reference(num_rows):
     expected = gguf_reference.gguf_linear(x, data, "W4G128", bias)
     out = triton_w4g128.w4g128_linear(x, data, bias, block_n=16)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+# Layers that read the same input share one act-order permutation (GPTQ orders by that input's statistics).
+INPUT_SETS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o", "gate_proj": "mlp_in",
+              "up_proj": "mlp_in", "down_proj": "down"}
+
+
+def test_gptq_act_order_checkpoint_runs_token_equal_to_hf_on_the_dequantized_model(tmp_path):
+    """desc_act=True: each group is 128 inputs anywhere in the row (g_idx), repacked by sorting the
+    inputs by group; the layer gathers its inputs in that order."""
+    config = LlamaConfig(**{**TINY_COMMON, "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 1},
+                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    source = save_tiny_model(config, tmp_path / "source", std=0.05)
+    tensors = load_file(source / "model.safetensors")
+    dense, packed = dict(tensors), dict(tensors)
+    generator = torch.Generator().manual_seed(5)
+    orders = {}
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        prefix, weight = name[:-len(".weight")], tensors[name]
+        key = (name.split(".")[2], INPUT_SETS[name.rsplit(".", 2)[-2]])
+        order = orders.setdefault(key, torch.randperm(weight.shape[1], generator=generator))
+        codes, scales, zeros = quantize_groups(weight[:, order])   # groups of the sorted columns
+        restore = torch.argsort(order)
+        dense[name] = dequantized(codes, scales, zeros)[:, restore]
+        parts = gptq_pack(codes[:, restore], scales, zeros)
+        parts["g_idx"] = (restore // GROUP).to(torch.int32)        # the group of each input, in its own order
+        del packed[name]
+        packed.update({f"{prefix}.{part}": value for part, value in parts.items()})
+    for method, method_tensors in (("dense", dense), ("gptq", packed)):
+        (tmp_path / method).mkdir()
+        for file in source.iterdir():
+            if file.name != "model.safetensors":
+                (tmp_path / method / file.name).write_bytes(file.read_bytes())
+        save_file(method_tensors, tmp_path / method / "model.safetensors")
+    hf_config = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    hf_config["quantization_config"] = {**GPTQ_CONFIG, "desc_act": True}
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(hf_config))
+    prompts = random_prompts(2, [9, 4], seed=43)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tmp_path / "gptq"), dtype="float32", device="cpu", show_progress=False) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        layers = [layer for name, layer in linear_layers(llm.engine.runner.model) if name.startswith("layers.")]
+    assert all(getattr(layer, "gguf_input_order", None) is not None for layer in layers)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(tmp_path / "dense", prompt, 6)
+
+
+def test_gptq_act_order_groups_of_the_wrong_size_are_refused_by_layer():
+    from hearth_llm.engine.models.quant.awq_gptq import _input_order
+
+    g_idx = torch.arange(256) // 128
+    g_idx[0] = 1  # group 0 has 127 inputs, group 1 has 129
+    with pytest.raises(ValueError, match="layers.0.mlp.down_proj.g_idx must give each of its 2 groups exactly 128"):
+        _input_order("layers.0.mlp.down_proj", g_idx)

@@ -27,11 +27,16 @@ KEPT_TYPES = ("Q4_0", "Q4_1")
 
 
 class GGUFBlocks:
-    """``data``: uint8 ``[rows, num_blocks * type_size]``; ``quant_type``: a ``BLOCK_FORMATS`` name."""
+    """``data``: uint8 ``[rows, num_blocks * type_size]``; ``quant_type``: a ``BLOCK_FORMATS`` name.
 
-    __slots__ = ("quant_type", "data", "_codes")
+    ``input_order`` (int64 ``[columns]``, GPTQ act-order): the blocks hold the weight's columns in
+    this order — column ``j`` of the blocks is column ``input_order[j]`` of the weight — so
+    ``x @ W.T == x[:, input_order] @ blocks.T``; None for the natural order.
+    """
 
-    def __init__(self, quant_type: str, data: torch.Tensor) -> None:
+    __slots__ = ("quant_type", "data", "_codes", "input_order")
+
+    def __init__(self, quant_type: str, data: torch.Tensor, input_order: torch.Tensor | None = None) -> None:
         if quant_type not in BYTES_PER_BLOCK:
             raise ValueError(f"quant_type must be one of {tuple(BLOCK_FORMATS)}, got {quant_type!r}")
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % BYTES_PER_BLOCK[quant_type]:
@@ -40,6 +45,7 @@ class GGUFBlocks:
         self.quant_type = quant_type
         self.data = data
         self._codes = None
+        self.input_order = input_order
 
     @property
     def block_size(self) -> int:
@@ -62,7 +68,11 @@ class GGUFBlocks:
     def narrow(self, dim: int, start: int, length: int) -> "GGUFBlocks":
         """Rows of it (``dim=0``), or columns in whole blocks (``dim=1``)."""
         if dim == 0:
-            return GGUFBlocks(self.quant_type, self.data.narrow(0, start, length))
+            return GGUFBlocks(self.quant_type, self.data.narrow(0, start, length), self.input_order)
+        if self.input_order is not None and (start, length) != (0, self.shape[1]):
+            raise ValueError("act-order (permuted-column) blocks cannot be split along their columns")
+        if self.input_order is not None:
+            return self
         block_size = self.block_size
         if dim != 1 or start % block_size or length % block_size:
             raise ValueError(f"GGUF {self.quant_type} blocks narrow along rows, or along columns by multiples "
@@ -77,7 +87,7 @@ class GGUFBlocks:
         return blocks[..., offset:offset + 2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
 
     def _check_int4(self) -> None:
-        if self.quant_type not in KEPT_TYPES:
+        if self.quant_type not in KEPT_TYPES or self.input_order is not None:
             raise ValueError(f"int4 parts exist for {KEPT_TYPES} blocks, not {self.quant_type}")
 
     def codes(self) -> torch.Tensor:
@@ -102,8 +112,12 @@ class GGUFBlocks:
         return self.codes(), scales.squeeze(-1), zeros.squeeze(-1)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight's values, bit-equal to ``gguf.quants.dequantize`` in float32, then cast."""
-        return dequantize(self.data, self.quant_type).to(dtype)
+        """The weight's values, bit-equal to ``gguf.quants.dequantize`` in float32, then cast
+        (in the weight's own column order, also for act-order blocks)."""
+        values = dequantize(self.data, self.quant_type)
+        if self.input_order is not None:
+            values = values[:, torch.argsort(self.input_order.to(values.device))]
+        return values.to(dtype)
 
     def __repr__(self) -> str:
         return f"GGUFBlocks({self.quant_type}, shape={tuple(self.shape)})"

@@ -7,10 +7,14 @@ of 128 inputs; the value of weight ``(n, k)`` in group ``g = k // 128`` is ``s[g
   ``[K, N / 8]`` packs 8 output columns per word in the order ``0 2 4 6 1 3 5 7`` (nibble ``i``
   holds column ``8 c + order[i]``), ``qzeros`` ``[K / 128, N / 8]`` likewise, ``scales``
   ``[K / 128, N]``; ``z`` is the stored zero.
-- GPTQ (``quant_method="gptq"``, ``checkpoint_format="gptq"``, ``desc_act=False``): ``qweight``
+- GPTQ (``quant_method="gptq"``, ``checkpoint_format="gptq"``): ``qweight``
   ``[K / 8, N]`` packs 8 consecutive inputs per word (nibble ``i`` is input ``8 r + i``),
   ``qzeros`` ``[K / 128, N / 8]`` 8 consecutive columns per word, ``scales`` ``[K / 128, N]``;
-  ``z`` is the stored zero plus one (AutoGPTQ's v1 convention).
+  ``z`` is the stored zero plus one (AutoGPTQ's v1 convention). ``g_idx`` ``[K]`` names each
+  input's group: ``k // 128`` without act-order; with ``desc_act=True`` any assignment of exactly
+  128 inputs per group, which we repack by sorting the inputs by group (stable) and keep the
+  order as the blocks' ``input_order``: the layer gathers its input columns in that order before
+  the kernel (as vLLM's exllama/Marlin paths shuffle for act-order).
 
 :class:`Int4CheckpointScheme` validates ``quantization_config`` (4 bits, groups of 128, and the
 layout fields above; anything else is refused by name before any weight is read), lists the
@@ -53,7 +57,7 @@ class Int4CheckpointScheme:
             _expect("version", str(quant_config.get("version", "gemm")).lower(), ("gemm",))
             _expect("zero_point", quant_config.get("zero_point", True), (True,))
         else:
-            _expect("desc_act", quant_config.get("desc_act", False), (False,))
+            _expect("desc_act", quant_config.get("desc_act", False), (False, True))
             _expect("checkpoint_format", quant_config.get("checkpoint_format", "gptq"), ("gptq",))
             if quant_config.get("static_groups"):
                 raise ValueError("config.json: quantization_config.static_groups=True is not supported")
@@ -91,20 +95,19 @@ class Int4CheckpointScheme:
             if prefix not in layers or part not in _PARTS + ("g_idx",):
                 yield name, tensor
                 continue
-            if part == "g_idx":
-                _check_g_idx(name, tensor)
-                continue
             parts = pending.setdefault(prefix, {})
             parts[part] = tensor
-            if len(parts) == len(_PARTS):
+            if len(parts) == len(_PARTS) + (prefix + ".g_idx" in shapes):
                 del pending[prefix]
-                yield prefix + ".weight", GGUFBlocks(W4G128, self.repack(parts))
+                codes_order = _input_order(prefix, parts.pop("g_idx", None))
+                yield prefix + ".weight", GGUFBlocks(W4G128, self.repack(parts, codes_order), codes_order)
         if pending:
-            missing = {prefix: sorted(set(_PARTS) - set(parts)) for prefix, parts in pending.items()}
+            missing = {prefix: sorted(set(_PARTS) - set(parts)) or ["g_idx"] for prefix, parts in pending.items()}
             raise ValueError(f"{self.method.upper()} checkpoint lacks parts of layers: {missing}")
 
-    def repack(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """uint8 ``W4G128`` rows ``[N, K / 128 * 68]`` from one layer's ``qweight``/``qzeros``/``scales``."""
+    def repack(self, parts: dict[str, torch.Tensor], input_order: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 ``W4G128`` rows ``[N, K / 128 * 68]`` from one layer's ``qweight``/``qzeros``/``scales``,
+        the inputs in ``input_order`` (act-order; None: as stored)."""
         scales = parts["scales"].to(torch.float16).t()                             # [N, G]
         if self.method == "awq":
             codes = unpack_int32(parts["qweight"], AWQ_ORDER).t()                    # [N, K]
@@ -112,6 +115,8 @@ class Int4CheckpointScheme:
         else:
             codes = unpack_int32(parts["qweight"].t(), tuple(range(8)))             # [N, K]
             zeros = unpack_int32(parts["qzeros"], tuple(range(8))).t() + 1           # [N, G]
+        if input_order is not None:
+            codes = codes.index_select(1, input_order.to(codes.device))
         return pack_w4g128(codes, scales, zeros)
 
 
@@ -124,11 +129,19 @@ def unpack_int32(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     return columns.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
-def _check_g_idx(name: str, g_idx: torch.Tensor) -> None:
-    expected = torch.arange(g_idx.numel(), device=g_idx.device) // GROUP_SIZE
-    if not torch.equal(g_idx.to(torch.int64), expected):
-        raise ValueError(f"{name}: g_idx is not k // {GROUP_SIZE} (act-order groups); only desc_act=False "
-                         "GPTQ checkpoints are supported")
+def _input_order(prefix: str, g_idx: torch.Tensor | None) -> torch.Tensor | None:
+    """None when ``g_idx`` is ``k // 128`` (or absent); else the inputs sorted by group (stable),
+    each group of exactly 128 inputs (ValueError naming the layer otherwise)."""
+    if g_idx is None:
+        return None
+    g_idx = g_idx.to(torch.int64).cpu()
+    if torch.equal(g_idx, torch.arange(g_idx.numel()) // GROUP_SIZE):
+        return None
+    num_groups = g_idx.numel() // GROUP_SIZE
+    if g_idx.numel() % GROUP_SIZE or g_idx.min() < 0 or g_idx.max() >= num_groups or \
+            not torch.bincount(g_idx, minlength=num_groups).eq(GROUP_SIZE).all():
+        raise ValueError(f"{prefix}.g_idx must give each of its {num_groups} groups exactly {GROUP_SIZE} inputs")
+    return torch.argsort(g_idx, stable=True)
 
 
 def _expect(field: str, value, allowed: tuple) -> None:

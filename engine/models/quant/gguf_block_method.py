@@ -74,9 +74,27 @@ class GGUFBlockLinearMethod(LinearMethod):
             raise ValueError(f"{layer.prefix} rows {offset}.. were set up for GGUF {run.quant_type} blocks (from the "
                              f"file's tensor types), got {got}")
         getattr(layer, run.name).narrow(0, offset - run.start, loaded.shape[0]).copy_(loaded.data)
+        self._load_input_order(layer, loaded)
+
+    @staticmethod
+    def _load_input_order(layer, loaded: GGUFBlocks) -> None:
+        """GPTQ act-order: every shard of a layer must hold its columns in one order (q/k/v and
+        gate/up see the same input, and GPTQ orders by that input's statistics)."""
+        order = None if loaded.input_order is None else loaded.input_order.to(torch.int64)
+        seen = getattr(layer, "_input_orders_seen", 0)
+        layer._input_orders_seen = seen + 1
+        current = getattr(layer, "gguf_input_order", None)
+        if seen == 0:
+            if order is not None:
+                layer.register_buffer("gguf_input_order", order.to(getattr(layer, "gguf_blocks_0").device))
+            return
+        if (current is None) != (order is None) or (order is not None and not torch.equal(current.cpu(), order.cpu())):
+            raise ValueError(f"{layer.prefix}: its shards hold their input columns in different orders (GPTQ act-order "
+                             "g_idx); a fused layer needs one order for all of them")
 
     def process_weights_after_loading(self, layer) -> None:
         layer._parameters.pop("weight", None)  # the empty loading handle
+        layer.__dict__.pop("_input_orders_seen", None)
         layer.gguf_runs = tuple(self._runs(layer))
 
     def block_weights(self, layer) -> list[GGUFBlockWeight]:
@@ -87,6 +105,9 @@ class GGUFBlockLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         flat = x.reshape(-1, x.shape[-1])
+        order = getattr(layer, "gguf_input_order", None)
+        if order is not None:  # act-order blocks: feed the columns in the order they were stored
+            flat = flat.index_select(-1, order)
         weights = self.block_weights(layer)
         if len(weights) == 1:
             out = linear(flat, weights[0], bias)
@@ -97,5 +118,7 @@ class GGUFBlockLinearMethod(LinearMethod):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def resident_bytes(self, layer) -> int:
-        """Bytes this layer's weight occupies (its block buffers)."""
-        return sum(weight.data.numel() for weight in self.block_weights(layer))
+        """Bytes this layer's weight occupies (its block buffers, and an act-order permutation)."""
+        order = getattr(layer, "gguf_input_order", None)
+        extra = 0 if order is None else order.numel() * order.element_size()
+        return sum(weight.data.numel() for weight in self.block_weights(layer)) + extra
