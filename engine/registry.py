@@ -14,6 +14,7 @@ from .config import EngineConfig
 from .engine_core import EngineCore
 from .loader import DEFAULT_MODEL, default_model_path
 from .outputs import StreamOutput, Usage
+from .replicas.options import ReplicaOptions, split_replica_options
 from .streams import RequestStream
 
 __all__ = ["get_engine", "shutdown_engines", "EngineCore", "RequestStream", "StreamOutput", "Usage", "ChatPrompt",
@@ -36,21 +37,32 @@ def get_engine(model: str = "default", **engine_kwargs) -> EngineCore:
     >>> get_engine("default") is get_engine("default", dtype="auto")
     True
 
-    Keyword arguments are :class:`EngineConfig` fields; the first handle's ``show_progress`` wins,
+    Keyword arguments are :class:`EngineConfig` fields, plus ``replicas``/``backend``/``ray_address``
+    (:class:`~.replicas.ReplicaOptions`: N engine replicas as Ray actors); the first handle's ``show_progress`` wins,
     the last ``keep_alive`` / ``sleep_level`` given wins. A stopped engine (closed or dead) is
     replaced by a fresh one.
     """
+    replica_options, engine_kwargs = split_replica_options(engine_kwargs)
     config = EngineConfig.from_kwargs(model, **engine_kwargs)
-    key = _config_key(config)
+    key = _config_key(config) + ((("replica_options", replica_options),) if replica_options.is_distributed else ())
     with _registry_lock:
         core = _cores.get(key)
         if core is None or core.is_stopped:
-            core = _core_class(config)(config, on_stop=_forget_core)
+            core = _new_core(config, replica_options, engine_kwargs)
             _cores[key] = core
         elif "keep_alive" in engine_kwargs or "sleep_level" in engine_kwargs:
             core.set_keep_alive(config.keep_alive if "keep_alive" in engine_kwargs else core.keep_alive,
                                 config.sleep_level if "sleep_level" in engine_kwargs else None)
         return core
+
+
+def _new_core(config: EngineConfig, replica_options: ReplicaOptions, engine_kwargs: dict):
+    """One engine here, or for ``backend="ray"`` a :class:`~.replicas.ReplicaSet` of Ray actors."""
+    if replica_options.is_distributed:
+        from .replicas.replica_set import ReplicaSet  # imported (with Ray) only when asked for
+
+        return ReplicaSet(config, replica_options, engine_kwargs, on_stop=_forget_core)
+    return _core_class(config)(config, on_stop=_forget_core)
 
 
 def _core_class(config: EngineConfig):
