@@ -92,6 +92,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block_id
 
+    def uncache_block(self, block_id: int) -> None:
+        """Take a block's entry out of the prefix-hash index (its KV is not what its hash says)."""
+        self._evict(self.blocks[block_id])
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block.block_id:

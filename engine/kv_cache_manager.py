@@ -10,8 +10,23 @@ from .request import Request
 class KVCacheManager:
     """Owns the mapping request → blocks on top of a :class:`BlockPool`.
 
-    A block enters the prefix cache once every token in it has been computed; its hash chains
-    to its parent's, so a lookup walks a prompt block by block until the first miss.
+    A block enters the prefix cache as soon as it is allocated for a step that fills it with
+    known tokens (as vLLM does), not after that step ran; its hash chains to its parent's, so a
+    lookup walks a prompt block by block until the first miss. A later request of the same step
+    can then hit a block an earlier one is computing: each layer writes the step's keys and
+    values before its attention reads them, so a burst of requests over one new document
+    computes the document once.
+
+    Every successful :meth:`allocate_slots` is for a request the scheduler runs this step. Until
+    that step ran, its computed count stays below the blocks it registered ahead; a request freed
+    in that window (its forward pass failed) takes those entries out of the cache again, so no
+    later step is served a block whose KV was never written.
+
+    >>> manager = KVCacheManager(num_blocks=64, block_size=16)
+    >>> manager.allocate_slots(first, 70)                    # first's 4 full blocks are registered
+    True
+    >>> len(manager.find_cached_prefix(second))              # same prefix, same step: hits them
+    4
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -64,13 +79,21 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(request.block_ids)
         if num_new_blocks > 0:
             request.block_ids.extend(self.pool.allocate(num_new_blocks))
+        # Known tokens only: proposals to verify and a pending token are not in token_ids, so a
+        # block they would complete waits until they are accepted (after a rollback, if any).
+        self._cache_full_blocks(request, min(num_tokens_after, request.num_tokens))
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's blocks that became full of computed tokens."""
+        """Register the request's blocks that became full of computed tokens (those that did not
+        fill with known tokens when they were allocated: a block that ends in a pending token)."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks full within its first ``num_tokens`` tokens."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        num_full = min(num_tokens // self.block_size, len(request.block_ids))
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -90,9 +113,18 @@ class KVCacheManager:
             del request.block_ids[num_needed:]
 
     def free(self, request: Request) -> None:
+        """Give back all the request's blocks. Those it registered ahead of a step that never ran
+        (past its computed tokens) leave the prefix cache first: their KV was never written."""
+        self._uncache_uncomputed_blocks(request)
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids.clear()
         self.num_cached_blocks.pop(request.request_id, None)
+
+    def _uncache_uncomputed_blocks(self, request: Request) -> None:
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        num_computed = min(request.num_computed_tokens // self.block_size, num_cached)
+        for block_id in request.block_ids[num_computed:num_cached]:
+            self.pool.uncache_block(block_id)
 
     def _extend_block_hashes(self, request: Request) -> None:
         num_full_blocks = request.num_tokens // self.block_size

@@ -24,6 +24,14 @@ class Scheduler:
 
     ``max_loras``: at most that many distinct LoRA adapters run at once (the model's device
     slots); a waiting request of another adapter waits, while base and resident-adapter ones go on.
+
+    Prefix sharing inside a step: a request's blocks enter the prefix cache when they are
+    allocated (see :class:`KVCacheManager`), so a request admitted after it in the same step hits
+    the blocks it is computing. No request waits for a prefix another is still computing: a
+    chunk of a prompt stops short of its end only when the budget is spent, and then nothing
+    after it is admitted this step; by the step its last chunk runs in, every block before it is
+    registered. ``num_computed_prompt_tokens`` counts the prompt tokens run through the model
+    (prefix hits excluded, recomputation after preemption included).
     """
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -37,6 +45,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -54,7 +63,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self.running.sort(key=_queue_key)
-        scheduled_ids: set[str] = set()
+        scheduled_ids: dict[str, int] = {}   # request id → tokens it computes this step
         for request in list(self.running):
             if budget == 0:
                 break
@@ -77,7 +86,7 @@ class Scheduler:
                 continue
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
-            scheduled_ids.add(request.request_id)
+            scheduled_ids[request.request_id] = num_new
             budget -= num_new
         if not batch.preempted:
             budget = self._admit_waiting(batch, budget, scheduled_ids)
@@ -101,7 +110,8 @@ class Scheduler:
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.kv_cache.free_uncomputed_blocks(request)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch, scheduled_ids: set[str]) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch,
+                             scheduled_ids: dict[str, int]) -> bool:
         while not self.kv_cache.allocate_slots(request, num_new):
             victim = self._preemption_victim(scheduled_ids)
             self.preempt(victim)
@@ -110,19 +120,19 @@ class Scheduler:
                 return False
         return True
 
-    def _preemption_victim(self, scheduled_ids: set[str]) -> Request:
+    def _preemption_victim(self, scheduled_ids: dict[str, int]) -> Request:
         """The lowest-priority, latest-arrived running request not already scheduled this step."""
         candidates = [r for r in self.running if r.request_id not in scheduled_ids]
         return max(candidates, key=_queue_key)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled_ids: set[str]) -> int:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, scheduled_ids: dict[str, int]) -> int:
         running_loras = self._running_loras()
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if request.is_waiting_for_grammar or request.num_pending_tokens or not self._has_lora_slot(request, running_loras):
                 continue  # (a preempted request's last token is still in flight)
-            if request.waits_for is not None and not _prompt_is_cached(request.waits_for):
+            if request.waits_for is not None and not _prompt_is_scheduled(request.waits_for, scheduled_ids):
                 continue
             request.waits_for = None
             if self._kv_regime_changed(request):
@@ -141,7 +151,7 @@ class Scheduler:
                 running_loras.add(request.lora.cache_key)
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
-            scheduled_ids.add(request.request_id)
+            scheduled_ids[request.request_id] = num_new
             budget -= num_new
         return budget
 
@@ -175,6 +185,8 @@ class Scheduler:
     def update_after_step(self, batch: ScheduledBatch) -> None:
         """Count the tokens just computed and publish newly full blocks to the prefix cache."""
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+            self.num_computed_prompt_tokens += max(0, min(num_new, num_prompt_left))
             request.num_computed_tokens += num_new
             self.cache_computed_blocks(request)
 
@@ -197,5 +209,8 @@ class Scheduler:
         request.stop_reason = stop_reason
 
 
-def _prompt_is_cached(request: Request) -> bool:
-    return request.is_finished or request.num_computed_tokens >= request.num_prompt_tokens - 1
+def _prompt_is_scheduled(request: Request, scheduled_ids: dict[str, int]) -> bool:
+    """Whether ``request``'s prompt blocks are registered: computed, or being computed this step
+    (a sibling admitted after it then hits them in the same step)."""
+    num_computed_after_step = request.num_computed_tokens + scheduled_ids.get(request.request_id, 0)
+    return request.is_finished or num_computed_after_step >= request.num_prompt_tokens - 1
