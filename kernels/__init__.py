@@ -55,10 +55,13 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                    max_query_len, max_context_len, scale, sliding_window=None, soft_cap=None):
-    return _implementation(attention, "paged_attention", query)(
-        query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-        max_query_len, max_context_len, scale, sliding_window, soft_cap)
+                    max_query_len, max_context_len, scale, sliding_window=None, soft_cap=None, kv_scales=None):
+    routine = _implementation(attention, "paged_attention", query)
+    if kv_scales is None:  # the CPU routine reads no quantized cache and takes no scales
+        return routine(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                       max_query_len, max_context_len, scale, sliding_window, soft_cap)
+    return routine(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                   max_query_len, max_context_len, scale, sliding_window, soft_cap, kv_scales)
 
 
 def rms_norm(x, weight, eps, residual=None):

@@ -19,6 +19,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length queries over a paged KV cache (prefill, extend and decode).
 
@@ -27,17 +28,21 @@ def paged_attention(
     ``block_tables[b]``; its queries are the last ``q_len`` of those positions. GQA when Hq > Hkv.
     ``sliding_window`` w lets a query see only the last w positions up to its own.
     ``soft_cap`` c (Gemma 2) squashes the scaled scores to ``c * tanh(scores / c)`` before the mask
-    and the softmax. Returns ``[T, Hq, D]``.
+    and the softmax. ``kv_scales`` ``[2]``: a quantized (fp8) cache holds keys / k_scale and
+    values / v_scale, so they are multiplied back; None: scales of 1. Returns ``[T, Hq, D]``.
     """
     check_soft_cap(soft_cap)
+    check_kv_scales(key_cache, kv_scales)
     num_seqs = context_lens.shape[0]
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_context_blocks = -(-max_context_len // block_size)
     tables = block_tables[:, :num_context_blocks]
     padded_len = num_context_blocks * block_size
-    keys = key_cache[tables].reshape(num_seqs, padded_len, num_kv_heads, head_dim)
-    values = value_cache[tables].reshape(num_seqs, padded_len, num_kv_heads, head_dim)
+    keys = dequantized(key_cache[tables], kv_scales, 0, query.dtype).reshape(num_seqs, padded_len, num_kv_heads,
+                                                                              head_dim)
+    values = dequantized(value_cache[tables], kv_scales, 1, query.dtype).reshape(num_seqs, padded_len, num_kv_heads,
+                                                                                  head_dim)
 
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), query_lens, output_size=num_tokens)
@@ -53,14 +58,35 @@ def paged_attention(
 
     out = scaled_dot_product_attention(
         padded_query.transpose(1, 2),
-        keys.transpose(1, 2).to(query.dtype),
-        values.transpose(1, 2).to(query.dtype),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
         attn_mask=mask[:, None],
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
         soft_cap=soft_cap,
     )
     return out.transpose(1, 2)[token_seq, token_row]
+
+
+def dequantized(cache_rows: torch.Tensor, kv_scales: torch.Tensor | None, which: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows in ``dtype``: an fp8 cache's rows times their scale (``kv_scales[which]``), in fp32 first."""
+    if cache_rows.dtype == torch.float8_e4m3fn:
+        rows = cache_rows.to(torch.float32)
+        return (rows if kv_scales is None else rows * kv_scales[which]).to(dtype)
+    return cache_rows.to(dtype)
+
+
+def check_kv_scales(key_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """ValueError unless ``kv_scales`` is None or a float32 ``[2]`` tensor on the cache's device
+    for an fp8 cache (other caches hold keys and values as they are)."""
+    if kv_scales is None:
+        return
+    if key_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv_scales are for an fp8 (float8_e4m3fn) cache; this cache is {key_cache.dtype}")
+    if kv_scales.shape != (2,) or kv_scales.dtype != torch.float32 or kv_scales.device != key_cache.device:
+        raise ValueError(f"kv_scales must be a float32 [2] tensor (key scale, value scale) on {key_cache.device}, "
+                         f"got {kv_scales.dtype} {tuple(kv_scales.shape)} on {kv_scales.device}")
 
 
 def check_soft_cap(soft_cap: float | None) -> None:

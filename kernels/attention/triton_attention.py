@@ -9,8 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import LOG2_E, next_power_of_2, tanh
+from ..triton_utils import LOG2_E, next_power_of_2
 from . import reference
+from .triton_decode import decode_attention
+from .triton_tiles import _attend_to_key_range
 
 # Launch shapes, measured on an H200 with head_dim 128 (bf16): a prefill program takes
 # PREFILL_BLOCK_M rows of (query token, head of the GQA group) and walks keys PREFILL_BLOCK_N at a time.
@@ -30,77 +32,6 @@ DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 
-
-
-@triton.jit
-def _attend_to_key_range(
-    acc, row_max, row_sum, query, query_pos,
-    key_start, key_end,
-    key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-    block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
-    key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
-    value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    MASK_BY_QUERY_POSITION: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-):
-    """Online-softmax accumulation of ``query`` rows over cache positions [key_start, key_end).
-
-    Scores are kept in the log2 domain (scaled by scale * log2(e)) so exp2 replaces exp; a soft
-    cap c makes them ``c * tanh(scale * q.k / c)``, with ``soft_cap_log2`` = c * log2(e).
-    ``row_max`` starts at -inf; rows that see no key stay at acc = 0, row_sum = 0.
-    """
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    for tile_start in range(key_start, key_end, BLOCK_N):
-        key_pos = tile_start + tl.arange(0, BLOCK_N)
-        is_key_in_range = key_pos < key_end
-        # Keys are gathered one position at a time through the block table, so a tile may
-        # straddle cache blocks and BLOCK_N need not match block_size.
-        block = tl.load(block_table_ptr + key_pos // block_size, mask=is_key_in_range, other=0).to(tl.int64)
-        slot_in_block = key_pos % block_size
-        load_mask = is_key_in_range[:, None] & dim_mask[None, :]
-        key = tl.load(
-            key_cache_ptr + block[:, None] * key_cache_stride_block + slot_in_block[:, None] * key_cache_stride_slot
-            + kv_head * key_cache_stride_head + dims[None, :] * key_cache_stride_dim,
-            mask=load_mask, other=0.0,
-        ).to(query.dtype)
-        if DOT_IN_FP32:
-            scores = tl.dot(query.to(tl.float32), tl.trans(key.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(query, tl.trans(key))
-        if HAS_SOFT_CAP:
-            scores = tanh(scores * (softmax_scale_log2 / soft_cap_log2)) * soft_cap_log2
-        else:
-            scores = scores * softmax_scale_log2
-
-        is_visible = is_key_in_range[None, :]
-        if MASK_BY_QUERY_POSITION:
-            is_visible = is_visible & (key_pos[None, :] <= query_pos[:, None])
-            if HAS_SLIDING_WINDOW:
-                is_visible = is_visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
-        scores = tl.where(is_visible, scores, float("-inf"))
-
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        # A row that has seen no visible key yet keeps max -inf; subtracting 0 instead of -inf
-        # keeps its probabilities at exp2(-inf) = 0 rather than NaN.
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.exp2(scores - safe_max[:, None])
-        rescale = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
-
-        value = tl.load(
-            value_cache_ptr + block[:, None] * value_cache_stride_block
-            + slot_in_block[:, None] * value_cache_stride_slot
-            + kv_head * value_cache_stride_head + dims[None, :] * value_cache_stride_dim,
-            mask=load_mask, other=0.0,
-        ).to(query.dtype)
-        if DOT_IN_FP32:
-            probs_of_dot_dtype = probs.to(query.dtype).to(tl.float32)
-            acc = acc * rescale[:, None] + tl.dot(probs_of_dot_dtype, value.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(probs.to(query.dtype), value)
-        row_max = new_max
-    return acc, row_max, row_sum
 
 
 @triton.jit
@@ -128,15 +59,16 @@ def _find_sequence_of_query_tile(query_start_loc_ptr, tile_index, num_seqs, BLOC
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_seqs,
+    kv_scales_ptr, num_seqs,
     out_stride_token, out_stride_head, out_stride_dim,
     query_stride_token, query_stride_head, query_stride_dim,
     block_tables_stride_seq,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
     num_queries_per_kv, block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
-    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_KV_SCALES: tl.constexpr,
+    BLOCK_Q: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     """One program: BLOCK_Q consecutive query tokens of one sequence, for all query heads that
     share one KV head (GQA), so every key tile loaded serves GROUP_SIZE heads at once."""
@@ -181,6 +113,10 @@ def _prefill_attention_kernel(
     all_end = first_query_pos + 1
     key_end = last_query_pos + 1
 
+    value_scale = 1.0
+    if HAS_KV_SCALES:  # dequantizing q.k by the key scale is scaling the scores; p.v by the value scale, the output
+        softmax_scale_log2 = softmax_scale_log2 * tl.load(kv_scales_ptr)
+        value_scale = tl.load(kv_scales_ptr + 1)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -213,7 +149,7 @@ def _prefill_attention_kernel(
         MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=HAS_SLIDING_WINDOW,
         HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
     )
-    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    out = acc * (value_scale / tl.where(row_sum == 0.0, 1.0, row_sum))[:, None]
     tl.store(
         out_ptr + token[:, None] * out_stride_token + head[:, None] * out_stride_head + dims[None, :] * out_stride_dim,
         out.to(out_ptr.dtype.element_ty), mask=row_mask,
@@ -356,12 +292,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length queries over a paged KV cache; see ``reference.paged_attention``.
 
     Batches with a query of more than one token (prefill, extend, or decode mixed with them) run
-    the tiled prefill kernel; decode-only batches run the split-K decode kernel and its reduce.
-    Neither path reads query lengths on the host.
+    the tiled prefill kernel; decode-only batches run the split-K decode kernel of
+    ``triton_decode.py`` and its reduce. Neither path reads query lengths on the host. An fp8 cache
+    (``torch.float8_e4m3fn``) is read with its ``kv_scales`` ``[2]`` (key scale, value scale).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -375,6 +313,7 @@ def paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
     reference.check_soft_cap(soft_cap)
+    reference.check_kv_scales(key_cache, kv_scales)
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     num_seqs = context_lens.shape[0]
@@ -399,16 +338,18 @@ def paged_attention(
     # D > 128 halves the key tile so the fp32 accumulator and the tiles stay in registers.
     halve_for_wide_heads = 2 if common["BLOCK_D"] > 128 else 1
     if max_query_len == 1:
-        _decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                          max_context_len, sliding_window, DECODE_BLOCK_N // halve_for_wide_heads, common)
+        decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                         max_context_len, kv_scales, common)
     else:
         group_size = next_power_of_2(num_queries_per_kv)
         block_q = max(1, PREFILL_BLOCK_M // group_size)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads)
         _prefill_attention_kernel[grid](
-            out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc, num_seqs,
+            out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+            kv_scales if kv_scales is not None else out, num_seqs,
             *out.stride(), *query.stride(), block_tables.stride(0), *key_cache.stride(), *value_cache.stride(),
             BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=PREFILL_BLOCK_N // halve_for_wide_heads,
+            HAS_KV_SCALES=kv_scales is not None,
             num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
         )
     return out

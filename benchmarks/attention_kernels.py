@@ -1,0 +1,300 @@
+"""Attention kernel microbenchmark on CUDA: decode and prefill launch variants over a paged cache
+laid out as the engine lays it out, timed inside CUDA graphs over as many layers' caches as it
+takes to defeat the L2 cache. Prints us per layer call and GB/s (decode) or TFLOP/s (prefill).
+
+    python -m hearth_llm.benchmarks.attention_kernels --budget-s 80
+
+Not a test: it prints numbers to choose launch shapes from. ``--check`` also compares every
+variant's output with the torch reference (bf16 and fp8 caches) and prints PASS/FAIL lines.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+
+import torch
+
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
+BLOCK_SIZE = 16
+# --smoke: tiny cases on the CPU (Triton interpreter), to check the script itself runs.
+DEVICE = "cuda"
+L2_DEFEAT_BYTES = 256 << 20
+
+
+@dataclasses.dataclass
+class PagedBatch:
+    query: torch.Tensor
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+    kv_bytes: int
+    flops: int
+
+
+def paged_batch(shape: str, context_lens: list[int], query_lens: list[int], dtype=torch.bfloat16,
+                cache_dtype=torch.bfloat16, seed: int = 0) -> PagedBatch:
+    """Random queries and caches; each sequence's blocks are a random sample of the pool, as a
+    long-running engine's free queue hands them out. Enough layer copies to exceed L2."""
+    num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    blocks_per_seq = [math.ceil(c / BLOCK_SIZE) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 8
+    width = 16 * math.ceil(max(blocks_per_seq) / 16)
+    order = torch.randperm(num_blocks, device=DEVICE, generator=gen)
+    tables = torch.zeros(len(context_lens), width, dtype=torch.long, device=DEVICE)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[start:start + n]
+        start += n
+    layer_bytes = num_blocks * BLOCK_SIZE * num_kv_heads * head_dim * 2 * torch.empty((), dtype=cache_dtype).element_size()
+    num_layers = max(2, min(28, math.ceil(L2_DEFEAT_BYTES / layer_bytes)))
+    caches = []
+    for _ in range(num_layers):
+        kv = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=DEVICE, generator=gen)
+        kv = kv.clamp(-448, 448).to(cache_dtype)
+        caches.append((kv[0], kv[1]))
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, device=DEVICE, generator=gen).to(dtype)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.long, device=DEVICE)
+    qsl[1:] = torch.tensor(query_lens, device=DEVICE).cumsum(0)
+    element = torch.empty((), dtype=cache_dtype).element_size()
+    kv_bytes = sum(context_lens) * num_kv_heads * head_dim * 2 * element
+    # causal: query i of a sequence with context c and q new tokens sees c - q + i + 1 keys
+    visible = sum(q * (c - q) + q * (q + 1) // 2 for c, q in zip(context_lens, query_lens))
+    flops = 4 * visible * num_heads * head_dim
+    return PagedBatch(query, caches, tables, torch.tensor(context_lens, device=DEVICE), qsl, max(query_lens),
+                      max(context_lens), kv_bytes, flops)
+
+
+def time_per_call_us(fn_of_layer, num_layers: int, replays: int = 8) -> float:
+    """One CUDA graph runs the call once per layer; the mean over replays, per call."""
+    if DEVICE == "cpu":
+        began = time.perf_counter()
+        fn_of_layer(0)
+        return (time.perf_counter() - began) * 1e6
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(num_layers):
+            fn_of_layer(layer)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for layer in range(num_layers):
+                fn_of_layer(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * num_layers)
+
+
+def _common(batch: PagedBatch, scale: float):
+    from hearth_llm.kernels.triton_utils import LOG2_E, next_power_of_2
+    num_heads, head_dim = batch.query.shape[1:]
+    num_kv_heads = batch.caches[0][0].shape[2]
+    return dict(num_queries_per_kv=num_heads // num_kv_heads, block_size=BLOCK_SIZE, head_dim=head_dim,
+                softmax_scale_log2=scale * LOG2_E, soft_cap_log2=LOG2_E, sliding_window=0,
+                HAS_SLIDING_WINDOW=False, HAS_SOFT_CAP=False, BLOCK_D=next_power_of_2(head_dim),
+                DOT_IN_FP32=DEVICE == "cpu")
+
+
+def decode_variants():
+    from hearth_llm.kernels.attention.triton_decode import DEFAULT_LAUNCH, DecodeLaunch
+    tiles = [(64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (64, 4, 4),
+             (128, 4, 3), (256, 8, 2)]
+    first = [("new " + _describe(DecodeLaunch(n, w, s)), DecodeLaunch(n, w, s)) for n, w, s in tiles]
+    return DEFAULT_LAUNCH, first
+
+
+def _describe(launch) -> str:
+    return (f"N{launch.block_n}/w{launch.num_warps}/s{launch.num_stages}/p{launch.programs_per_sm}"
+            f"/min{launch.min_split_tokens}")
+
+
+def run_decode(batch: PagedBatch, launch, graph_max_context_len: int | None = None) -> float:
+    from hearth_llm.kernels.attention.triton_decode import decode_attention
+    out = torch.empty_like(batch.query)
+    common = _common(batch, batch.query.shape[-1] ** -0.5)
+    max_len = graph_max_context_len or batch.max_context_len
+    return time_per_call_us(lambda layer: decode_attention(
+        out, batch.query, *batch.caches[layer], batch.block_tables, batch.context_lens, batch.query_start_loc,
+        max_len, None, common, launch), len(batch.caches))
+
+
+def run_legacy_decode(batch: PagedBatch, graph_max_context_len: int | None = None) -> float:
+    from hearth_llm.kernels.attention import triton_attention as ta
+    out = torch.empty_like(batch.query)
+    common = _common(batch, batch.query.shape[-1] ** -0.5)
+    max_len = graph_max_context_len or batch.max_context_len
+    return time_per_call_us(lambda layer: ta._decode_attention(
+        out, batch.query, *batch.caches[layer], batch.block_tables, batch.context_lens, batch.query_start_loc,
+        max_len, None, ta.DECODE_BLOCK_N, common), len(batch.caches))
+
+
+def run_prefill(batch: PagedBatch, block_m: int, block_n: int, warps: int, stages: int) -> float:
+    from hearth_llm.kernels.attention import triton_attention as ta
+    saved = ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES
+    ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES = block_m, block_n, warps, stages
+    try:
+        scale = batch.query.shape[-1] ** -0.5
+        return time_per_call_us(lambda layer: ta.paged_attention(
+            batch.query, *batch.caches[layer], batch.block_tables, batch.context_lens, batch.query_start_loc,
+            batch.max_query_len, batch.max_context_len, scale), len(batch.caches), replays=3)
+    finally:
+        ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES = saved
+
+
+def decode_cases(smoke: bool = False):
+    gen = torch.Generator().manual_seed(1)
+    if smoke:
+        return [("qwen3-0.6b", "B3 smoke", [300, 5, 700]), ("llama3-8b", "B1 smoke", [1000])]
+
+    def uniform(n):
+        return torch.randint(200, 2049, (n,), generator=gen).tolist()
+    return [
+        ("qwen3-0.6b", "B256 U[200,2048]", uniform(256)),
+        ("qwen3-0.6b", "B64 U[200,2048]", uniform(64)),
+        ("llama3-8b", "B256 U[200,2048]", uniform(256)),
+        ("qwen3-0.6b", "B256 ctx512", [512] * 256),
+        ("llama3-8b", "B32 ctx8192", [8192] * 32),
+        ("llama3-8b", "B1 ctx2048", [2048]),
+        ("llama3-8b", "B1 ctx8192", [8192]),
+    ]
+
+
+def check_closeness(report) -> None:
+    """Each decode variant and the prefill kernel against the torch reference, bf16 and fp8 caches."""
+    from hearth_llm.kernels.attention import reference
+    from hearth_llm.kernels.attention import triton_attention as ta
+    gen = torch.Generator().manual_seed(3)
+    contexts = torch.randint(1, 3000 if DEVICE == "cuda" else 300, (24 if DEVICE == "cuda" else 4,), generator=gen).tolist()
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        n = len(contexts)
+        for query_lens, label in (([1] * n, "decode"), ([1] * (n - 3) + [37, 1, 20], "mixed")):
+            contexts_now = [max(c, q) for c, q in zip(contexts, query_lens)]
+            batch = paged_batch("llama3-8b", contexts_now, query_lens, cache_dtype=cache_dtype, seed=5)
+            batch.caches = batch.caches[:1]
+            scales = torch.tensor([0.7, 1.3], device=DEVICE) if cache_dtype != torch.bfloat16 else None
+            args = (batch.query, *batch.caches[0], batch.block_tables, batch.context_lens, batch.query_start_loc,
+                    batch.max_query_len, batch.max_context_len, 128 ** -0.5)
+            expected = reference.paged_attention(*args, kv_scales=scales).float()
+            actual = ta.paged_attention(*args, kv_scales=scales).float()
+            err = (actual - expected).abs().max().item()
+            report(f"{'PASS' if err < 2e-2 else 'FAIL'} closeness {label} cache={cache_dtype} max|diff|={err:.2e}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budget-s", type=float, default=80.0)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny cases on the CPU under TRITON_INTERPRET=1")
+    args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = "cpu" if args.smoke else "cuda"
+    began = time.perf_counter()
+
+    def report(line):
+        print(f"[{time.perf_counter() - began:5.1f}s] {line}", flush=True)
+
+    def out_of_time(fraction=1.0):
+        return time.perf_counter() - began > args.budget_s * fraction
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if not args.smoke:
+        report(f"device {torch.cuda.get_device_name()} SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
+    if args.check:
+        check_closeness(report)
+    default_launch, variants = decode_variants()
+    if args.smoke:
+        variants = variants[:1]
+    best_tiles: dict[str, tuple[float, object]] = {}
+    cases = decode_cases(args.smoke)
+    for shape, label, contexts in cases:
+        batch = paged_batch(shape, contexts, [1] * len(contexts))
+        gbs = lambda us: batch.kv_bytes / (us * 1e-6) / 1e9  # noqa: E731
+        legacy = run_legacy_decode(batch)
+        line = f"decode {shape} {label}: legacy {legacy:.1f}us {gbs(legacy):.0f}GB/s"
+        if batch.max_context_len <= 4096:
+            legacy_graph = run_legacy_decode(batch, graph_max_context_len=4096)
+            line += f" | legacy(max_len 4096, as in graphs) {legacy_graph:.1f}us {gbs(legacy_graph):.0f}GB/s"
+        report(line)
+        results = []
+        for name, launch in [("new default " + _describe(default_launch), default_launch)] + variants:
+            if out_of_time(0.6):
+                report("  (out of time: variants skipped)")
+                break
+            us = run_decode(batch, launch, graph_max_context_len=4096 if batch.max_context_len <= 4096 else None)
+            results.append((us, name, launch))
+            report(f"  {name}: {us:.1f}us {gbs(us):.0f}GB/s ({legacy / us:.2f}x legacy)")
+        if results:
+            best = min(results, key=lambda r: r[0])
+            best_tiles[label + shape] = best
+            report(f"  BEST {best[1]} {best[0]:.1f}us {gbs(best[0]):.0f}GB/s")
+        del batch
+        torch.cuda.empty_cache()
+
+    # Split policy around the most common best tile, on the shapes it matters for.
+    if best_tiles and not out_of_time(0.7):
+        from collections import Counter
+        tile = Counter((b[2].block_n, b[2].num_warps, b[2].num_stages) for b in best_tiles.values()).most_common(1)[0][0]
+        from hearth_llm.kernels.attention.triton_decode import DecodeLaunch
+        report(f"split sweep on tile N{tile[0]}/w{tile[1]}/s{tile[2]}")
+        for shape, label, contexts in [cases[0], cases[1], cases[4], cases[6]] if not args.smoke else cases:
+            batch = paged_batch(shape, contexts, [1] * len(contexts))
+            for programs in (2, 4, 16, 32)[:1 if args.smoke else 4]:
+                for min_tokens in (128, 512)[:1 if args.smoke else 2]:
+                    if out_of_time(0.8):
+                        break
+                    launch = DecodeLaunch(*tile, programs_per_sm=programs, min_split_tokens=min_tokens)
+                    us = run_decode(batch, launch, 4096 if batch.max_context_len <= 4096 else None)
+                    report(f"  {shape} {label} {_describe(launch)}: {us:.1f}us "
+                           f"{batch.kv_bytes / (us * 1e-6) / 1e9:.0f}GB/s")
+            del batch
+            torch.cuda.empty_cache()
+
+    # fp8 cache: the same decode at half the bytes.
+    if not out_of_time(0.85):
+        shape, label, contexts = cases[0]
+        batch = paged_batch(shape, contexts, [1] * len(contexts), cache_dtype=torch.float8_e4m3fn)
+        for name, launch in [("default", default_launch)] + [v for v in variants if v[1].block_n >= 64][:4]:
+            if out_of_time(0.9):
+                break
+            us = run_decode(batch, launch, 4096)
+            report(f"fp8 decode {shape} {label} {name}: {us:.1f}us {batch.kv_bytes / (us * 1e-6) / 1e9:.0f}GB/s "
+                   f"(of fp8 bytes)")
+        del batch
+
+    if not args.skip_prefill and not out_of_time(0.9):
+        prefill_cases = [("llama3-8b", "smoke", [300, 40], [100, 40])] if args.smoke else [
+            ("llama3-8b", "chunk 2048 of 8192", [8192], [2048]),
+            ("qwen3-0.6b", "30 prompts U[100,1024]", torch.randint(100, 1025, (30,)).tolist(), None),
+        ]
+        for shape, label, contexts, query_lens in prefill_cases:
+            batch = paged_batch(shape, contexts, query_lens or contexts)
+            prefill_launches = [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3),
+                                (128, 32, 4, 2), (128, 128, 8, 2)]
+            for block_m, block_n, warps, stages in prefill_launches[:1 if args.smoke else None]:
+                if out_of_time():
+                    report("  (out of time: prefill variants skipped)")
+                    break
+                us = run_prefill(batch, block_m, block_n, warps, stages)
+                report(f"prefill {shape} {label} M{block_m}/N{block_n}/w{warps}/s{stages}: {us:.1f}us "
+                       f"{batch.flops / (us * 1e-6) / 1e12:.1f}TFLOP/s")
+            del batch
+    report("done")
+
+
+if __name__ == "__main__":
+    main()
