@@ -10,6 +10,7 @@ import torch
 from .batch import ForwardOutput, ScheduledBatch
 from .cuda_graphs import as_single_token_rows
 from .loader.model_loader import load_model
+from .lora.graphs import LoRADecodeGraphs
 from .lora.manager import LoRAManager
 from .models.layers import AttentionMetadata
 
@@ -69,8 +70,13 @@ class ModelRunner:
             return
         from .cuda_graphs import DecodeGraphs, graph_rows
 
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, graph_rows(max_batch, self.num_speculative_tokens),
-                                          max_model_len, self.block_size, self.device)
+        max_rows = graph_rows(max_batch, self.num_speculative_tokens)
+
+        def capture():
+            return DecodeGraphs(self.model, self.kv_caches, max_rows, max_model_len, self.block_size, self.device)
+
+        # With LoRA, a second set holds the LoRA kernels; base-only steps replay the plain one.
+        self.decode_graphs = capture() if self.lora is None else LoRADecodeGraphs(capture, self.lora)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending_token_ids: torch.Tensor | None = None) -> ForwardOutput:

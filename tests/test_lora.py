@@ -109,6 +109,22 @@ def test_mixed_batch_of_two_adapters_and_base_matches_peft(served):
         assert out.lora_name == name
 
 
+def test_base_only_steps_run_no_lora_code_and_match_hf(served, monkeypatch):
+    from hearth_llm.engine.models.lora_linear import LoRAStep
+
+    llm, base, adapters = served
+    calls = []
+    add = LoRAStep.add
+    monkeypatch.setattr(LoRAStep, "add", lambda self, *args: calls.append(1) or add(self, *args))
+    prompts = random_prompts(3, [6, 11], seed=25)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert calls == []  # no adapter in the step: every wrapped layer is just its base method
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == peft_greedy(base, None, prompt)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", adapters["a"]))
+    assert calls  # (the counter does see adapter steps)
+
+
 def test_samples_of_one_request_share_its_adapter(served):
     llm, base, adapters = served
     prompt = random_prompts(1, [19], seed=32)[0]

@@ -1,7 +1,8 @@
 """LoRA on CUDA (skipped without it): adapters written as PEFT directories without peft (the GPU
 machine has none), checked against the base model with the adapter merged into its weights
 (``W + scale * B @ A``), fp32, with CUDA graphs and async scheduling on as they are by default.
-Prompts over 128 tokens take the sorted-block (SGMV) kernels, decode steps the per-token ones."""
+Prompts over 128 tokens take prefill-sized tiles, decode steps small tiles with split K; base-only steps
+replay the graph set captured without the LoRA kernels."""
 from __future__ import annotations
 
 import json
@@ -85,3 +86,22 @@ def test_decode_graphs_replay_with_adapters_captured_before_any_was_loaded(model
     for prompt_tokens, lora, prompt in zip(got, ["a", None, "b", "a"], prompts):
         model = base if lora is None else adapters[lora][1]
         assert prompt_tokens == _tokens(model, [prompt])[0], lora
+
+
+def test_base_only_steps_replay_the_graphs_without_lora_kernels(models):
+    base, adapters = models
+    prompts = random_prompts(3, [5, 9], seed=43)
+    replays = {"base": 0, "lora": 0}
+    with LLM(base, dtype="float32", show_progress=False, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        graphs = llm.engine.runner.decode_graphs
+        for key, graph_set in (("base", graphs.base), ("lora", graphs.with_adapters)):
+            def counted(*inputs, _run=graph_set.run, _key=key):
+                replays[_key] += 1
+                return _run(*inputs)
+            graph_set.run = counted
+        got = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert replays["base"] > 0 and replays["lora"] == 0
+        [with_a] = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", adapters["a"][0]))
+        assert replays["lora"] > 0
+    assert got == _tokens(base, prompts)
+    assert with_a.outputs[0].token_ids == _tokens(adapters["a"][1], prompts[:1])[0]

@@ -3,13 +3,15 @@
 that keeps only a step's slots."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hearth_llm.engine.lora.adapter import ShardLoRA
 from hearth_llm.engine.models.linear import QKVLinear
 from hearth_llm.engine.models.lora_linear import LoRAStep, LoRALinearMethod
-from hearth_llm.kernels.lora import reference
+from hearth_llm.kernels.lora import LoRAPlan, reference
+from hearth_llm.kernels.lora.plan import block_m_for, max_tiles_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,19 +53,136 @@ def test_triton_matches_reference(shape):
     assert torch.equal(out[0], y[0])  # a base token is not even rounded
 
 
+def _sequences(seed, num_seqs, num_slots, longest):
+    generator = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, num_slots, (num_seqs,), generator=generator).numpy()
+    counts = torch.randint(0, longest + 1, (num_seqs,), generator=generator).numpy()
+    return slots, counts
+
+
+@pytest.mark.parametrize("seed, num_seqs, longest", [(0, 9, 3), (1, 40, 1), (2, 6, 300), (3, 30, 90)])
+def test_plan_puts_every_adapter_token_in_one_tile_of_its_slot(seed, num_seqs, longest):
+    slots, counts = _sequences(seed, num_seqs, 4, longest)
+    plan = LoRAPlan(capacity=int(counts.sum()) + 1, num_slots=4, device=torch.device("cpu"))
+    plan.set_sequences(slots, counts)
+    token_slots = torch.from_numpy(np.repeat(slots, counts))
+    assert plan.has_adapters == bool((token_slots >= 0).any())
+    assert torch.equal(reference.token_slots_of(plan, len(token_slots)), token_slots)
+    tiles = plan.tiles[plan.tiles[:, 0] >= 0]
+    assert len(tiles) <= max_tiles_for(len(token_slots), 4)
+    assert (tiles[:, 2] >= 1).all() and (tiles[:, 2] <= block_m_for(len(token_slots))).all()
+    positions = torch.cat([torch.arange(int(start), int(start + count)) for _, start, count in tiles.tolist()])
+    assert sorted(positions.tolist()) == list(range(int((token_slots >= 0).sum())))  # each token exactly once
+
+
+def test_plan_of_a_base_only_step_has_no_adapters():
+    plan = LoRAPlan(capacity=16, num_slots=2, device=torch.device("cpu"))
+    plan.set_sequences([0], [3])
+    plan.set_sequences([-1, -1], [5, 1])
+    assert not plan.has_adapters and plan.num_tokens == 6
+
+
+def test_plan_tile_size_is_the_same_for_a_step_and_its_padded_graph():
+    """A graph captured at a padded row count launches with that count's tile size and grid; the
+    plan of the real step must agree, or the graph would read its tiles wrongly."""
+    from hearth_llm.engine.cuda_graphs import capture_sizes
+
+    sizes = capture_sizes(512)
+    for num_tokens in range(1, 513):
+        padded = next(size for size in sizes if size >= num_tokens)
+        assert block_m_for(num_tokens) == block_m_for(padded), num_tokens
+        assert max_tiles_for(num_tokens, 8) <= max_tiles_for(padded, 8)
+
+
+def _fused_inputs(seed, num_tokens, in_features, slice_sizes, num_slots, rank):
+    """Slot tensors of a fused layer: a rank block per slice, B zero outside its slice's columns."""
+    generator = torch.Generator().manual_seed(seed)
+    out_features = sum(slice_sizes)
+    a = torch.randn(num_slots, len(slice_sizes) * rank, in_features, generator=generator)
+    b = torch.zeros(num_slots, len(slice_sizes) * rank, out_features)
+    bounds = np.cumsum([0] + list(slice_sizes))
+    for piece, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        b[:, piece * rank:(piece + 1) * rank, start:end] = torch.randn(num_slots, rank, end - start, generator=generator)
+    x = torch.randn(num_tokens, in_features, generator=generator)
+    y = torch.randn(num_tokens, out_features, generator=generator)
+    return y, x, a, b, torch.tensor(bounds, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("slice_sizes", [[64, 64, 128], [70, 30, 60], [96, 96]])
+@pytest.mark.parametrize("num_tokens, in_features", [(3, 1024), (140, 48)])  # split K; several tiles per slot
+def test_triton_planned_fused_slices_match_reference(slice_sizes, num_tokens, in_features):
+    triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
+    y, x, a, b, bounds = _fused_inputs(6, num_tokens, in_features, slice_sizes, 3, 4)
+    slots, counts = np.array([2, -1, 0, 2]), np.array([num_tokens - num_tokens // 2 - 1, 1, num_tokens // 2, 0])
+    plan = LoRAPlan(capacity=num_tokens, num_slots=3, device=torch.device("cpu"))
+    plan.set_sequences(slots, counts)
+    scratch = torch.empty(4096 * a.shape[1])
+    splits = triton_lora.num_splits_for(num_tokens, in_features, a.shape[1], 3, 4096)
+    assert (splits > 1) == (num_tokens == 3)
+    to = lambda t: t.to(DEVICE)
+    out = triton_lora.add_lora_planned(to(y.clone()), to(x), _on(plan, DEVICE), to(a), to(b), to(bounds), 4,
+                                       to(scratch)).cpu()
+    token_slots = torch.from_numpy(np.repeat(slots, counts))
+    torch.testing.assert_close(out, reference.add_lora(y.clone(), x, token_slots, a, b), rtol=1e-4, atol=1e-3)
+    base_row = int(counts[0])
+    assert torch.equal(out[base_row], y[base_row])  # the base token is not even rounded
+
+
+def _on(plan, device):
+    """The same plan with its buffers on ``device``."""
+    if plan.device.type == device:
+        return plan
+    moved = LoRAPlan(plan.capacity, plan.num_slots, torch.device(device))
+    moved.buffer.copy_(plan.buffer)
+    moved.num_tokens, moved.block_m, moved.has_adapters = plan.num_tokens, plan.block_m, plan.has_adapters
+    return moved
+
+
+def test_planned_layer_path_splits_a_whole_layer_shard_across_its_slices(monkeypatch):
+    """Phi-3's pre-fused qkv_proj adapters span q, k and v: the slot keeps each slice's columns in
+    that slice's rank block, which the expand relies on (it skips the blocks of other slices)."""
+    from hearth_llm.engine.models import lora_linear
+    triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
+
+    monkeypatch.setattr(lora_linear, "add_lora_planned", triton_lora.add_lora_planned)
+    layer = QKVLinear(hidden_size=16, head_dim=16, num_heads=4, num_kv_heads=2, bias=False)  # q 64, k 32, v 32
+    torch.nn.init.normal_(layer.weight)
+    step = LoRAStep(capacity=32, device=torch.device("cpu"), planned=True)
+    step.allocate(num_slots=2, max_ranks_per_layer=3 * 4)
+    method = LoRALinearMethod(layer.method, layer, num_slots=2, max_rank=4, step=step, dtype=torch.float32,
+                              device=torch.device("cpu"))
+    layer.method = method
+    generator = torch.Generator().manual_seed(7)
+    whole_a, whole_b = torch.randn(3, 16, generator=generator), torch.randn(3, 128, generator=generator)
+    q_a, q_b = torch.randn(4, 16, generator=generator), torch.randn(4, 64, generator=generator)
+    method.load_slot(0, [ShardLoRA(0, 0, whole_a, whole_b)])
+    method.load_slot(1, [ShardLoRA(0, 0, q_a, q_b)])
+    x = torch.randn(7, 16, generator=generator)
+    base = torch.nn.functional.linear(x, layer.weight)
+    step.begin_sequences([0, -1, 1], [3, 2, 2])
+    out = layer(x)
+    step.end()
+    expected = base.clone()
+    expected[:3] += (x[:3] @ whole_a.T) @ whole_b
+    expected[5:, :64] += (x[5:] @ q_a.T) @ q_b
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
+    assert torch.equal(out[3:5], base[3:5])
+    assert torch.equal(layer(x), base)  # after end(): nothing added
+
+
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: round-to-nearest is off by <= 2^-8 |value|
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton on CUDA")
-@pytest.mark.parametrize("num_tokens", [64, 300])  # per token, sorted blocks
+@pytest.mark.parametrize("num_tokens", [64, 300])  # decode-sized tiles with split K, prefill-sized tiles
 def test_triton_bf16_is_close_to_fp32_reference(num_tokens):
     """Error model, for x, A, B, y ~ N(0, 1), K = 4096, R = 48: delta = (x A^T) B has RMS sqrt(K R) ~ 443
     (the shrink alone ~ sqrt(K) = 64), so bf16's relative 2^-8 is an absolute error of ~1.7 on most outputs:
     no fixed atol fits it, and a small output next to a large one carries the same absolute error.
 
     1. The kernel's own arithmetic, against exact (float32) math on the same bf16 inputs: it may only round
-       the output once (round-to-nearest: <= 2^-8 |ref|) and, in the sorted-block path, the float32 shrink
-       result to bf16 before the tensor-core dot (<= 2^-8 (|s| @ |B|) per element); float32 accumulation
+       the output once (round-to-nearest: <= 2^-8 |ref|) and the float32 shrink result to bf16 before the
+       tensor-core dot (<= 2^-8 (|s| @ |B|) per element); float32 accumulation
        order adds ~1e-3 (atol 0.05). Accumulating in bf16 breaks this bound by 2-140x.
     2. End to end, against float32 math on the float32 inputs: rounding x, A, B (and y) to bf16 adds
        independent relative errors of RMS ~0.425 * 2^-8 each, which propagate to an RMS error of
@@ -81,10 +200,9 @@ def test_triton_bf16_is_close_to_fp32_reference(num_tokens):
 
     same_inputs = reference.add_lora(y16.float(), x16.float(), slots, a16.float(), b16.float())
     bound = BF16_UNIT_ROUNDOFF * same_inputs.abs() + 0.05
-    if num_tokens > triton_lora.PER_TOKEN_MAX_TOKENS:  # the rank-space intermediate goes to bf16 for the dot
-        own = slots.clamp(min=0)
-        shrunk = torch.bmm(a16.float()[own], x16.float().unsqueeze(-1)).squeeze(-1)
-        bound += BF16_UNIT_ROUNDOFF * torch.bmm(shrunk.abs().unsqueeze(1), b16.float()[own].abs()).squeeze(1)
+    own = slots.clamp(min=0)  # the rank-space intermediate goes to bf16 for the tensor-core dot
+    shrunk = torch.bmm(a16.float()[own], x16.float().unsqueeze(-1)).squeeze(-1)
+    bound += BF16_UNIT_ROUNDOFF * torch.bmm(shrunk.abs().unsqueeze(1), b16.float()[own].abs()).squeeze(1)
     ratio = ((out - same_inputs).abs() / bound)[has_adapter]
     assert ratio.max().item() <= 1.0, f"kernel error {ratio.max().item():.2f}x its rounding bound"
 
@@ -148,22 +266,23 @@ from hearth_llm.kernels.lora import triton_lora as k
 shared = {}
 for dtype in ("*fp32", "*bf16"):
     fp32 = dtype == "*fp32"
-    cases = [
-        (k._bgmv_shrink_kernel, {"x_ptr": dtype, "a_ptr": dtype, "slots_ptr": "*i64", "out_ptr": "*fp32"},
-         ["T", "K", "R", "stride_xt", "stride_as", "stride_ar", "stride_ot"], {"BLOCK_R": 64, "BLOCK_K": 128}),
-        (k._bgmv_expand_kernel, {"s_ptr": "*fp32", "b_ptr": dtype, "slots_ptr": "*i64", "y_ptr": dtype},
-         ["T", "N", "R", "stride_st", "stride_bs", "stride_br", "stride_yt"], {"BLOCK_R": 64, "BLOCK_N": 64}),
-        (k._sgmv_shrink_kernel, {"x_ptr": dtype, "a_ptr": dtype, "slots_ptr": "*i64", "order_ptr": "*i64",
-                                 "out_ptr": "*fp32"}, ["T", "K", "R", "stride_xt", "stride_as", "stride_ar", "stride_ot"],
-         {"BLOCK_M": 64, "BLOCK_R": 64, "BLOCK_K": 32 if fp32 else 64, "DOT_IN_FP32": fp32}),
-        (k._sgmv_expand_kernel, {"s_ptr": "*fp32", "b_ptr": dtype, "slots_ptr": "*i64", "order_ptr": "*i64",
-                                 "y_ptr": dtype}, ["T", "N", "R", "stride_st", "stride_bs", "stride_br", "stride_yt"],
-         {"BLOCK_M": 64, "BLOCK_R": 64, "BLOCK_N": 64, "DOT_IN_FP32": fp32}),
-    ]
-    for kernel, pointers, ints, blocks in cases:
-        sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in blocks}}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=blocks), target=GPUTarget("cuda", 90, 32))
-        shared[f"{kernel.__name__}/{dtype}"] = compiled.metadata.shared
+    for block_m in (16, 64):  # decode-sized and prefill-sized tiles
+        cases = [
+            (k._shrink_kernel, {"x_ptr": dtype, "a_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
+                                "part_ptr": "*fp32"},
+             ["K", "R", "K_PER_SPLIT", "stride_xt", "stride_as", "stride_ar", "stride_ps", "stride_pt"],
+             {"BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_K": 32 if fp32 else 64, "DOT_IN_FP32": fp32}),
+            (k._expand_kernel, {"part_ptr": "*fp32", "b_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
+                                "y_ptr": dtype, "slice_starts_ptr": "*i32"},
+             ["N", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],
+             {"NUM_SPLITS": 16, "NUM_SLICES": 3, "SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 64,
+              "BLOCK_N": 64 if fp32 else 128, "DOT_IN_FP32": fp32}),
+        ]
+        for kernel, pointers, ints, blocks in cases:
+            sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in blocks}}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=blocks),
+                                      target=GPUTarget("cuda", 90, 32))
+            shared[f"{kernel.__name__}/{dtype}/{block_m}"] = compiled.metadata.shared
 print(json.dumps(shared))
 """
 

@@ -124,12 +124,19 @@ class LoRAManager:
         if len(needed) > self.config.max_loras:
             raise RuntimeError(f"a step with {len(needed)} adapters exceeds max_loras={self.config.max_loras}")
         slot_of_seq = [-1 if a is None else self._slot_for(a, needed) for a in adapters]
-        token_slots = torch.repeat_interleave(torch.tensor(slot_of_seq, dtype=torch.long),
-                                              torch.tensor(num_new_tokens, dtype=torch.long))
-        self.step.begin(token_slots)
+        self.step.begin_sequences(slot_of_seq, num_new_tokens)
 
     def end_step(self) -> None:
         self.step.end()
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether the step set by :meth:`begin_step` runs any adapter (else: the base model exactly)."""
+        return self.step.has_adapters
+
+    def capturing(self):
+        """A context in which captured CUDA graphs hold the LoRA path (see ``LoRAStep.capturing``)."""
+        return self.step.capturing()
 
     def _slot_for(self, adapter: LoRAAdapter, needed: dict[str, LoRAAdapter]) -> int:
         slot = self._slot_of.get(adapter.cache_key)

@@ -16,53 +16,107 @@ since the model's forward signature carries no adapter inputs.
 """
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import torch
 
-from hearth_llm.kernels.lora import add_lora
+from hearth_llm.kernels.lora import LoRAPlan, add_lora, add_lora_planned
 
 from .linear import linear_layers
 from .linear_method import LinearMethod
 
+SCRATCH_MIN_ROWS = 4096
+
 
 class LoRAStep:
-    """The current forward pass's adapter inputs, shared by every wrapped layer.
+    """The current forward pass's adapter inputs, shared by every wrapped layer; set once per step.
 
-    ``token_slots`` (on the device, ``capacity`` long, ``-1`` = base model) is a fixed buffer so
-    CUDA graphs captured with the LoRA path read each replay's slots. On the CPU the step also
-    keeps a compact form: only the slots this step uses (a slice when they are consecutive) and
-    the tokens' indices into them, so the reference kernel's cost grows with the adapters in the
-    batch, not with ``max_loras``.
+    ``has_adapters`` (a host bool) says whether any token of the step has an adapter: when it is
+    False every wrapped layer is exactly its base method, with no kernel launched. On CUDA the
+    step's :class:`~hearth_llm.kernels.lora.LoRAPlan` (fixed device buffers, so CUDA graphs
+    captured under :meth:`capturing` read each replay's plan) and one float32 scratch shared by all
+    layers. On the CPU the step keeps a compact form instead: only the slots this step uses (a
+    slice when they are consecutive) and the tokens' indices into them, so the reference kernel's
+    cost grows with the adapters in the batch, not with ``max_loras``.
     """
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, device: torch.device, planned: bool | None = None) -> None:
+        self.capacity = capacity
         self.device = device
-        self.token_slots = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.is_planned = device.type == "cuda" if planned is None else planned  # (tests plan on the CPU)
         self.has_adapters = False
+        self.is_capturing = False
         self.num_tokens = 0
+        self.plan: LoRAPlan | None = None
+        self.scratch: torch.Tensor | None = None
         self.used_slots: slice | torch.Tensor = slice(0, 0)
-        self.compact_token_slots = self.token_slots[:0]
+        self.compact_token_slots = torch.full((0,), -1, dtype=torch.long)
         self.is_single_adapter = False
+
+    def allocate(self, num_slots: int, max_ranks_per_layer: int) -> None:
+        """The device plan and scratch (CUDA), once, before any graph is captured."""
+        if not self.is_planned:
+            return
+        self.plan = LoRAPlan(self.capacity, num_slots, self.device)
+        rows = max(self.capacity, SCRATCH_MIN_ROWS)  # decode steps split K: more partial rows than tokens
+        self.scratch = torch.empty(rows * max_ranks_per_layer, dtype=torch.float32, device=self.device)
+
+    def begin_sequences(self, slot_of_seq, num_tokens_of_seq) -> None:
+        """Set this step: sequence ``i`` has ``num_tokens_of_seq[i]`` tokens on slot ``slot_of_seq[i]``
+        (``-1``: the base model). Host work only, plus one transfer on CUDA."""
+        if self.plan is not None:
+            self.plan.set_sequences(slot_of_seq, num_tokens_of_seq)
+            self.num_tokens, self.has_adapters = self.plan.num_tokens, self.plan.has_adapters
+            return
+        self.begin(torch.from_numpy(np.repeat(np.asarray(slot_of_seq, dtype=np.int64),
+                                              np.asarray(num_tokens_of_seq, dtype=np.int64))))
 
     def begin(self, token_slots: list[int] | torch.Tensor) -> None:
         """Set this step's slot per token (``-1`` for base-model tokens)."""
-        slots = torch.as_tensor(token_slots, dtype=torch.long)
+        slots = torch.as_tensor(token_slots, dtype=torch.long).cpu()
+        if len(slots) > self.capacity:
+            raise RuntimeError(f"a step of {len(slots)} tokens exceeds the LoRA step's capacity ({self.capacity})")
+        if self.plan is not None:
+            self.plan.set_token_slots(slots)
         self.num_tokens = len(slots)
-        if self.num_tokens > len(self.token_slots):
-            # Never a new buffer: captured CUDA graphs read this one. The runner sizes it for the
-            # step's token budget, so this is a bug, and failing the step beats wrong adapters.
-            raise RuntimeError(f"a step of {self.num_tokens} tokens exceeds the LoRA slot buffer "
-                               f"({len(self.token_slots)})")
         self.has_adapters = bool((slots >= 0).any())
-        self.token_slots[:self.num_tokens].copy_(slots, non_blocking=True)
-        if self.device.type == "cpu" and self.has_adapters:
+        if self.plan is None and self.has_adapters:
             self._compact(slots)
 
     def end(self) -> None:
         """After the forward pass: a forward the runner did not prepare (a pooling pass, a graph
-        warm-up) runs the base model. On CUDA the kernels always run, so the slots go back to -1
-        (stream-ordered after this pass's kernels)."""
+        warm-up) runs the base model."""
         self.has_adapters = False
-        self.token_slots.fill_(-1)
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """CUDA graphs captured inside hold the LoRA kernels (each replay reads the plan that
+        :meth:`begin_sequences` set); outside, layers record nothing but the base model."""
+        if self.plan is None:
+            raise RuntimeError("LoRAStep.capturing needs the CUDA plan (allocate on a CUDA device)")
+        self.plan.clear()  # stale tiles could name tokens beyond the captured batch
+        self.has_adapters, self.is_capturing = True, True
+        try:
+            yield
+        finally:
+            self.has_adapters, self.is_capturing = False, False
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, method: "LoRALinearMethod") -> None:
+        """``y += `` each token's adapter update through ``method``'s slot tensors."""
+        if self.plan is not None:
+            if x.shape[0] == self.num_tokens or self.is_capturing:
+                add_lora_planned(y, x, self.plan, method.lora_a, method.lora_b, method.slice_starts,
+                                 method.max_rank, self.scratch)
+            return
+        if x.shape[0] != self.num_tokens:  # not the runner's forward: the base model
+            return
+        used = self.used_slots
+        x = x.to(method.lora_a.dtype)  # float32 slots on the CPU: small bf16 matmuls are slow there
+        if self.is_single_adapter:  # every token on one adapter (a batch-1 decode): two plain matmuls
+            y += (x @ method.lora_a[used][0].T) @ method.lora_b[used][0]
+            return
+        add_lora(y, x, self.compact_token_slots, method.lora_a[used], method.lora_b[used])
 
     def _compact(self, slots: torch.Tensor) -> None:
         used = torch.unique(slots[slots >= 0])
@@ -86,6 +140,10 @@ class LoRALinearMethod(LinearMethod):
         num_ranks = len(layer.shard_ids) * max_rank
         self.lora_a = torch.zeros(num_slots, num_ranks, layer.input_size_per_rank, dtype=dtype, device=device)
         self.lora_b = torch.zeros(num_slots, num_ranks, layer.output_size_per_rank, dtype=dtype, device=device)
+        # Where each shard's columns start (and the last ends): the expand reads a shard's rank
+        # block only for the columns it covers.
+        self.slice_bounds = np.cumsum([0] + [layer.shard_rows(shard)[1] for shard in layer.shard_ids]).tolist()
+        self.slice_starts = torch.tensor(self.slice_bounds, dtype=torch.int32, device=device)
 
     def create_weights(self, layer) -> None:
         self.base.create_weights(layer)
@@ -104,39 +162,54 @@ class LoRALinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.base.apply(layer, x, bias)
-        step = self.step
-        if x.is_cuda:
-            # Always, even with no adapter in the step: CUDA graphs (warm-up and capture run with
-            # none) must hold the kernels for replays that have adapters. Base tokens load nothing.
-            if x.shape[0] <= len(step.token_slots):  # (a larger forward is not the runner's: base)
-                add_lora(y, x, step.token_slots[:x.shape[0]], self.lora_a, self.lora_b)
-            return y
-        if not step.has_adapters or x.shape[0] != step.num_tokens:
-            return y
-        used = step.used_slots
-        x = x.to(self.lora_a.dtype)  # float32 slots on the CPU: small bf16 matmuls are slow there
-        if step.is_single_adapter:  # every token on one adapter (a batch-1 decode): two plain matmuls
-            y += (x @ self.lora_a[used][0].T) @ self.lora_b[used][0]
-            return y
-        add_lora(y, x, step.compact_token_slots, self.lora_a[used], self.lora_b[used])
+        if self.step.has_adapters:  # a host bool: a base-only step launches nothing more
+            self.step.add(y, x, self)
         return y
 
+    def forward_routine(self, layer):
+        """The base method's bound routine (the CPU decode fast path) plus the adapter update."""
+        base = self.base.forward_routine(layer)
+        if base is None:
+            return None
+        step = self.step
+
+        def routine(x: torch.Tensor) -> torch.Tensor:
+            y = base(x)
+            if step.has_adapters:
+                step.add(y, x, self)
+            return y
+
+        return routine
+
     def load_slot(self, slot: int, shards) -> None:
-        """Put an adapter's matrices for this layer into ``slot`` (zeros where it has none)."""
+        """Put an adapter's matrices for this layer into ``slot`` (zeros where it has none).
+
+        Each shard's columns go to the rank block of the slice (q, k, v) they fall in, so B is zero
+        outside a block's slice, which the kernels rely on. A shard over several slices (Phi-3's
+        pre-fused ``qkv_proj``) is split: each slice's block gets A and that slice's columns of B.
+        """
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        bounds = self.slice_bounds
         for shard in shards:
-            first_rank = shard.block * self.max_rank
             rank, num_rows = shard.b_scaled.shape
-            self.lora_a[slot, first_rank:first_rank + rank].copy_(shard.a)
-            self.lora_b[slot, first_rank:first_rank + rank, shard.row_start:shard.row_start + num_rows].copy_(
-                shard.b_scaled)
+            shard_end = shard.row_start + num_rows
+            for piece, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+                first, last = max(start, shard.row_start), min(end, shard_end)
+                if first >= last:
+                    continue
+                first_rank = piece * self.max_rank
+                self.lora_a[slot, first_rank:first_rank + rank].copy_(shard.a)
+                self.lora_b[slot, first_rank:first_rank + rank, first:last].copy_(
+                    shard.b_scaled[:, first - shard.row_start:last - shard.row_start])
 
 
 def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict[str, LoRALinearMethod]:
     """Wrap every linear layer's method (after loading); returns the wrappers by layer name."""
     wrapped = {}
-    for name, layer in linear_layers(model):
+    layers = linear_layers(model)
+    step.allocate(num_slots, max(len(layer.shard_ids) for _, layer in layers) * max_rank if layers else max_rank)
+    for name, layer in layers:
         tensors = layer.method_tensors()
         device = tensors[0].device if tensors else step.device
         dtype = _compute_dtype(model, next((t.dtype for t in tensors if t.is_floating_point()), torch.float32))
@@ -144,6 +217,7 @@ def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict
             dtype = torch.float32  # the CPU path multiplies in float32 (see LoRALinearMethod.apply)
         method = LoRALinearMethod(layer.method, layer, num_slots, max_rank, step, dtype, device)
         layer.method = method
+        layer.routine = method.forward_routine(layer) if layer.parallel.size == 1 else None
         wrapped[name] = method
     return wrapped
 

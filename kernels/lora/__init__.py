@@ -10,6 +10,10 @@ as punica's shrink (x → rank space) and expand (rank space → output) over a 
 with no Python loop over tokens or adapters. One dispatch point: Triton on CUDA tensors, the
 torch reference (:mod:`.reference`) anywhere else.
 
+The engine plans a step once (:class:`~.plan.LoRAPlan`: tokens grouped by slot, in tiles) and
+calls :func:`add_lora_planned` for every layer-projection; :func:`add_lora` plans from a per-token
+slot index on each call (tests, one-off use).
+
 >>> from hearth_llm.kernels.lora import add_lora
 >>> y = torch.zeros(3, 8)
 >>> add_lora(y, torch.randn(3, 4), torch.tensor([0, -1, 1]), torch.randn(2, 2, 4), torch.randn(2, 2, 8))
@@ -22,8 +26,9 @@ import torch
 
 from ..lazy_triton import triton_module
 from . import reference
+from .plan import LoRAPlan
 
-__all__ = ["add_lora"]
+__all__ = ["LoRAPlan", "add_lora", "add_lora_planned"]
 
 
 def _triton_module():
@@ -37,3 +42,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora_a
     if y.is_cuda and _triton_module() is not None:
         return _triton_module().add_lora(y, x, token_slots, lora_a, lora_b)
     return reference.add_lora(y, x, token_slots, lora_a, lora_b)
+
+
+def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     slice_starts: torch.Tensor, slice_rank: int, scratch: torch.Tensor) -> torch.Tensor:
+    """The same for the tokens and slots of a step's ``plan``, with ``lora_a``/``lora_b`` in
+    ``len(slice_starts) - 1`` slices of ``slice_rank`` ranks (a fused layer's q, k, v), in one
+    shrink and one expand launch; see :func:`.triton_lora.add_lora_planned` for the arguments."""
+    if y.is_cuda and _triton_module() is not None:
+        return _triton_module().add_lora_planned(y, x, plan, lora_a, lora_b, slice_starts, slice_rank, scratch)
+    return reference.add_lora(y, x, reference.token_slots_of(plan, x.shape[0]), lora_a, lora_b)

@@ -38,3 +38,17 @@ def add_lora_per_token(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tens
     delta = torch.bmm(shrunk.unsqueeze(1), lora_b[slots]).squeeze(1)         # [T, N]
     y += delta * has_adapter.unsqueeze(-1).to(delta.dtype)
     return y
+
+
+def token_slots_of(plan, num_tokens: int) -> torch.Tensor:
+    """Each token's slot (``-1``: base) from a :class:`~.plan.LoRAPlan`, for the reference path."""
+    slots = torch.full((num_tokens,), -1, dtype=torch.long, device=plan.tiles.device)
+    if not plan.has_adapters:
+        return slots
+    tiles = plan.tiles.long()
+    tiles = tiles[tiles[:, 0] >= 0]
+    offsets = torch.arange(int(tiles[:, 2].max()), device=tiles.device)
+    is_token = offsets[None, :] < tiles[:, 2:3]
+    positions = (tiles[:, 1:2] + offsets[None, :])[is_token]
+    slots[plan.sorted_tokens[positions].long()] = tiles[:, 0:1].expand_as(is_token)[is_token]
+    return slots
