@@ -111,15 +111,17 @@ def _common(batch: PagedBatch, scale: float):
 
 def decode_variants():
     from hearth_llm.kernels.attention.triton_decode import DEFAULT_LAUNCH, DecodeLaunch
-    tiles = [(64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (64, 4, 4),
-             (128, 4, 3), (256, 8, 2)]
-    first = [("new " + _describe(DecodeLaunch(n, w, s)), DecodeLaunch(n, w, s)) for n, w, s in tiles]
-    return DEFAULT_LAUNCH, first
+    # (block_n, num_warps, num_stages, use_dot); the default is timed first on its own
+    tiles = [(32, 4, 2, True), (64, 4, 3, True), (64, 8, 2, True), (128, 4, 2, True), (128, 8, 2, True),
+             (128, 8, 3, True), (64, 4, 4, True), (128, 4, 3, True), (256, 8, 2, True),
+             (32, 4, 2, False), (64, 4, 2, False), (64, 8, 2, False), (32, 4, 3, False), (16, 4, 2, False)]
+    launches = [DecodeLaunch(n, w, s, use_dot=dot) for n, w, s, dot in tiles]
+    return DEFAULT_LAUNCH, [("new " + _describe(launch), launch) for launch in launches]
 
 
 def _describe(launch) -> str:
     return (f"N{launch.block_n}/w{launch.num_warps}/s{launch.num_stages}/p{launch.programs_per_sm}"
-            f"/min{launch.min_split_tokens}")
+            f"/min{launch.min_split_tokens}{'' if launch.use_dot else '/nodot'}")
 
 
 def run_decode(batch: PagedBatch, launch, graph_max_context_len: int | None = None) -> float:
@@ -232,7 +234,7 @@ def main(argv=None) -> None:
         report(line)
         results = []
         for name, launch in [("new default " + _describe(default_launch), default_launch)] + variants:
-            if out_of_time(0.6):
+            if out_of_time(0.55):
                 report("  (out of time: variants skipped)")
                 break
             us = run_decode(batch, launch, graph_max_context_len=4096 if batch.max_context_len <= 4096 else None)
@@ -248,16 +250,18 @@ def main(argv=None) -> None:
     # Split policy around the most common best tile, on the shapes it matters for.
     if best_tiles and not out_of_time(0.7):
         from collections import Counter
-        tile = Counter((b[2].block_n, b[2].num_warps, b[2].num_stages) for b in best_tiles.values()).most_common(1)[0][0]
+        tile = Counter((b[2].block_n, b[2].num_warps, b[2].num_stages, b[2].use_dot)
+                       for b in best_tiles.values()).most_common(1)[0][0]
         from hearth_llm.kernels.attention.triton_decode import DecodeLaunch
-        report(f"split sweep on tile N{tile[0]}/w{tile[1]}/s{tile[2]}")
+        report(f"split sweep on tile N{tile[0]}/w{tile[1]}/s{tile[2]} use_dot={tile[3]}")
         for shape, label, contexts in [cases[0], cases[1], cases[4], cases[6]] if not args.smoke else cases:
             batch = paged_batch(shape, contexts, [1] * len(contexts))
             for programs in (2, 4, 16, 32)[:1 if args.smoke else 4]:
                 for min_tokens in (128, 512)[:1 if args.smoke else 2]:
                     if out_of_time(0.8):
                         break
-                    launch = DecodeLaunch(*tile, programs_per_sm=programs, min_split_tokens=min_tokens)
+                    launch = DecodeLaunch(*tile[:3], programs_per_sm=programs, min_split_tokens=min_tokens,
+                                          use_dot=tile[3])
                     us = run_decode(batch, launch, 4096 if batch.max_context_len <= 4096 else None)
                     report(f"  {shape} {label} {_describe(launch)}: {us:.1f}us "
                            f"{batch.kv_bytes / (us * 1e-6) / 1e9:.0f}GB/s")
@@ -268,7 +272,9 @@ def main(argv=None) -> None:
     if not out_of_time(0.85):
         shape, label, contexts = cases[0]
         batch = paged_batch(shape, contexts, [1] * len(contexts), cache_dtype=torch.float8_e4m3fn)
-        for name, launch in [("default", default_launch)] + [v for v in variants if v[1].block_n >= 64][:4]:
+        fp8_launches = [("default", default_launch)] + [v for v in variants if v[1].block_n >= 64][:3]
+        fp8_launches += [v for v in variants if not v[1].use_dot][:2]
+        for name, launch in fp8_launches:
             if out_of_time(0.9):
                 break
             us = run_decode(batch, launch, 4096)
