@@ -153,6 +153,12 @@ class ReplicaSet:
         self.wait_until_started()
         return self._replicas[index].handle.actor
 
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica serving a request in flight (None: finished, unknown, or not routed yet)."""
+        with self._lock:
+            pending = self._pending.get(str(request_id))
+            return pending.route.replica if pending is not None and pending.route is not None else None
+
     def attach(self) -> None:
         with self._lock:
             self._raise_if_stopped()
@@ -486,6 +492,9 @@ class ReplicaSet:
         dead.__cause__ = error
         for pending in list(replica.pending.values()):
             self._finish(pending, _copy(dead))
+        if replica.num_restarts >= self.options.max_restarts:
+            # dead for good: give its bundle back to the cluster
+            asyncio.get_running_loop().run_in_executor(None, ray_cluster.stop_replica, replica.handle, 0.0)
         if not self._router.live_replicas and self.options.max_restarts == 0:
             self._stop(EngineDeadError(f"all {self.options.replicas} replicas of {self.config.model!r} are dead"),
                        error)
