@@ -28,46 +28,8 @@ from collections.abc import Mapping
 import torch
 
 from .random_weights import RandomWeights, checkpoint_shapes, hub_state_dict
+from .shapes import SHAPES
 
-SHAPES = {
-    "qwen3-0.6b": dict(architecture="Qwen3ForCausalLM", num_hidden_layers=28, hidden_size=1024,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
-                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "llama3-8b": dict(architecture="LlamaForCausalLM", num_hidden_layers=32, hidden_size=4096,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
-                      vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192,
-                      rope_theta=500000.0, rms_norm_eps=1e-5),
-    # bf16: 30.53B parameters, 56.9 GiB; KV 96 KiB per token (48 layers x K and V x 4 heads x 128 x 2 B).
-    "qwen3-30b-a3b": dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=48, hidden_size=2048,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
-                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    # bf16: 46.70B parameters, 87.0 GiB; KV 128 KiB per token. With the default 40 GiB of KV, ~127 GiB
-    # of the H200's ~139 GiB before activations.
-    "mixtral-8x7b": dict(architecture="MixtralForCausalLM", num_hidden_layers=32, hidden_size=4096,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
-                         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
-                         sliding_window=None),
-    # Not benchmarks: the same code path on CPU in seconds (tests/test_bench_throughput.py). The
-    # vocabulary covers the workload's token ids (0..10000).
-    "tiny-qwen3": dict(architecture="Qwen3ForCausalLM", num_hidden_layers=2, hidden_size=64,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                       vocab_size=10240, tie_word_embeddings=True, max_position_embeddings=4096,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "tiny-qwen3-moe": dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=2, hidden_size=64,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                           decoder_sparse_step=1, mlp_only_layers=[], vocab_size=10240, tie_word_embeddings=False,
-                           max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "tiny-mixtral": dict(architecture="MixtralForCausalLM", num_hidden_layers=2, hidden_size=64,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
-                         num_local_experts=4, num_experts_per_tok=2, vocab_size=10240, tie_word_embeddings=False,
-                         max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-5,
-                         sliding_window=None),
-}
 # By exact architecture: a family prefix would build a dense Qwen3 for Qwen3Moe, dropping the experts.
 CONFIG_CLASSES = {"Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
                   "LlamaForCausalLM": "LlamaConfig", "MixtralForCausalLM": "MixtralConfig"}

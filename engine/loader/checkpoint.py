@@ -36,7 +36,8 @@ class LoadedCheckpoint:
                  state_dict: dict[str, torch.Tensor] | None = None, *,
                  weight_stream: Callable[[], Iterator[tuple[str, Any]]] | None = None,
                  weight_shapes: WeightShapes | None = None, weight_formats: dict[str, str] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None,
+                 device_weight_stream: Callable[[torch.device], Iterator[tuple[str, Any]]] | None = None) -> None:
         if (state_dict is None) == (weight_stream is None):
             raise ValueError("LoadedCheckpoint needs exactly one of state_dict and weight_stream")
         self.config = config
@@ -48,15 +49,23 @@ class LoadedCheckpoint:
         self.quantization: str | None = None
         self._state_dict = state_dict
         self._weight_stream = weight_stream
+        self._device_weight_stream = device_weight_stream
         self._materialized = None
         if weight_shapes is None and state_dict is not None:
             weight_shapes = {name: (tuple(tensor.shape), source) for name, tensor in state_dict.items()}
         self._weight_shapes = weight_shapes
 
-    def weights(self) -> Iterator[tuple[str, Any]]:
-        """Each weight once, read as it is yielded (safetensors file by file, GGUF tensor by tensor)."""
+    def weights(self, device: torch.device | None = None) -> Iterator[tuple[str, Any]]:
+        """Each weight once, read as it is yielded (safetensors file by file, GGUF tensor by tensor).
+
+        ``device``: where the weights are going. A CUDA device lets a format that can read straight
+        into device memory do so (safetensors, through pinned buffers: ``staged_reads.py``); the
+        tensors then come out on that device, in the file's dtype. Others ignore it.
+        """
         if self._state_dict is not None:
             return iter(list(self._state_dict.items()))
+        if device is not None and torch.device(device).type == "cuda" and self._device_weight_stream is not None:
+            return self._device_weight_stream(torch.device(device))
         return self._weight_stream()
 
     def weight_shapes(self) -> WeightShapes | None:

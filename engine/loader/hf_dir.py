@@ -6,6 +6,7 @@ weights: they stream out of :meth:`LoadedCheckpoint.weights`, one file open at a
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -14,6 +15,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .checkpoint import LoadedCheckpoint, WeightShapes
+from .staged_reads import ReadStats, TensorEntry, stream_to_device
+
+logger = logging.getLogger("hearth_llm.loader")
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype, allow_pickle: bool = False, progress: bool = True) -> LoadedCheckpoint:
@@ -39,7 +43,9 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype, allow_pickle: bool = False
     if safetensor_files:
         shapes = _safetensors_shapes(safetensor_files)
         stream = lambda: _stream_safetensors(safetensor_files, progress)  # noqa: E731
-        return LoadedCheckpoint(config, tokenizer, str(path), weight_stream=stream, weight_shapes=shapes, dtype=dtype)
+        to_device = lambda device: _stream_safetensors_to_device(safetensor_files, device)  # noqa: E731
+        return LoadedCheckpoint(config, tokenizer, str(path), weight_stream=stream, weight_shapes=shapes, dtype=dtype,
+                                device_weight_stream=to_device)
     pickled_files = _pickled_files(path, allow_pickle)
     return LoadedCheckpoint(config, tokenizer, str(path), weight_stream=lambda: _stream_pickled(pickled_files, progress),
                             dtype=dtype)
@@ -75,6 +81,25 @@ def _stream_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str
                     del buffer
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
             raise ValueError(f"model: cannot read weights file {str(file)!r}: {error}") from error
+
+
+def _stream_safetensors_to_device(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor already on ``device`` (a CUDA one), read through pinned buffers by reader threads
+    (``staged_reads.py``), each file's tensors in file order; how long it took is logged."""
+    stats = ReadStats()
+    try:
+        entries = []
+        for file in files:
+            with open(file, "rb") as reader:
+                header = _safetensors_entries(reader)
+            entries += sorted((TensorEntry(name, str(file), dtype, tuple(shape), start, end)
+                               for name, (dtype, shape, start, end) in header.items()), key=lambda e: e.start)
+        yield from stream_to_device(entries, device, stats=stats)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise ValueError(f"model: cannot read the weights files of {str(files[0].parent)!r}: {error}") from error
+    logger.info("weights: %.2f GB in %d tensors read to %s in %.2f s (%.2f s waiting for reads, %.2f s in the "
+                "weight loaders)", stats.num_bytes / 1e9, stats.num_tensors, device, stats.seconds,
+                stats.seconds_waiting_for_reads, stats.seconds_in_consumer)
 
 
 # safetensors dtype names -> torch dtypes.

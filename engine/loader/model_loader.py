@@ -46,17 +46,37 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
     if shapes is not None:
         model.check_checkpoint(plan.checkpoint_shapes(shapes), checkpoint.source)
     try:
-        # Cast on the meta device: casting after to_empty would convert uninitialised float32.
-        model = model.to(dtype).to_empty(device=device)
+        model = _empty_on(model, device, dtype)
         model.materialize_buffers(dtype)
-        model.load_weights(plan.weights(checkpoint.weights(), shapes))
+        model.load_weights(plan.weights(checkpoint.weights(_read_device(plan, device)), shapes))
     except BaseException as error:
         # The traceback's frames hold the half-loaded model; clear them so it is freed now, even
         # if the caller keeps the exception.
         model = None
         traceback.clear_frames(error.__traceback__)
         raise
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the staged reads' device tensors: the KV cache is sized from what is free
     return model.eval(), arch
+
+
+def _empty_on(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``model.to(dtype).to_empty(device=device)`` for a model built on meta: floating tensors in
+    ``dtype`` (cast on meta: casting after would convert uninitialised float32), others as they are.
+
+    Made with ``torch.empty``: ``empty_like`` and ``to`` of a meta tensor run torch's Python meta
+    decompositions, whose first use imports ``torch.fx``'s symbolic shapes (~1 s of a cold start).
+    """
+    return model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                              device=device))
+
+
+def _read_device(plan: QuantizationPlan, device: torch.device) -> torch.device | None:
+    """Where the checkpoint may put the tensors it yields: straight onto a CUDA ``device`` when the
+    weights load as stored (the quantization schemes repack host tensors as they stream by)."""
+    if device.type != "cuda" or plan.scheme is not None or plan.requested is not None or plan.weight_formats:
+        return None
+    return device
 
 
 def _method_chooser(model, weight_formats: dict[str, str], device: torch.device, dtype: torch.dtype,

@@ -47,9 +47,11 @@ def plan_load(checkpoint, config) -> LoadPlan:
     model_class = model_class_for(checkpoint.config)
     arch = model_class.arch_from_hf_config(checkpoint.config)
     with torch.device("meta"):
-        model = model_class(arch).to(dtype)
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        model = model_class(arch)
     element_size = torch.empty((), dtype=dtype).element_size()
+    # Floating tensors counted in ``dtype`` without casting on meta (``.to`` there costs a cold start ~1 s)
+    weights = sum(t.numel() * (element_size if t.is_floating_point() else t.element_size())
+                  for t in [*model.parameters(), *model.buffers()])
     bytes_per_block = (2 * arch.num_hidden_layers * config.block_size * arch.num_key_value_heads * arch.head_dim
                        * element_size)
     tokens = config.max_model_len or min(arch.max_position_embeddings, MIN_AUTO_CONTEXT_TOKENS)

@@ -44,6 +44,10 @@ class RotaryEmbedding(nn.Module):
         return 2 * self.inv_freq.shape[0]
 
     def _table(self) -> torch.Tensor:
+        if torch.get_default_device().type == "meta":
+            # Shapes only (the model built on meta). arange on meta goes through torch's Python
+            # decompositions, whose first use imports torch._dynamo: ~1-2 s of every cold start.
+            return torch.empty(self.max_position, self.rotary_dim)
         positions = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq.to(positions.device))
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_scaling
