@@ -91,6 +91,7 @@ def make_engine(model: str, speculative: dict | None, args, checkpoint=None):
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
                           kv_cache_memory=args.kv_cache_memory, show_progress=False, speculative=speculative,
                           adaptive_threads=getattr(args, "adaptive_threads", False),
+                          **({"max_num_seqs": args.max_num_seqs} if getattr(args, "max_num_seqs", None) else {}),
                           num_threads=getattr(args, "num_threads", None))
     return LLMEngine(config, checkpoint=checkpoint)
 
@@ -158,27 +159,40 @@ def real_weights_table(args) -> None:
 
 
 def overhead_table(engine, k: int, num_tokens: int, repeats: int) -> None:
-    """Per-step cost of a plain decode step and of verifying ``k`` forced proposals."""
+    """Per-step cost of a plain decode step and of verifying ``k`` forced proposals, with the CUDA
+    graphs (when captured) and without them, and plain decode with async scheduling."""
     prompt = list(range(100, 132))
     engine.proposer = ForcedProposer(k)
     run_one(engine, prompt, 16, speculative=False, ignore_eos=True)
     run_one(engine, prompt, 16, ignore_eos=True)
+
     def ms_per_step(speculative: bool) -> tuple[float, int]:
         """Best ms per step after the prefill's (whatever the proposals' fate: a step costs the same)."""
         runs = [run_one(engine, prompt, num_tokens, speculative=speculative, ignore_eos=True) for _ in range(repeats)]
         return min(run[3] * 1000 / max(run[2] - 1, 1) for run in runs), runs[-1][2] - 1
 
     (plain_ms, plain_steps), (verify_ms, verify_steps) = ms_per_step(False), ms_per_step(True)
+    graphs = engine.runner.decode_graphs
+    rows = [("decode step", plain_ms), (f"verify step (1+{k} tokens)", verify_ms)]
+    if graphs is not None:  # the same steps eager, and plain decode launched ahead (async scheduling)
+        engine.runner.decode_graphs = None
+        rows += [("decode step, eager", ms_per_step(False)[0]), (f"verify step (1+{k}), eager", ms_per_step(True)[0])]
+        engine.runner.decode_graphs = graphs
+        engine.async_scheduling = True   # plain requests only: nothing is proposed for them
+        rows.append(("decode step, async scheduling", ms_per_step(False)[0]))
+        engine.async_scheduling = False
     print(f"\nverification overhead, batch 1, k={k} (ms per step after the prefill; steps: {plain_steps} / "
-          f"{verify_steps})")
-    print(f"| decode step | verify step (1+{k} tokens) | ratio |")
+          f"{verify_steps}; CUDA graphs: {'on' if graphs is not None else 'off'})")
+    print("| step | ms | vs decode step |")
     print("|---|---|---|")
-    print(f"| {plain_ms:.3f} | {verify_ms:.3f} | {verify_ms / plain_ms:.2f}x |")
-    print("\n| acceptance per position | tokens per step | effective ms/token | vs plain |")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.3f} | {ms / plain_ms:.2f}x |")
+    base_ms = rows[-1][1] if graphs is not None else plain_ms
+    print(f"\n| acceptance per position | tokens per step | effective ms/token | vs plain decode ({base_ms:.3f} ms) |")
     print("|---|---|---|---|")
     for rate in (0.5, 0.7, 0.9):
         per_step = (1 - rate ** (k + 1)) / (1 - rate)
-        print(f"| {rate} | {per_step:.2f} | {verify_ms / per_step:.3f} | {verify_ms / per_step / plain_ms:.2f}x |")
+        print(f"| {rate} | {per_step:.2f} | {verify_ms / per_step:.3f} | {verify_ms / per_step / base_ms:.2f}x |")
 
 
 def _synchronize(engine) -> None:
@@ -206,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the real-weights table; measure the verification overhead on a random-weight "
                              "model of this shape (e.g. llama3-8b on cuda)")
     parser.add_argument("--overhead-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's max_num_seqs (fewer CUDA graphs to capture; default: the engine's)")
     args = parser.parse_args(argv)
     speculative = {"method": "ngram", "num_speculative_tokens": args.k}
     if args.overhead_shape is None:

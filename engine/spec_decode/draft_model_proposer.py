@@ -40,6 +40,9 @@ class DraftModelProposer:
             raise ValueError(f"speculative.model has a vocabulary of {self.runner.arch.vocab_size} tokens, more than "
                              f"the target's {target_vocab_size}: the draft must share the target's tokenizer")
         self.kv_cache = KVCacheManager(self.runner.num_blocks, engine_config.block_size, enable_prefix_caching=False)
+        if engine_config.cuda_graphs:  # the draft's k - 1 single-token steps per proposal replay graphs (CUDA only)
+            max_len = min(self.runner.arch.max_position_embeddings, self.runner.num_blocks * engine_config.block_size)
+            self.runner.enable_cuda_graphs(min(engine_config.max_num_seqs, 512), max_len)
         # request id → (target request, its draft sequence, target tokens copied at the last sync)
         self.shadows: dict[str, tuple[Request, Request, int]] = {}
 
