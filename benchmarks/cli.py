@@ -13,6 +13,7 @@ BENCHMARKS = {  # NAME: (MODULE, what it measures)
     "langchain": ("langchain_chat", "ChatHearth.abatch against ChatHuggingFace.batch, 32 chats"),
     "spec": ("spec_decode", "batch-1 decode tok/s with and without speculative decoding (ngram, draft)"),
     "serving": ("serving", "the OpenAI server under streaming clients: TTFT/ITL/throughput against a peer"),
+    "cold-start": ("cold_start", "a fresh process to its first token, phase by phase (imports, weights, graphs)"),
 }
 
 
