@@ -18,7 +18,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # 2 layers * 2 (k, v) * 8 tokens * 2 heads * 16 dims * 4 bytes per block of the tiny llama; a small
 # pool, since building the default 1 GiB one (262,144 blocks) takes longer than the test
 BLOCK_BYTES = 4096
-SMALL_POOL = dict(block_size=BLOCK_SIZE, kv_cache_memory=256 * BLOCK_BYTES, max_model_len=256)
+# (float32 on a GPU too, where these tests check the Triton path: HF's reference runs in float32)
+SMALL_POOL = dict(block_size=BLOCK_SIZE, kv_cache_memory=256 * BLOCK_BYTES, max_model_len=256, dtype="float32")
 
 
 def burst_prompts(seed: int = 40) -> list[list[int]]:
@@ -26,9 +27,13 @@ def burst_prompts(seed: int = 40) -> list[list[int]]:
     return [prefix + suffix for suffix in random_prompts(len(SUFFIX_LENS), SUFFIX_LENS, seed=seed + 1)]
 
 
-def run_to_completion(engine, prompts, params=GREEDY) -> list:
-    """Queue every prompt before the first step; the finished requests, in prompt order."""
+def run_to_completion(engine, prompts, params=GREEDY, on_first_step=None) -> list:
+    """Queue every prompt before the first step; the finished requests, in prompt order.
+    ``on_first_step(requests)`` is called after the first step."""
     ids = [engine.add_request(prompt, params) for prompt in prompts]
+    engine.step()
+    if on_first_step is not None:
+        on_first_step([engine.groups[request_id][0] for request_id in ids])
     while engine.has_unfinished_requests():
         engine.step()
     requests = [engine.groups[request_id][0] for request_id in ids]
@@ -86,8 +91,12 @@ def test_a_pending_token_or_a_proposal_never_completes_a_block_at_allocation():
 
 def test_burst_over_a_new_prefix_computes_it_once_and_matches_hf(tiny_model_dirs, make_engine, expected):
     engine = make_engine(tiny_model_dirs["llama"], **SMALL_POOL)
-    requests = run_to_completion(engine, burst_prompts())
-    assert engine.num_steps == MAX_TOKENS                              # all six prefilled in one step
+
+    def all_prefilled(requests):
+        assert [r.num_computed_tokens for r in requests] == [len(p) for p in burst_prompts()]
+        assert engine.scheduler.num_computed_prompt_tokens == PREFIX_LEN + sum(SUFFIX_LENS)
+
+    requests = run_to_completion(engine, burst_prompts(), on_first_step=all_prefilled)
     assert engine.scheduler.num_computed_prompt_tokens == PREFIX_LEN + sum(SUFFIX_LENS)
     assert [r.num_cached_tokens for r in requests] == [0] + [PREFIX_LEN] * (len(SUFFIX_LENS) - 1)
     assert engine.stats()["prefix_cache_hits"] == PREFIX_LEN * (len(SUFFIX_LENS) - 1)
@@ -113,8 +122,8 @@ def test_chunked_burst_computes_the_prefix_once(tiny_model_dirs, make_engine, ex
 
 def test_burst_under_preemption_matches_hf(tiny_model_dirs, make_engine, expected):
     # the burst needs 14 blocks with the prefix shared; 10 are there
-    engine = make_engine(tiny_model_dirs["llama"], block_size=BLOCK_SIZE, kv_cache_memory=10 * BLOCK_BYTES,
-                         max_model_len=80)
+    engine = make_engine(tiny_model_dirs["llama"], **{**SMALL_POOL, "kv_cache_memory": 10 * BLOCK_BYTES,
+                                                       "max_model_len": 80})
     requests = run_to_completion(engine, burst_prompts())
     assert engine.stats()["num_preemptions"] > 0
     assert tokens_of(requests) == expected
@@ -163,7 +172,7 @@ def test_samples_of_one_request_are_prefilled_in_one_step(tiny_model_dirs, make_
     request_id = engine.add_request(prompt, params)
     engine.step()
     samples = engine.groups[request_id]
-    assert all(sample.num_output_tokens == 1 for sample in samples)
+    assert [sample.num_computed_tokens for sample in samples] == [len(prompt)] * 3
     assert [sample.num_cached_tokens for sample in samples] == [0, PREFIX_LEN, PREFIX_LEN]
     while engine.has_unfinished_requests():
         engine.step()
