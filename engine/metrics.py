@@ -32,6 +32,8 @@ class StepStats:
     prefix_cache_queries: int               # running totals, as the engine counts them
     prefix_cache_hits: int
     num_preemptions: int
+    # speculative decoding's running totals (None: off): drafts, draft tokens, accepted tokens, accepted per position
+    spec_decode: SpecDecodeTotals | None = None
     first_token_latencies: list[float] = field(default_factory=list)   # arrival → first token, this step's
     request_latencies: list[float] = field(default_factory=list)       # arrival → finish, per finished sequence
     time_per_output_token: list[float] = field(default_factory=list)   # after the first, finished sequences
@@ -45,7 +47,8 @@ class StepStats:
                    kv_cache_usage=1.0 - engine_stats["num_free_blocks"] / max(engine_stats["num_total_blocks"], 1),
                    prefix_cache_queries=engine_stats["prefix_cache_queries"],
                    prefix_cache_hits=engine_stats["prefix_cache_hits"],
-                   num_preemptions=engine_stats["num_preemptions"])
+                   num_preemptions=engine_stats["num_preemptions"],
+                   spec_decode=SpecDecodeTotals.of(engine_stats))
         for delta in deltas:
             request = delta.request
             if delta.new_token_ids and request.num_output_tokens == 1:
@@ -56,6 +59,24 @@ class StepStats:
                     step.time_per_output_token.append(
                         (now - request.first_token_time) / (request.num_output_tokens - 1))
         return step
+
+
+@dataclass(slots=True, frozen=True)
+class SpecDecodeTotals:
+    """Speculative decoding's running totals, as the engine counts them (vLLM's ``spec_decode`` names)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: tuple[int, ...]
+
+    @classmethod
+    def of(cls, engine_stats: dict) -> SpecDecodeTotals | None:
+        if "spec_decode_num_drafts" not in engine_stats:
+            return None
+        return cls(engine_stats["spec_decode_num_drafts"], engine_stats["spec_decode_num_draft_tokens"],
+                   engine_stats["spec_decode_num_accepted_tokens"],
+                   tuple(engine_stats["spec_decode_num_accepted_tokens_per_pos"]))
 
 
 class EngineMetrics:
@@ -72,6 +93,7 @@ class EngineMetrics:
         self._last_log_time = time.monotonic()
         self._last_log_tokens = 0
         self._prometheus = _prometheus_metrics()
+        self._counted: dict[tuple, float] = {}  # this engine's running totals as last added to each counter
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         if self._prometheus:
@@ -93,9 +115,11 @@ class EngineMetrics:
             prom["running"].labels(label).set(step.num_running)
             prom["waiting"].labels(label).set(step.num_waiting)
             prom["kv_usage"].labels(label).set(step.kv_cache_usage)
-            _set_counter(prom["prefix_queries"].labels(label), step.prefix_cache_queries)
-            _set_counter(prom["prefix_hits"].labels(label), step.prefix_cache_hits)
-            _set_counter(prom["preemptions"].labels(label), step.num_preemptions)
+            self._add_growth(prom["prefix_queries"], (label,), step.prefix_cache_queries)
+            self._add_growth(prom["prefix_hits"], (label,), step.prefix_cache_hits)
+            self._add_growth(prom["preemptions"], (label,), step.num_preemptions)
+            if step.spec_decode is not None:
+                self._count_spec_decode(prom, step.spec_decode)
         if step.now - self._last_log_time >= self.log_interval:
             self._log_line(step)
 
@@ -107,12 +131,22 @@ class EngineMetrics:
                     throughput, step.num_running, step.num_waiting, 100 * step.kv_cache_usage, 100 * hit_rate)
         self._last_log_time, self._last_log_tokens = step.now, self.num_generation_tokens
 
+    def _count_spec_decode(self, prom: dict, totals: SpecDecodeTotals) -> None:
+        label = self.model_name
+        self._add_growth(prom["spec_drafts"], (label,), totals.num_drafts)
+        self._add_growth(prom["spec_draft_tokens"], (label,), totals.num_draft_tokens)
+        self._add_growth(prom["spec_accepted_tokens"], (label,), totals.num_accepted_tokens)
+        for position, num_accepted in enumerate(totals.num_accepted_tokens_per_pos):
+            self._add_growth(prom["spec_accepted_per_pos"], (label, str(position)), num_accepted)
 
-def _set_counter(child, value: float) -> None:
-    """Prometheus counters only go up: add the difference from the engine's running total."""
-    current = child._value.get()
-    if value > current:
-        child.inc(value - current)
+    def _add_growth(self, counter, labels: tuple, total: float) -> None:
+        """Prometheus counters only go up: add what this engine's running total grew by since the
+        last step (engines serving the same model name share the labelled counter)."""
+        key = (counter, labels)
+        counted = self._counted.get(key, 0)
+        if total > counted:
+            counter.labels(*labels).inc(total - counted)
+        self._counted[key] = total  # a total that restarted (a new pool) counts on from there
 
 
 _PROMETHEUS = None
@@ -143,6 +177,12 @@ def _prometheus_metrics() -> dict | None:
                           buckets=_LATENCY_BUCKETS),
         "e2e": Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels,
                          buckets=_LATENCY_BUCKETS),
+        "spec_drafts": Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels),
+        "spec_draft_tokens": Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels),
+        "spec_accepted_tokens": Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                        labels),
+        "spec_accepted_per_pos": Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", labels + ["position"]),
     }
     return _PROMETHEUS
 
