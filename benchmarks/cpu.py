@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hearth_llm.engine.cpu_features import describe_cpu_path
+
 NUM_NEW_TOKENS = 128
 NUM_CONCURRENT = 32
 PREFILL_TOKENS = 500
@@ -394,7 +396,16 @@ def print_goals(rows: dict[str, Row], hf_dtype: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--interference" in argv:  # its own benchmark, with its own options (--interference --help)
+        from .interference import main as interference_main
+
+        interference_main([arg for arg in argv if arg != "--interference"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interference", action="store_true",
+                        help="instead: the engine's speed while this thread runs torch, in-thread vs child "
+                             "process (see benchmarks/interference.py; --interference --help for its options)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per measure; the best one counts")
     parser.add_argument("--hf-dtypes", default="bfloat16", help="comma-separated, e.g. bfloat16,float32")
     parser.add_argument("--skip-hf", action="store_true")
@@ -405,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()[0]
+    print(describe_cpu_path(), flush=True)  # which dtype dtype="auto" takes here, and the flags that decided
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, load average {load_before:.2f}", flush=True)
     rows = {key: Row(column, title, unit) for key, column, title, unit in [
@@ -476,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump({"rows": {k: r.values for k, r in rows.items()}, "quality": quality,
+                       "cpu": describe_cpu_path(),
                        "load": [load_before, load_after], "threads": torch.get_num_threads()}, file, indent=2)
 
 

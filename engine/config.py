@@ -1,7 +1,6 @@
 """Engine settings: every field can be passed to ``LLM(...)`` / ``AsyncLLM(...)`` as a keyword."""
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -210,15 +209,12 @@ def _is_stored_in_16_bits(model: str) -> bool:
     return stored in ("bfloat16", "float16")
 
 
-@functools.cache
 def has_native_cpu_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively; without it bf16 is emulated and slower than fp32."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU multiplies bf16 natively; without it bf16 is emulated and slower than fp32
+    (:func:`~.cpu_features.cpu_dtype_path` says which flag decided; its flags are read once)."""
+    from .cpu_features import cpu_dtype_path
+
+    return cpu_dtype_path().has_native_bf16
 
 
 def default_num_threads() -> int:
