@@ -80,16 +80,27 @@ class AsyncLLM:
     ``rate_limit=RateLimit(10, 1.0)`` (or a :class:`TenantRateLimiter`) throttles each ``tenant=``.
     Errors: :class:`EngineOverloadedError` when ``max_waiting_requests`` are waiting,
     :class:`RequestTimeoutError`, :class:`RequestFailedError`, :class:`EngineDeadError`.
+
+    ``replicas=N, backend="ray"`` serves the model from N engines, each a Ray actor with its own KV
+    cache (``pip install 'hearth-llm[ray]'``; :mod:`~.replicas`): requests go to the replica that holds
+    their prompt's prefix, or the least-loaded one; a dead replica fails only its own requests
+    (``EngineDeadError``). ``ray_address=`` joins a cluster; without it an initialised Ray is used,
+    else a local one starts. ``LLM``, ``ChatHearth`` and ``HearthLLM`` take the same keywords.
+
+    >>> engine = AsyncLLM("default", replicas=2, backend="ray")
+    >>> engine.stats()["replicas"][1]["num_routed"]
     """
 
     def __init__(self, model: str = "default", *, rate_limit: RateLimit | TenantRateLimiter | None = None,
+                 replicas: int = 1, backend: str = "local", ray_address: str | None = None,
                  **engine_kwargs) -> None:
         if isinstance(rate_limit, RateLimit):
             rate_limit = TenantRateLimiter(rate_limit)
         if rate_limit is not None and not isinstance(rate_limit, TenantRateLimiter):
             raise ValueError(f"rate_limit must be a RateLimit or a TenantRateLimiter, got {rate_limit!r}")
         self.rate_limiter = rate_limit
-        self.core: EngineCore = get_engine(model, **engine_kwargs)
+        self.core: EngineCore = get_engine(model, replicas=replicas, backend=backend, ray_address=ray_address,
+                                           **engine_kwargs)
         self.core.attach()
         self._is_closed = False
 
