@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from . import varlen_attention
+from . import compiled_block, varlen_attention
 from .linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
@@ -180,14 +180,22 @@ class BertLayer(nn.Module):
         self.up_proj = Linear(hidden, config.intermediate_size, activation=config.activation)
         self.down_proj = Linear(config.intermediate_size, hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.compiled_half = None   # compiled_block.compiled_block(), set by BertEncoder.use_compiled_blocks
 
     def forward(self, hidden: torch.Tensor, layout: PackedLayout, bf16_out_proj: bool = False,
                 bf16_mlp: bool = False) -> torch.Tensor:
         """``hidden`` is ``[num_tokens, hidden]``, packed as ``layout`` says; the flags pick the
         layers' bf16 copies (see :meth:`BertEncoder.prepack`)."""
         attended = packed_attention(self.qkv_proj(hidden), layout, self.num_heads)
+        if self.compiled_half is not None and hidden.is_cuda:
+            return self.compiled_half(hidden, attended, *self._second_half_weights())
         hidden = self.attention_norm(hidden + self.out_proj(attended, in_bf16=bf16_out_proj))
         return self.output_norm(hidden + self.down_proj(self.up_proj(hidden, in_bf16=bf16_mlp), in_bf16=bf16_mlp))
+
+    def _second_half_weights(self) -> tuple:
+        return (self.out_proj.weight, self.out_proj.bias, self.attention_norm.weight, self.attention_norm.bias,
+                self.up_proj.weight, self.up_proj.bias, self.down_proj.weight, self.down_proj.bias,
+                self.output_norm.weight, self.output_norm.bias, self.output_norm.eps, self.up_proj.activation)
 
 
 class BertEncoder(nn.Module):
@@ -229,6 +237,17 @@ class BertEncoder(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, layout, bf16_out_proj=in_bf16, bf16_mlp=in_bf16 and layer is self.layers[-1])
         return layout.pad(hidden).view(batch, length, -1)
+
+    def use_compiled_blocks(self) -> bool:
+        """On CUDA in float16/bfloat16, run each layer's second half compiled
+        (:mod:`~.compiled_block`); whether it is on (False elsewhere, or without a compiler)."""
+        weight = self.word_embeddings.weight
+        block = None
+        if weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16):
+            block = compiled_block.compiled_block()
+        for layer in self.layers:
+            layer.compiled_half = block
+        return block is not None
 
     def prepack(self, mixed_precision: bool = False) -> None:
         """Pack every dense layer for oneDNN; with ``mixed_precision`` (a float32 model on a CPU

@@ -92,10 +92,10 @@ class DecoderEmbeddingRunner(EncoderRunner):
             raise ValueError("the text has no tokens (this tokenizer adds no special token to an empty text)")
         return token_ids, is_too_long
 
-    def run(self, token_ids: list[list[int]]) -> torch.Tensor:
+    def _compute(self, token_ids: list[list[int]]) -> torch.Tensor:
         hidden, bounds = self.pooler.hidden_states(token_ids)
         dimensions = self.spec.dimension if self.spec.is_truncated else None
-        return pool_packed(hidden, bounds, self.spec.pooling, self.spec.normalize, dimensions).cpu()
+        return pool_packed(hidden, bounds, self.spec.pooling, self.spec.normalize, dimensions)
 
 
 class LLMRerankerRunner(DecoderEmbeddingRunner):
@@ -118,9 +118,9 @@ class LLMRerankerRunner(DecoderEmbeddingRunner):
             raise ValueError(f"max_seq_length={spec.max_seq_length} leaves no room for the pair: the reranker's "
                              f"prompt alone is {len(self.prefix_ids) + len(self.suffix_ids)} tokens")
 
-    def run(self, token_ids: list[list[int]]) -> torch.Tensor:
+    def _compute(self, token_ids: list[list[int]]) -> torch.Tensor:
         no_yes = self.pooler.last_logits(token_ids, self.yes_no_ids)
-        return torch.softmax(no_yes, dim=1)[:, 1:].cpu()
+        return torch.softmax(no_yes, dim=1)[:, 1:]
 
     def _encode(self, pairs: list[tuple[str, str, str | None]], max_length: int) -> list[list[int]]:
         """The model card's recipe: the pair's text truncated to what the prompt leaves, then

@@ -417,7 +417,9 @@ class EmbeddingEngine:
         for batch in batches:   # longest first: the free worker takes the next, which balances them
             batch = self._drop_finished_items(batch)
             if batch:
-                future = self._workers.submit(self._runner.run, [item.token_ids for item in batch])
+                # on CUDA the worker only queues the batch and goes on to the next (runner.launch)
+                forward = self._runner.launch if self._runs_on_gpu else self._runner.run
+                future = self._workers.submit(forward, [item.token_ids for item in batch])
                 self._in_flight[future] = batch
 
     @property
@@ -430,8 +432,8 @@ class EmbeddingEngine:
         """Settle the workers' batches as they end, until at most ``num_left`` are in flight."""
         while len(self._in_flight) > num_left:
             done, _ = concurrent.futures.wait(self._in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                self._finish_batch(self._in_flight.pop(future), future.result)
+            for future in done:   # a GPU batch's future holds PendingRows: the device may still be on it
+                self._finish_batch(self._in_flight.pop(future), lambda future=future: _rows(future.result()))
 
     def _tokenize(self, items: list[_Item]) -> list[_Item]:
         """Fill in token ids; fail requests that refuse truncation and have an over-long text, and
@@ -552,6 +554,11 @@ def _book_weights(device, model_name, model):
     from hearth_llm.engine.memory import book_weights
 
     return book_weights(device, f"embedding engine {os.path.basename(str(model_name))!r}", model)
+
+
+def _rows(result) -> torch.Tensor:
+    """A worker's result: the rows, or PendingRows (runner.launch) to wait for."""
+    return result if isinstance(result, torch.Tensor) else result.wait()
 
 
 def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:

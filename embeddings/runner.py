@@ -57,6 +57,8 @@ class EncoderRunner:
                                                                  device=self.device)
             if config.allows_mixed_precision and self._offers_mixed:
                 self._use_mixed_precision_if_close()
+            if not config.enforce_eager and self._offers_compiled and self.model.use_compiled_blocks():
+                self._compile_now()
         else:
             self.model = _load_transformers_model(spec, config)
 
@@ -67,6 +69,17 @@ class EncoderRunner:
     def _offers_mixed(self) -> bool:
         """Only the BERT encoder's mixed precision is calibrated (see bert.py)."""
         return self.spec.model_type in BERT_MODEL_TYPES
+
+    @property
+    def _offers_compiled(self) -> bool:
+        """Only the BERT-family encoder has a compiled block (see compiled_block.py)."""
+        return self.spec.model_type in BERT_MODEL_TYPES
+
+    def _compile_now(self) -> None:
+        """Compile at load rather than in the first request: embed a few texts of different lengths."""
+        token_ids, _ = self.tokenize(list(CALIBRATION_TEXTS[:4]), truncate=True)
+        with torch.inference_mode():
+            self.run(token_ids)
 
     @property
     def is_mixed_precision(self) -> bool:
@@ -115,8 +128,16 @@ class EncoderRunner:
         return ids, [len(row) > limit for row in ids]
 
     def run(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """Right-pad one batch, encode, pool: float32 ``[len(token_ids), dimension]`` on the CPU.
-        On CUDA the only wait for the device is that last copy back."""
+        """Right-pad one batch, encode, pool: float32 ``[len(token_ids), dimension]`` on the CPU."""
+        return self._compute(token_ids).cpu()
+
+    def launch(self, token_ids: list[list[int]]) -> PendingRows:
+        """:meth:`run` without waiting for the device: the rows come back through ``.wait()``. On
+        CUDA the host is free as soon as the work is queued, to prepare and queue the next batch."""
+        return PendingRows(self._compute(token_ids))
+
+    def _compute(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """:meth:`run`'s rows, still on the device (nothing here waits for it)."""
         input_ids, attention_mask = self._padded(token_ids)
         if self.implementation == "hearth":
             layout = PackedLayout.from_lengths([len(row) for row in token_ids], self.device)
@@ -124,7 +145,7 @@ class EncoderRunner:
         else:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         dimensions = self.spec.dimension if self.spec.is_truncated else None
-        return pool(hidden, attention_mask, self.spec.pooling, self.spec.normalize, dimensions).cpu()
+        return pool(hidden, attention_mask, self.spec.pooling, self.spec.normalize, dimensions)
 
     def _padded(self, token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` (pad id where padded) and ``attention_mask``, ``[batch, longest]``, on the device."""
@@ -141,6 +162,30 @@ class EncoderRunner:
     def _encode(self, texts: list[str], max_length: int) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length,
                               return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+
+
+class PendingRows:
+    """A batch's result on its way to the host: on CUDA a pinned host tensor that a non-blocking
+    copy fills, and the event recorded after it; elsewhere the result itself.
+
+    >>> pending = PendingRows(rows_on_device)       # returns at once
+    >>> pending.wait()                               # float32 [batch, dimension] on the CPU
+    """
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self._event = None
+        if rows.is_cuda:
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            rows = host
+        self._rows = rows
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._rows
 
 
 # Model types whose hub configs carry fields (nomic's prenorm, biases, rotary variants...) that
@@ -229,7 +274,11 @@ class CrossEncoderRunner(EncoderRunner):
     def _offers_mixed(self) -> bool:
         return False
 
-    def run(self, token_ids: list[list[int]]) -> torch.Tensor:
+    @property
+    def _offers_compiled(self) -> bool:
+        return False
+
+    def _compute(self, token_ids: list[list[int]]) -> torch.Tensor:
         input_ids, attention_mask = self._padded(token_ids)
         if self.implementation == "hearth":
             types = None
@@ -239,7 +288,7 @@ class CrossEncoderRunner(EncoderRunner):
         else:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
                                 **self._transformers_token_types(input_ids, attention_mask)).logits[:, 0]
-        return SCORE_ACTIVATIONS[self.spec.score_activation](logits.float()).unsqueeze(1).cpu()
+        return SCORE_ACTIVATIONS[self.spec.score_activation](logits.float()).unsqueeze(1)
 
     def _transformers_token_types(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
         if getattr(self.model.config, "type_vocab_size", 1) > 1:

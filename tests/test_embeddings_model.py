@@ -101,6 +101,59 @@ def test_packed_layout_groups_consecutive_texts_of_equal_length_into_runs():
     assert layout.token_index.tolist() == mask.flatten().nonzero().squeeze(1).tolist()
 
 
+def test_layout_from_the_token_counts_equals_the_layout_from_the_mask():
+    lengths = [3, 3, 4, 2, 3, 0]
+    mask = (torch.arange(4)[None, :] < torch.tensor(lengths)[:, None]).long()
+    from_mask, from_lengths = PackedLayout.from_mask(mask), PackedLayout.from_lengths(lengths, torch.device("cpu"))
+    assert from_lengths.runs == from_mask.runs == [(0, 2, 3), (6, 1, 4), (10, 1, 2), (12, 1, 3)]
+    assert from_lengths.token_index.tolist() == mask.flatten().nonzero().squeeze(1).tolist()
+    assert from_lengths.cu_seqlens is None           # varlen attention is for CUDA only
+
+
+def test_the_compiled_blocks_function_is_the_layers_second_half():
+    from hearth_llm.embeddings.bert import BertConfig as OurBertConfig
+    from hearth_llm.embeddings.bert import BertLayer
+    from hearth_llm.embeddings.compiled_block import feed_forward_half
+
+    torch.manual_seed(0)
+    config = OurBertConfig(vocab_size=10, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=64, activation="gelu", max_position_embeddings=16, type_vocab_size=1,
+                           layer_norm_eps=1e-12, position_offset=0)
+    layer = BertLayer(config).eval()
+    for parameter in layer.parameters():           # LayerNorm starts at ones/zeros: make it count
+        parameter.data.normal_(0, 0.5)
+    hidden, attended = torch.randn(7, 32), torch.randn(7, 32)
+    with torch.no_grad():
+        second = layer.attention_norm(hidden + layer.out_proj(attended))
+        expected = layer.output_norm(second + layer.down_proj(layer.up_proj(second)))
+        actual = feed_forward_half(hidden, attended, *layer._second_half_weights())
+    assert torch.allclose(actual, expected, atol=1e-5), (actual - expected).abs().max()
+
+
+def test_compiled_blocks_stay_off_on_the_cpu(tmp_path):
+    path = write_tiny_sentence_model(tmp_path)
+    with EmbeddingEngine(EmbeddingConfig(model=str(path), dtype="float32")) as engine:
+        engine.embed(["warm"])
+        assert all(layer.compiled_half is None for layer in engine._runner.model.layers)
+
+
+def test_truncating_tokenization_encodes_once_and_cuts_where_two_passes_did(tmp_path):
+    path = write_tiny_sentence_model(tmp_path)                     # max_seq_length 64
+    runner = runner_module.EncoderRunner(read_encoder_spec(str(path)), EmbeddingConfig(model=str(path)))
+    texts = ["short text", "word " * 62, "word " * 63, "word " * 200]  # 12, 64, 65, 202 tokens untruncated
+    calls = []
+    encode = runner._encode
+    runner._encode = lambda batch, max_length: calls.append(max_length) or encode(batch, max_length)
+    ids, _ = runner.tokenize(texts, truncate=True)
+    assert calls == [64]
+    for text, row in zip(texts, ids, strict=True):
+        untruncated = runner.tokenizer(text)["input_ids"]
+        expected = untruncated if len(untruncated) <= 64 else untruncated[:63] + untruncated[-1:]
+        assert row == expected
+    _, is_too_long = runner.tokenize(texts, truncate=False)
+    assert is_too_long == [False, False, True, True]
+
+
 def test_an_unpadded_batch_is_one_run_without_an_index():
     layout = PackedLayout.from_mask(torch.ones(3, 5, dtype=torch.long))
     assert layout.runs == [(0, 3, 5)] and layout.token_index is None

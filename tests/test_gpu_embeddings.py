@@ -7,15 +7,19 @@ On the H200: ``python -m pytest -q tests/test_gpu_embeddings.py``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from embedding_dirs import write_cross_encoder, write_encoder
 from test_embeddings_bf16 import check_close_in_low_precision, check_scores_in_low_precision, embed
-from test_embeddings_decoder import DOCUMENTS, QUERY, embedding_dir, model_card_scores, reranker_dir  # noqa: F401
+from test_embeddings_decoder import (DOCUMENTS, QUERY, TEXTS, embedding_dir, model_card_scores,  # noqa: F401
+                                     reranker_dir)
 
 from hearth_llm.benchmarks.embeddings import has_bundled_model
-from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine
+from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine, varlen_attention
+from hearth_llm.embeddings.bert import PackedLayout, packed_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -71,3 +75,30 @@ def test_cross_encoder_on_cuda_matches_the_cpu(tmp_path):
     exact = scores("cpu", "float32")
     assert torch.allclose(scores("cuda", "float32"), exact, atol=1e-4)
     assert torch.allclose(scores("cuda", "bfloat16"), exact, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_flash_attention_matches_attention_per_run(dtype):
+    torch.manual_seed(0)
+    heads, head_dim = 4, 64
+    lengths = [64, 64, 33, 17, 17, 5, 1]                  # sorted longest first, as batches come
+    qkv = torch.randn(sum(lengths), 3 * heads * head_dim, device="cuda", dtype=dtype)
+    layout = PackedLayout.from_lengths(lengths, torch.device("cuda"))
+    assert layout.cu_seqlens is not None and varlen_attention.can_run(qkv, head_dim)
+    fast = packed_attention(qkv, layout, heads)
+    assert varlen_attention.can_run(qkv, head_dim), "the varlen kernel refused the call and fell back"
+    per_run = packed_attention(qkv, dataclasses.replace(layout, cu_seqlens=None), heads)
+    assert (fast.float() - per_run.float()).abs().max().item() <= 1e-2
+
+
+def test_compiled_blocks_embed_as_the_eager_encoder_in_bfloat16(tmp_path):
+    path = write_encoder(tmp_path, "xlm-roberta", "mean")
+    vectors = {}
+    for enforce_eager in (True, False):
+        with EmbeddingEngine(EmbeddingConfig(model=str(path), device="cuda", dtype="bfloat16",
+                                             enforce_eager=enforce_eager)) as engine:
+            vectors[enforce_eager] = engine.embed(TEXTS)
+            is_compiled = [layer.compiled_half is not None for layer in engine._runner.model.layers]
+        assert all(is_compiled) is not enforce_eager and any(is_compiled) is not enforce_eager
+    cosine = F.cosine_similarity(vectors[False], vectors[True], dim=1)
+    assert cosine.min().item() >= 0.9999, cosine
