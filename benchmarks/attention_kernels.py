@@ -110,7 +110,7 @@ def _common(batch: PagedBatch, scale: float):
 
 
 def decode_variants():
-    from hearth_llm.kernels.attention.triton_decode import DEFAULT_LAUNCH, DecodeLaunch
+    from hearth_llm.kernels.attention.triton_attention import DEFAULT_LAUNCH, DecodeLaunch
     # (block_n, num_warps, num_stages, use_dot); the default is timed first on its own
     tiles = [(32, 4, 2, True), (64, 4, 3, True), (64, 8, 2, True), (128, 4, 2, True), (128, 8, 2, True),
              (128, 8, 3, True), (64, 4, 4, True), (128, 4, 3, True), (256, 8, 2, True),
@@ -125,7 +125,7 @@ def _describe(launch) -> str:
 
 
 def run_decode(batch: PagedBatch, launch, graph_max_context_len: int | None = None) -> float:
-    from hearth_llm.kernels.attention.triton_decode import decode_attention
+    from hearth_llm.kernels.attention.triton_attention import decode_attention
     out = torch.empty_like(batch.query)
     common = _common(batch, batch.query.shape[-1] ** -0.5)
     max_len = graph_max_context_len or batch.max_context_len
@@ -252,7 +252,7 @@ def main(argv=None) -> None:
         from collections import Counter
         tile = Counter((b[2].block_n, b[2].num_warps, b[2].num_stages, b[2].use_dot)
                        for b in best_tiles.values()).most_common(1)[0][0]
-        from hearth_llm.kernels.attention.triton_decode import DecodeLaunch
+        from hearth_llm.kernels.attention.triton_attention import DecodeLaunch
         report(f"split sweep on tile N{tile[0]}/w{tile[1]}/s{tile[2]} use_dot={tile[3]}")
         for shape, label, contexts in [cases[0], cases[1], cases[4], cases[6]] if not args.smoke else cases:
             batch = paged_batch(shape, contexts, [1] * len(contexts))

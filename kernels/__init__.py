@@ -50,8 +50,11 @@ def _implementation(op, name: str, tensor: torch.Tensor):
 # ------------------------------------------------------------------------------------------
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
-    return _implementation(kv_cache, "write_kv_cache", key)(key, value, key_cache, value_cache, slot_mapping)
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_scales=None):
+    routine = _implementation(kv_cache, "write_kv_cache", key)
+    if kv_scales is None:
+        return routine(key, value, key_cache, value_cache, slot_mapping)
+    return routine(key, value, key_cache, value_cache, slot_mapping, kv_scales)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
@@ -98,12 +101,13 @@ def sample_rows(logits, temperatures, **options):
 
 
 def qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
-                           num_kv_heads, q_norm_weight=None, k_norm_weight=None, eps=1e-6, is_neox_style=True):
+                           num_kv_heads, q_norm_weight=None, k_norm_weight=None, eps=1e-6, is_neox_style=True,
+                           kv_scales=None):
     """A layer's attention inputs from its fused projection ``qkv`` ``[T, (H + 2 Hkv) * D]``:
     RMS-norm each query and key head (when the norm weights are given, as in Qwen3), rotate them
     (as :func:`rotary_embedding`: partial when ``cos_sin_cache`` is narrower than D, GPT-J pairs
-    when ``is_neox_style`` is False), store keys and values at ``slot_mapping`` in the paged cache;
-    returns the queries ``[T, H, D]``.
+    when ``is_neox_style`` is False), store keys and values at ``slot_mapping`` in the paged cache
+    (an fp8 cache: quantized with ``kv_scales``, see ``write_kv_cache``); returns the queries ``[T, H, D]``.
 
     On CUDA one Triton kernel does it all for full-width NeoX rotary; partial or GPT-J rotary on
     CUDA, and everything elsewhere, is the composition of the single ops below, which is also the
@@ -120,18 +124,19 @@ def qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache
                 key_cache.shape[-1], cos_sin_cache.shape[-1], is_neox_style):
             return triton_module.qk_norm_rope_and_cache(qkv, positions, cos_sin_cache, key_cache, value_cache,
                                                         slot_mapping, num_heads, num_kv_heads, q_norm_weight,
-                                                        k_norm_weight, eps)
+                                                        k_norm_weight, eps, kv_scales=kv_scales)
     return qk_norm_rope_and_cache_unfused(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
-                                          num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, is_neox_style)
+                                          num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, is_neox_style,
+                                          kv_scales)
 
 
 def qk_norm_rope_and_cache_unfused(qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
                                    num_kv_heads, q_norm_weight=None, k_norm_weight=None, eps=1e-6,
-                                   is_neox_style=True):
+                                   is_neox_style=True, kv_scales=None):
     """The reference composition, run with the dispatched single ops (fast CPU routines on the CPU)."""
     return attention_inputs.reference.qk_norm_rope_and_cache(
         qkv, positions, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads,
-        q_norm_weight, k_norm_weight, eps, is_neox_style,
+        q_norm_weight, k_norm_weight, eps, is_neox_style, kv_scales,
         rms_norm=rms_norm, rotary_embedding=rotary_embedding, write_kv_cache=write_kv_cache)
 
 

@@ -1,4 +1,4 @@
-"""The split-K decode attention kernel (kernels/attention/triton_decode.py) and fp8 caches in the
+"""The split-K decode attention kernel (kernels/attention/triton_attention.py) and fp8 caches in the
 attention kernels, against the torch reference; on CPU under the Triton interpreter."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" a
 pytest.importorskip("triton")
 
 from hearth_llm.kernels.attention import reference  # noqa: E402
-from hearth_llm.kernels.attention import triton_attention, triton_decode  # noqa: E402
+from hearth_llm.kernels.attention import triton_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -50,9 +50,9 @@ def decode_with(batch, launch, max_context_len=None, sliding_window=None, soft_c
                   head_dim=head_dim, softmax_scale_log2=batch["scale"] * 1.4426950408889634,
                   soft_cap_log2=(soft_cap or 1.0) * 1.4426950408889634, sliding_window=sliding_window or 0,
                   HAS_SLIDING_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
-                  BLOCK_D=triton_decode.next_power_of_2(head_dim), DOT_IN_FP32=True)
+                  BLOCK_D=triton_attention.next_power_of_2(head_dim), DOT_IN_FP32=True)
     out = torch.empty_like(query)
-    triton_decode.decode_attention(out, query, batch["key_cache"], batch["value_cache"], batch["block_tables"],
+    triton_attention.decode_attention(out, query, batch["key_cache"], batch["value_cache"], batch["block_tables"],
                                    batch["context_lens"], batch["query_start_loc"],
                                    max_context_len or batch["max_context_len"], kv_scales, common, launch)
     return out
@@ -62,14 +62,14 @@ def expected(batch, **options):
     return reference.paged_attention(**batch, **options)
 
 
-SPLITTING = triton_decode.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=8)
+SPLITTING = triton_attention.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=8)
 
 
 @pytest.mark.parametrize("use_dot", [True, False])
 def test_decode_cuts_each_context_by_its_own_length(use_dot):
     # 300 keys -> 7 pieces of 48; 20 keys -> one piece written directly; 90 keys -> 3 pieces.
     batch = paged_batch([1, 1, 1], [300, 20, 90])
-    launch = triton_decode.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=8, use_dot=use_dot)
+    launch = triton_attention.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=8, use_dot=use_dot)
     torch.testing.assert_close(decode_with(batch, launch), expected(batch), atol=2e-5, rtol=1e-5)
 
 
@@ -83,7 +83,7 @@ def test_decode_split_for_a_longer_graph_context_reads_only_the_real_keys():
 @pytest.mark.parametrize("use_dot", [True, False])
 def test_decode_split_with_sliding_window_and_soft_cap(use_dot):
     batch = paged_batch([1, 1], [260, 40])
-    launch = triton_decode.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=4, use_dot=use_dot)
+    launch = triton_attention.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=4, use_dot=use_dot)
     torch.testing.assert_close(decode_with(batch, launch, sliding_window=100, soft_cap=5.0),
                                expected(batch, sliding_window=100, soft_cap=5.0), atol=2e-5, rtol=1e-5)
 
@@ -97,11 +97,11 @@ def test_decode_skips_padding_sequences_and_leaves_their_rows_alone():
 
 def test_split_count_follows_batch_and_sm_count_not_context():
     device = torch.device("cpu")
-    launch = triton_decode.DEFAULT_LAUNCH
-    assert triton_decode.num_decode_splits(256, 8, 4096, device, launch) == 1
-    assert triton_decode.num_decode_splits(1, 8, 8192, device, launch) == launch.max_splits
-    assert triton_decode.num_decode_splits(1, 8, 300, device, launch) == 2  # 300 keys hold two 256-key pieces
-    assert 1 < triton_decode.num_decode_splits(32, 8, 8192, device, launch) <= launch.max_splits
+    launch = triton_attention.DEFAULT_LAUNCH
+    assert triton_attention.num_decode_splits(256, 8, 4096, device, launch) == 1
+    assert triton_attention.num_decode_splits(1, 8, 8192, device, launch) == launch.max_splits
+    assert triton_attention.num_decode_splits(1, 8, 300, device, launch) == 2  # 300 keys hold two 256-key pieces
+    assert 1 < triton_attention.num_decode_splits(32, 8, 8192, device, launch) <= launch.max_splits
 
 
 @pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 1], [300, 20, 90]), ([1, 7, 30], [40, 7, 61])])
@@ -119,7 +119,7 @@ def test_fp8_cache_is_read_with_its_scales(query_lens, context_lens):
 def test_fp8_split_decode_without_dot_matches_reference():
     batch = paged_batch([1, 1], [300, 20], cache_dtype=FP8)
     scales = torch.tensor([1.5, 0.25], device=DEVICE)
-    launch = triton_decode.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=8, use_dot=False)
+    launch = triton_attention.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=8, use_dot=False)
     torch.testing.assert_close(decode_with(batch, launch, kv_scales=scales), expected(batch, kv_scales=scales),
                                atol=2e-5, rtol=1e-5)
 

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv_cache.triton_kv_cache import as_cache_rows, fp8_flags
 from ..triton_utils import next_power_of_2, warps_for
 
 
@@ -34,12 +35,13 @@ def _norm_and_rotate_heads(
 @triton.jit
 def _qk_norm_rope_and_cache_kernel(
     query_out_ptr, qkv_ptr, positions_ptr, cos_sin_cache_ptr, q_norm_weight_ptr, k_norm_weight_ptr,
-    key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    key_cache_ptr, value_cache_ptr, slot_mapping_ptr, kv_scales_ptr,
     num_heads, num_kv_heads, half_dim, block_size, eps,
     qkv_stride_token, query_out_stride_token, cache_stride_position,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head,
-    HAS_QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, IS_FP8: tl.constexpr, HAS_KV_SCALES: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """One program per token: its query heads to ``query_out``, its key and value heads to the cache."""
     token = tl.program_id(0).to(tl.int64)
@@ -77,14 +79,19 @@ def _qk_norm_rope_and_cache_kernel(
                                                        pair_mask, half_dim, eps, HAS_NORM=HAS_QK_NORM, STORAGE=storage)
         key_dest = (key_cache_ptr + block * key_cache_stride_block + slot_in_block * key_cache_stride_slot
                     + kv_heads * key_cache_stride_head + pairs[None, :])
+        key_first = as_cache_rows(key_first, kv_scales_ptr, 0, IS_FP8, HAS_KV_SCALES, ROUND_IN_FP32)
+        key_second = as_cache_rows(key_second, kv_scales_ptr, 0, IS_FP8, HAS_KV_SCALES, ROUND_IN_FP32)
         tl.store(key_dest, key_first.to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(key_dest + half_dim, key_second.to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
         value_row = row + (num_heads + num_kv_heads) * head_dim + kv_heads * head_dim + pairs[None, :]
         value_dest = (value_cache_ptr + block * value_cache_stride_block + slot_in_block * value_cache_stride_slot
                       + kv_heads * value_cache_stride_head + pairs[None, :])
-        tl.store(value_dest, tl.load(value_row, mask=kv_mask).to(value_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(value_dest + half_dim, tl.load(value_row + half_dim, mask=kv_mask).to(
-            value_cache_ptr.dtype.element_ty), mask=kv_mask)
+        value_first = as_cache_rows(tl.load(value_row, mask=kv_mask), kv_scales_ptr, 1, IS_FP8, HAS_KV_SCALES,
+                                    ROUND_IN_FP32)
+        value_second = as_cache_rows(tl.load(value_row + half_dim, mask=kv_mask), kv_scales_ptr, 1, IS_FP8,
+                                     HAS_KV_SCALES, ROUND_IN_FP32)
+        tl.store(value_dest, value_first.to(value_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(value_dest + half_dim, value_second.to(value_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def supports_fused_rotary(head_dim: int, rotary_dim: int, is_neox_style: bool) -> bool:
@@ -105,8 +112,10 @@ def qk_norm_rope_and_cache(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     is_neox_style: bool = True,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``kernels.qk_norm_rope_and_cache`` in one launch (the unfused path takes five to seven).
+    """``kernels.qk_norm_rope_and_cache`` in one launch (the unfused path takes five to seven);
+    an fp8 cache gets the keys and values quantized as ``kv_cache.reference.write_kv_cache`` does.
 
     Full-width NeoX rotary only (``supports_fused_rotary``); ``kernels.qk_norm_rope_and_cache``
     sends partial and GPT-J style rotary to the unfused ops.
@@ -136,12 +145,12 @@ def qk_norm_rope_and_cache(
     _qk_norm_rope_and_cache_kernel[(num_tokens,)](
         query, qkv, positions, cos_sin_cache,
         q_norm_weight.contiguous() if has_norm else qkv, k_norm_weight.contiguous() if has_norm else qkv,
-        key_cache, value_cache, slot_mapping,
+        key_cache, value_cache, slot_mapping, kv_scales if kv_scales is not None else qkv,
         num_heads, num_kv_heads, head_dim // 2, key_cache.shape[1], eps,
         qkv.stride(0), query.stride(0), cos_sin_cache.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        HAS_QK_NORM=has_norm, BLOCK_H=block_h, BLOCK_KV=next_power_of_2(num_kv_heads), BLOCK_HALF=block_half,
+        HAS_QK_NORM=has_norm, **fp8_flags(key_cache, kv_scales), BLOCK_H=block_h, BLOCK_KV=next_power_of_2(num_kv_heads), BLOCK_HALF=block_half,
         num_warps=warps_for(2 * block_h * block_half),
     )
     return query
