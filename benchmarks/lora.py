@@ -60,8 +60,9 @@ def make_engine(shape: str, device: str, enable_lora: bool, max_num_seqs: int, k
     return LLMEngine(config, checkpoint=checkpoint), weights.shapes
 
 
-def run(engine, requests, loras: list, shift: int) -> dict:
-    """Our engine on the workload, request ``i`` with ``loras[i % len(loras)]``; tokens shifted by ``shift``."""
+def run(engine, requests, loras: list, shift: int, profile: str | None = None) -> dict:
+    """Our engine on the workload, request ``i`` with ``loras[i % len(loras)]``; tokens shifted by ``shift``.
+    ``profile``: a file for torch.profiler tables of 20 steps from the 100th on (those run a little slower)."""
     from hearth_llm.engine.sampling_params import SamplingParams
 
     def params(max_tokens):
@@ -77,9 +78,21 @@ def run(engine, requests, loras: list, shift: int) -> dict:
     for index, (prompt, max_tokens) in enumerate(requests):
         engine.add_request([(t + shift) % 10000 for t in prompt], params(max_tokens),
                            lora_request=loras[index % len(loras)])
-    num_output = 0
+    num_output, num_steps, profiler = 0, 0, None
     while engine.has_unfinished_requests():
+        if profile and num_steps == 100:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         num_output += sum(len(d.new_token_ids) for d in engine.step())
+        num_steps += 1
+        if profiler is not None and num_steps == 120:
+            synchronize(engine.runner.device)
+            profiler.__exit__(None, None, None)
+            with open(profile, "w") as sink:
+                sink.write(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+                sink.write("\n\n" + profiler.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+            profiler = None
     synchronize(engine.runner.device)
     elapsed = time.perf_counter() - started
     for request_id in list(engine.groups):
@@ -113,6 +126,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="40GiB")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--adapter-counts", type=int, nargs="+", default=(1, 4, 8), help="adapters per run")
+    parser.add_argument("--no-base-only", action="store_true", help="skip the LoRA engine serving base requests")
+    parser.add_argument("--profile", help="a file for a torch.profiler table of 20 steps of the last adapter run")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
@@ -129,13 +145,19 @@ def main(argv=None) -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         started = time.perf_counter()
-        paths = write_random_adapters(shapes, Path(directory), 8, args.rank, args.device)
+        paths = write_random_adapters(shapes, Path(directory), max(args.adapter_counts), args.rank, args.device)
         results["adapter_write_seconds"] = round(time.perf_counter() - started, 2)
         engine, _ = make_engine(args.shape, args.device, True, args.num_seqs, args.kv_cache_memory)
         loras = [LoRARequest(f"adapter{i}", str(path)) for i, path in enumerate(paths)]
-        results["lora_engine_base_only"] = run(engine, requests, [None], shift=1)
-        for shift, count in enumerate((1, 4, 8), start=2):
-            results[f"adapters_{count}"] = run(engine, requests, loras[:count], shift=shift)
+        if not args.no_base_only:
+            results["lora_engine_base_only"] = run(engine, requests, [None], shift=1)
+            results["lora_engine_base_only"]["ratio_to_base"] = round(
+                results["lora_engine_base_only"]["tok_per_s"] / results["base"]["tok_per_s"], 3)
+            print(json.dumps(results["lora_engine_base_only"]), flush=True)
+        for shift, count in enumerate(args.adapter_counts, start=2):
+            is_last = count == args.adapter_counts[-1]
+            results[f"adapters_{count}"] = run(engine, requests, loras[:count], shift=shift,
+                                               profile=args.profile if is_last else None)
             results[f"adapters_{count}"]["ratio_to_base"] = round(
                 results[f"adapters_{count}"]["tok_per_s"] / results["base"]["tok_per_s"], 3)
             print(json.dumps(results[f"adapters_{count}"]), flush=True)

@@ -109,9 +109,14 @@ def _fused_inputs(seed, num_tokens, in_features, slice_sizes, num_slots, rank):
 
 
 @pytest.mark.parametrize("slice_sizes", [[64, 64, 128], [70, 30, 60], [96, 96]])
-@pytest.mark.parametrize("num_tokens, in_features", [(3, 1024), (140, 48)])  # split K; several tiles per slot
-def test_triton_planned_fused_slices_match_reference(slice_sizes, num_tokens, in_features):
+@pytest.mark.parametrize("num_tokens, in_features, expand_programs", [
+    (3, 1024, 528),   # split K, a column block per program
+    (140, 48, 1),     # several tiles per slot; each program loops over every column block
+])
+def test_triton_planned_fused_slices_match_reference(slice_sizes, num_tokens, in_features, expand_programs,
+                                                     monkeypatch):
     triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
+    monkeypatch.setattr(triton_lora, "_TARGET_EXPAND_PROGRAMS", expand_programs)
     y, x, a, b, bounds = _fused_inputs(6, num_tokens, in_features, slice_sizes, 3, 4)
     slots, counts = np.array([2, -1, 0, 2]), np.array([num_tokens - num_tokens // 2 - 1, 1, num_tokens // 2, 0])
     plan = LoRAPlan(capacity=num_tokens, num_slots=3, device=torch.device("cpu"))
@@ -266,7 +271,7 @@ from hearth_llm.kernels.lora import triton_lora as k
 shared = {}
 for dtype in ("*fp32", "*bf16"):
     fp32 = dtype == "*fp32"
-    for block_m in (16, 64):  # decode-sized and prefill-sized tiles
+    for block_m, one_block in ((16, True), (64, False)):  # decode-sized and prefill-sized tiles; rank chunks
         cases = [
             (k._shrink_kernel, {"x_ptr": dtype, "a_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
                                 "part_ptr": "*fp32"},
@@ -274,9 +279,9 @@ for dtype in ("*fp32", "*bf16"):
              {"BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_K": 32 if fp32 else 64, "DOT_IN_FP32": fp32}),
             (k._expand_kernel, {"part_ptr": "*fp32", "b_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
                                 "y_ptr": dtype, "slice_starts_ptr": "*i32"},
-             ["N", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],
-             {"NUM_SPLITS": 16, "NUM_SLICES": 3, "SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 64,
-              "BLOCK_N": 64 if fp32 else 128, "DOT_IN_FP32": fp32}),
+             ["N", "R", "num_splits", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],
+             {"SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 128 if one_block else 64,
+              "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32}),
         ]
         for kernel, pointers, ints, blocks in cases:
             sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in blocks}}

@@ -5,10 +5,11 @@ per layer-projection, for every adapter and every slice of a fused layer at once
   ``x[tokens] @ A[slot].T`` is one tensor-core dot per K block, and each adapter's A is read once
   per tile, not once per token. Decode steps have few tiles, so K is split to fill the GPU; each
   split writes its own float32 partial (no atomics: the sum, done by the expand, is deterministic).
-* **expand**: one program per (tile, column block): ``y[tokens] += s[tokens] @ B[slot]``. A fused
+* **expand**: one program per (tile, group of column blocks): ``y[tokens] += s[tokens] @ B[slot]``,
+  the tile's rank-space rows summed over the splits once for all its column blocks. A fused
   layer's slices (q, k, v; gate, up) keep their own rank blocks, and B is zero outside a slice's
-  columns, so a column block reads only the rank blocks of the slices it overlaps (one, where the
-  block does not straddle a slice boundary): fused ``qkv_proj`` costs what its three parts would.
+  columns, so a column block reads only the ranks of the slices it overlaps (one slice, where the
+  block does not straddle a boundary): fused ``qkv_proj`` costs what its three parts would.
 
 Base-model tokens are in no tile: their rows of ``y`` are never loaded or stored, so they stay
 bit-identical to the base projection. Tiles with slot ``-1`` (a graph's grid is sized for its
@@ -24,8 +25,10 @@ from ..triton_utils import next_power_of_2
 from .plan import LoRAPlan, block_m_for, max_tiles_for
 
 _TARGET_PROGRAMS = 264        # two per H200 SM: what split-K aims for on decode-sized steps
-_MAX_SPLITS = 32
+_MAX_SPLITS = 16
 _MIN_K_PER_SPLIT = 128
+_TARGET_EXPAND_PROGRAMS = 528  # four per SM: the expand's column blocks are dealt out to this many
+_MAX_ONE_RANK_BLOCK = 128      # ranks of a layer summed once per tile (registers: BLOCK_M x 128 floats)
 
 
 @triton.jit
@@ -41,7 +44,7 @@ def _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M: tl.constexpr):
     return slot, tokens, is_row
 
 
-@triton.jit(do_not_specialize=["K", "R"])
+@triton.jit(do_not_specialize=["K", "R", "K_PER_SPLIT"])
 def _shrink_kernel(x_ptr, a_ptr, tiles_ptr, tokens_ptr, part_ptr, K, R, K_PER_SPLIT, stride_xt, stride_as, stride_ar,
                    stride_ps, stride_pt, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_IN_FP32: tl.constexpr):
@@ -69,40 +72,69 @@ def _shrink_kernel(x_ptr, a_ptr, tiles_ptr, tokens_ptr, part_ptr, K, R, K_PER_SP
                  mask=is_row[:, None] & is_rank[None, :])
 
 
-@triton.jit(do_not_specialize=["N"])
-def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_ptr, N, stride_ps, stride_pt,
-                   stride_bs, stride_br, stride_yt, NUM_SPLITS: tl.constexpr, NUM_SLICES: tl.constexpr,
-                   SLICE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit
+def _rank_block(part_ptr, slice_starts_ptr, tokens, is_row, r_start, R, num_splits, stride_ps, stride_pt,
+                SLICE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Ranks ``r_start + [0, BLOCK_R)`` of the tile's tokens, summed over the K splits, and the
+    column range of the slice each rank belongs to."""
+    ranks = r_start + tl.arange(0, BLOCK_R)
+    is_rank = ranks < R
+    s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in range(num_splits):
+        s += tl.load(part_ptr + split * stride_ps + tokens[:, None] * stride_pt + ranks[None, :],
+                     mask=is_row[:, None] & is_rank[None, :], other=0.0)
+    piece = ranks // SLICE_RANK
+    piece_start = tl.load(slice_starts_ptr + piece, mask=is_rank, other=0)
+    piece_end = tl.load(slice_starts_ptr + piece + 1, mask=is_rank, other=0)
+    return ranks, s, piece_start, piece_end
+
+
+@triton.jit
+def _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col, col_start,
+               BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """``acc += s @ B[ranks, cols]``, reading only the ranks whose slice overlaps these columns (B is zero
+    elsewhere, so the others would add exactly nothing)."""
+    is_needed = (piece_start < col_start + BLOCK_N) & (piece_end > col_start)
+    b = tl.load(b_base + ranks[:, None] * stride_br + cols[None, :], mask=is_needed[:, None] & is_col[None, :],
+                other=0.0)
+    if DOT_IN_FP32:
+        return tl.dot(s, b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(s.to(b.dtype), b, acc)
+
+
+@triton.jit(do_not_specialize=["N", "R", "num_splits"])
+def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_ptr, N, R, num_splits,
+                   stride_ps, stride_pt, stride_bs, stride_br, stride_yt, SLICE_RANK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_RANK_BLOCK: tl.constexpr,
                    DOT_IN_FP32: tl.constexpr):
     slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M)
     if slot >= 0:
-        col_start = tl.program_id(1) * BLOCK_N
-        cols = col_start + tl.arange(0, BLOCK_N)
-        is_col = cols < N
-        rs = tl.arange(0, BLOCK_R)
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for piece in tl.static_range(NUM_SLICES):
-            piece_start = tl.load(slice_starts_ptr + piece)
-            piece_end = tl.load(slice_starts_ptr + piece + 1)
-            if (piece_start < col_start + BLOCK_N) & (piece_end > col_start):  # B is zero elsewhere
-                for r_start in range(0, SLICE_RANK, BLOCK_R):
-                    is_rank = r_start + rs < SLICE_RANK
-                    ranks = piece * SLICE_RANK + r_start + rs
-                    s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                    for split in range(NUM_SPLITS):
-                        s += tl.load(part_ptr + split * stride_ps + tokens[:, None] * stride_pt + ranks[None, :],
-                                     mask=is_row[:, None] & is_rank[None, :], other=0.0)
-                    b = tl.load(b_base + ranks[:, None] * stride_br + cols[None, :],
-                                mask=is_rank[:, None] & is_col[None, :], other=0.0)
-                    if DOT_IN_FP32:
-                        acc = tl.dot(s, b.to(tl.float32), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(s.to(b.dtype), b, acc)
-        mask = is_row[:, None] & is_col[None, :]
-        y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+        if ONE_RANK_BLOCK:  # the usual case: the tile's ranks summed once, for every column block
+            ranks, s, piece_start, piece_end = _rank_block(part_ptr, slice_starts_ptr, tokens, is_row, 0, R,
+                                                           num_splits, stride_ps, stride_pt, SLICE_RANK, BLOCK_M,
+                                                           BLOCK_R)
+        # Each program takes every num_programs(1)-th column block: decode steps have few tiles, and
+        # the rank-space rows are loaded once for all of them.
+        for col_block in range(tl.program_id(1), tl.cdiv(N, BLOCK_N), tl.num_programs(1)):
+            col_start = col_block * BLOCK_N
+            cols = col_start + tl.arange(0, BLOCK_N)
+            is_col = cols < N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if ONE_RANK_BLOCK:
+                acc = _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col, col_start,
+                                 BLOCK_N, DOT_IN_FP32)
+            else:
+                for r_start in range(0, R, BLOCK_R):
+                    ranks, s, piece_start, piece_end = _rank_block(part_ptr, slice_starts_ptr, tokens, is_row,
+                                                                   r_start, R, num_splits, stride_ps, stride_pt,
+                                                                   SLICE_RANK, BLOCK_M, BLOCK_R)
+                    acc = _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col,
+                                     col_start, BLOCK_N, DOT_IN_FP32)
+            mask = is_row[:, None] & is_col[None, :]
+            y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0)
+            tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
 def num_splits_for(num_tokens: int, in_features: int, rank: int, num_slots: int, scratch_rows: int) -> int:
@@ -149,11 +181,14 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
         lora_a.stride(0), lora_a.stride(1), partials.stride(0), partials.stride(1), BLOCK_M=block_m,
         BLOCK_R=block_r, BLOCK_K=32 if dot_in_fp32 else 64, DOT_IN_FP32=dot_in_fp32)
     block_n = 64 if dot_in_fp32 else 128
-    _expand_kernel[(num_tiles, triton.cdiv(out_features, block_n))](
-        partials, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, partials.stride(0),
-        partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), NUM_SPLITS=num_splits,
-        NUM_SLICES=len(slice_starts) - 1, SLICE_RANK=slice_rank, BLOCK_M=block_m,
-        BLOCK_R=min(max(16, next_power_of_2(slice_rank)), 64), BLOCK_N=block_n, DOT_IN_FP32=dot_in_fp32)
+    num_col_blocks = triton.cdiv(out_features, block_n)
+    one_rank_block = rank <= _MAX_ONE_RANK_BLOCK
+    _expand_kernel[(num_tiles, min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles)))](
+        partials, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank, num_splits,
+        partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        SLICE_RANK=slice_rank, BLOCK_M=block_m,
+        BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
+        ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32)
     return y
 
 

@@ -1,0 +1,126 @@
+"""Batched LoRA kernels alone: ms per layer-projection at Llama-3-8B shapes, 8 adapters, against
+the base projection's own matmul (the cost LoRA adds to), each timed as a replayed CUDA graph.
+
+    python -m hearth_llm.benchmarks.lora_kernels
+    python -m hearth_llm.benchmarks.lora_kernels --compare old_triton_lora.py   # also an older add_lora
+
+Decode-sized steps have one token per sequence, the sequences spread round-robin over the
+adapters; prefill-sized steps are 8 sequences of ``T / 8`` tokens. Every run also checks the
+result against the torch reference and prints ``PASS``/``FAIL``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import numpy as np
+import torch
+
+# name: (in_features, slice sizes): Llama-3-8B's qkv_proj, o_proj, gate_up_proj, down_proj
+PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+               "down": (14336, (4096,))}
+TOKENS = (1, 8, 64, 128, 256, 4096)
+
+
+def _graph_ms(fn, num_calls: int = 10, num_replays: int = 20) -> float:
+    """Device ms per call of ``fn``, from replays of a graph of ``num_calls`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(num_calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(num_replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (num_calls * num_replays)
+
+
+def _sequences(num_tokens: int, num_adapters: int) -> tuple[np.ndarray, np.ndarray]:
+    if num_tokens <= 256:  # decode: a token per sequence
+        return np.arange(num_tokens) % num_adapters, np.ones(num_tokens, dtype=np.int64)
+    return np.arange(8) % num_adapters, np.full(8, num_tokens // 8)
+
+
+def _slot_tensors(in_features, slices, num_slots, rank, device):
+    out_features = sum(slices)
+    a = torch.randn(num_slots, len(slices) * rank, in_features, device=device).mul_(0.01).bfloat16()
+    b = torch.zeros(num_slots, len(slices) * rank, out_features, device=device, dtype=torch.bfloat16)
+    bounds = np.cumsum([0, *slices])
+    for piece, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        b[:, piece * rank:(piece + 1) * rank, start:end] = torch.randn(num_slots, rank, end - start,
+                                                                       device=device).mul_(0.01).bfloat16()
+    return a, b, torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None) -> dict:
+    from hearth_llm.kernels.lora import LoRAPlan, add_lora_planned, reference
+
+    device = torch.device("cuda")
+    in_features, slices = PROJECTIONS[name]
+    out_features = sum(slices)
+    a, b, bounds = _slot_tensors(in_features, slices, 8, rank, device)
+    x = torch.randn(num_tokens, in_features, device=device).bfloat16()
+    y = torch.zeros(num_tokens, out_features, device=device, dtype=torch.bfloat16)  # the error is the update's
+    weight = torch.randn(out_features, in_features, device=device).mul_(0.01).bfloat16()
+    seq_slots, counts = _sequences(num_tokens, num_adapters)
+    plan = LoRAPlan(max(num_tokens, 512), 8, device)
+    plan.set_sequences(seq_slots, counts)
+    scratch = torch.empty(max(num_tokens, 4096) * a.shape[1], dtype=torch.float32, device=device)
+    token_slots = torch.from_numpy(np.repeat(seq_slots, counts)).to(device)
+
+    out = add_lora_planned(y.clone(), x, plan, a, b, bounds, rank, scratch).float()
+    expected = reference.add_lora(y.float(), x.float(), token_slots, a.float(), b.float())
+    error = ((out - expected).abs().max() / (expected - y.float()).abs().max()).item()
+    result = {"projection": name, "tokens": num_tokens, "adapters": num_adapters,
+              "base_matmul_ms": round(_graph_ms(lambda: torch.nn.functional.linear(x, weight)), 4),
+              "lora_ms": round(_graph_ms(lambda: add_lora_planned(y, x, plan, a, b, bounds, rank, scratch)), 4),
+              "max_rel_error": round(error, 5)}
+    if old is not None:
+        result["old_lora_ms"] = round(_graph_ms(lambda: old.add_lora(y, x, token_slots, a, b)), 4)
+    result["lora_over_matmul"] = round(result["lora_ms"] / result["base_matmul_ms"], 3)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", help="a Python file with an older add_lora(y, x, token_slots, a, b) to time too")
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    old = None
+    if args.compare:
+        spec = importlib.util.spec_from_file_location("old_triton_lora", args.compare)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    results, is_exact = [], True
+    for num_tokens in args.tokens:
+        for name in PROJECTIONS:
+            result = measure(name, num_tokens, args.adapters, args.rank, old)
+            is_exact &= result["max_rel_error"] < 0.02
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    for num_tokens in args.tokens:
+        rows = [r for r in results if r["tokens"] == num_tokens]
+        layer = {key: round(sum(r[key] for r in rows), 4) for key in ("base_matmul_ms", "lora_ms", "old_lora_ms")
+                 if key in rows[0]}
+        print(json.dumps({"tokens": num_tokens, "per_layer": layer}), flush=True)
+    print(("PASS" if is_exact else "FAIL") + " lora kernels match the reference (max error < 2% of the update)")
+    if args.json:
+        with open(args.json, "w") as sink:
+            json.dump(results, sink, indent=2)
+
+
+if __name__ == "__main__":
+    main()
