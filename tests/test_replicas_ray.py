@@ -1,10 +1,11 @@
 """Two engine replicas as Ray actors on a local Ray (``ray.init(num_cpus=2)``), one tiny fp32 Llama:
 tokens equal the single in-process engine, shared prefixes go to one replica and hit its cache, an
 overloaded replica's prefix spills to the other, a closed stream frees its blocks on its replica,
-and a killed replica fails only its own requests while the other keeps serving.
+a replica Ray restarts serves again, and a killed replica fails only its own requests while the
+other keeps serving.
 
 One Ray session and one replica set for the module (starting them is most of its time); the
-kill test takes a replica down, so it runs last.
+kill test takes a replica down for good, so it runs last.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from model_equality import save_tiny_model  # noqa: E402
 BLOCK = 8
 KW = dict(device="cpu", dtype="float32", show_progress=False, block_size=BLOCK, kv_cache_memory="8MiB",
           max_num_seqs=8)
-REPLICAS = dict(replicas=2, backend="ray", max_load_gap=2)
+REPLICAS = dict(replicas=2, backend="ray", max_load_gap=2, max_restarts=1)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
 
@@ -130,6 +131,27 @@ async def test_a_closed_stream_frees_its_blocks_on_its_replica(engine):
     assert engine.core.replica_of(request_id) is None
     by_index = {entry["replica"]: entry for entry in idle}
     assert by_index[replica]["num_generation_tokens"] - generated_before < LONG.max_tokens  # cut short
+
+
+async def test_a_replica_ray_restarts_serves_again(engine):
+    stream = engine.generate(random_prompts(1, [12], seed=50)[0], LONG, request_id="restarted")
+    await stream.__anext__()
+    index = engine.core.replica_of("restarted")
+    ray.kill(engine.core.replica_actor(index), no_restart=False)  # Ray restarts it (max_restarts=1)
+    with pytest.raises(EngineDeadError, match=f"replica {index} of model"):
+        async for _ in stream:
+            pass
+    deadline = time.monotonic() + 60.0
+    while not (replica_stats(engine)[index]["is_alive"] and replica_stats(engine)[index]["num_restarts"] == 1):
+        assert time.monotonic() < deadline, replica_stats(engine)
+        await asyncio.sleep(0.2)
+    before = [entry["num_routed"] for entry in replica_stats(engine)]
+    prompts = random_prompts(2, [12], seed=51)  # two new prefixes at once: one per replica
+    streams = engine.core.add_requests(prompts, [GREEDY] * 2)
+    outputs = [[out async for out in stream] for stream in streams]
+    assert all(len([t for out in outs for t in out.delta_token_ids]) == GREEDY.max_tokens for outs in outputs)
+    assert [entry["num_routed"] - b for entry, b in zip(replica_stats(engine), before)] == [1, 1]
+    await wait_until_idle(engine)
 
 
 async def test_a_killed_replica_fails_its_requests_and_the_other_keeps_serving(engine):

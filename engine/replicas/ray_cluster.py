@@ -144,3 +144,10 @@ def actor_errors() -> tuple[type[BaseException], ...]:
     exceptions = import_ray().exceptions
     return tuple(getattr(exceptions, name) for name in ("RayActorError", "ActorUnavailableError", "ActorDiedError")
                  if hasattr(exceptions, name))
+
+
+def is_restarting(error: BaseException) -> bool:
+    """Whether Ray says the actor may come back (it is being restarted, or briefly unreachable);
+    otherwise (``ActorDiedError``) it is dead for good."""
+    unavailable = getattr(import_ray().exceptions, "ActorUnavailableError", None)
+    return unavailable is not None and isinstance(error, unavailable)

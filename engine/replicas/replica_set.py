@@ -40,8 +40,9 @@ from .router import PrefixAffinityRouter, Route
 logger = logging.getLogger("hearth_llm")
 
 # Seconds between two checks whether a dead replica has been restarted by Ray.
-RESTART_PROBE_S = 1.0
-RESTART_ATTEMPTS = 5
+RESTART_PROBE_S = 0.5
+# Seconds Ray may take to restart a dead replica and the replica to load its model again.
+RESTART_TIMEOUT_S = 300.0
 # Seconds a stats() call waits for each replica's counters.
 STATS_TIMEOUT_S = 10.0
 # Counters of the replicas that stats() reports as their maximum rather than their sum.
@@ -492,36 +493,43 @@ class ReplicaSet:
         dead.__cause__ = error
         for pending in list(replica.pending.values()):
             self._finish(pending, _copy(dead))
-        if replica.num_restarts >= self.options.max_restarts:
-            # dead for good: give its bundle back to the cluster
-            asyncio.get_running_loop().run_in_executor(None, ray_cluster.stop_replica, replica.handle, 0.0)
-        if not self._router.live_replicas and self.options.max_restarts == 0:
+        if ray_cluster.is_restarting(error):
+            asyncio.get_running_loop().create_task(self._await_restart(replica))
+            return
+        # dead for good: give its bundle back to the cluster
+        asyncio.get_running_loop().run_in_executor(None, ray_cluster.stop_replica, replica.handle, 0.0)
+        if not self._router.live_replicas:
             self._stop(EngineDeadError(f"all {self.options.replicas} replicas of {self.config.model!r} are dead"),
                        error)
-        elif replica.num_restarts < self.options.max_restarts:
-            asyncio.get_running_loop().create_task(self._await_restart(replica))
 
     async def _await_restart(self, replica: _Replica) -> None:
-        """Ray restarts the actor (``max_restarts``); calls made meanwhile wait for the new one.
-        Once it has loaded the model, it serves again (its prefix cache empty)."""
+        """Ray restarts the actor (``max_restarts``): once the new one has loaded the model, it
+        serves again (its prefix cache empty). Dead for good instead: its bundle is given back."""
         errors = ray_cluster.actor_errors()
-        for _ in range(RESTART_ATTEMPTS):
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        old_pid = replica.facts.pid if replica.facts else None
+        while not self._is_closing:
             await asyncio.sleep(RESTART_PROBE_S)
-            if self._is_closing:
-                return
             try:
-                replica.facts = await replica.handle.actor.start.remote()
-            except errors as error:  # the old incarnation answering, or dead for good
+                facts = await replica.handle.actor.start.remote()
+            except errors as error:
                 replica.last_error = f"{type(error).__name__}: {error}"
-                continue
-            replica.num_restarts += 1
+                if ray_cluster.is_restarting(error) and time.monotonic() < deadline:
+                    continue
+                logger.error("replica %d of %r did not come back: %s", replica.handle.index, self.config.model,
+                             replica.last_error)
+                await asyncio.to_thread(ray_cluster.stop_replica, replica.handle, 0.0)
+                if not self._router.live_replicas:
+                    self._stop(EngineDeadError(f"all {self.options.replicas} replicas of {self.config.model!r} "
+                                               f"are dead"), error)
+                return
+            replica.facts = facts
+            replica.num_restarts += facts.pid != old_pid  # the same pid: it was only unreachable a moment
             self._router.mark_alive(replica.handle.index)
             replica.pump = asyncio.get_running_loop().create_task(self._pump(replica))
-            logger.info("replica %d of %r is back (restart %d)", replica.handle.index, self.config.model,
+            logger.info("replica %d of %r serves again (restarts: %d)", replica.handle.index, self.config.model,
                         replica.num_restarts)
             return
-        logger.error("replica %d of %r did not come back: %s", replica.handle.index, self.config.model,
-                     replica.last_error)
 
     def _stop(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         """Fail every pending request with ``error``; later calls raise it too."""
