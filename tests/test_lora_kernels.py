@@ -149,30 +149,33 @@ def test_planned_layer_path_splits_a_whole_layer_shard_across_its_slices(monkeyp
     from hearth_llm.engine.models import lora_linear
     triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
 
-    monkeypatch.setattr(lora_linear, "add_lora_planned", triton_lora.add_lora_planned)
+    monkeypatch.setattr(lora_linear, "add_lora_planned", triton_lora.add_lora_planned)  # (on the CPU too)
+    device = torch.device(DEVICE)
     layer = QKVLinear(hidden_size=16, head_dim=16, num_heads=4, num_kv_heads=2, bias=False)  # q 64, k 32, v 32
     torch.nn.init.normal_(layer.weight)
-    step = LoRAStep(capacity=32, device=torch.device("cpu"), planned=True)
+    layer.to(device)
+    step = LoRAStep(capacity=32, device=device, planned=True)
     step.allocate(num_slots=2, max_ranks_per_layer=3 * 4)
     method = LoRALinearMethod(layer.method, layer, num_slots=2, max_rank=4, step=step, dtype=torch.float32,
-                              device=torch.device("cpu"))
+                              device=device)
     layer.method = method
     generator = torch.Generator().manual_seed(7)
     whole_a, whole_b = torch.randn(3, 16, generator=generator), torch.randn(3, 128, generator=generator)
     q_a, q_b = torch.randn(4, 16, generator=generator), torch.randn(4, 64, generator=generator)
     method.load_slot(0, [ShardLoRA(0, 0, whole_a, whole_b)])
     method.load_slot(1, [ShardLoRA(0, 0, q_a, q_b)])
-    x = torch.randn(7, 16, generator=generator)
+    x = torch.randn(7, 16, generator=generator).to(device)
     base = torch.nn.functional.linear(x, layer.weight)
     step.begin_sequences([0, -1, 1], [3, 2, 2])
     out = layer(x)
     step.end()
-    expected = base.clone()
+    expected = base.clone().cpu()
+    x, out, base = x.cpu(), out.cpu(), base.cpu()
     expected[:3] += (x[:3] @ whole_a.T) @ whole_b
     expected[5:, :64] += (x[5:] @ q_a.T) @ q_b
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
     assert torch.equal(out[3:5], base[3:5])
-    assert torch.equal(layer(x), base)  # after end(): nothing added
+    assert torch.equal(layer(x.to(device)).cpu(), base)  # after end(): nothing added
 
 
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: round-to-nearest is off by <= 2^-8 |value|
