@@ -196,6 +196,41 @@ def check_closeness(report) -> None:
             report(f"{'PASS' if err < 2e-2 else 'FAIL'} closeness {label} cache={cache_dtype} max|diff|={err:.2e}")
 
 
+def check_fp8_writes(report) -> None:
+    """The fused attention-inputs kernel and the plain cache write into an fp8 cache, against torch."""
+    from hearth_llm.kernels.attention_inputs import reference as inputs_reference
+    from hearth_llm.kernels.attention_inputs import triton_attention_inputs
+    from hearth_llm.kernels.kv_cache import reference as cache_reference
+    from hearth_llm.kernels.kv_cache import triton_kv_cache
+    gen = torch.Generator().manual_seed(4)
+    num_heads, num_kv_heads, head_dim, tokens = 16, 8, 128, 300
+    qkv = (3 * torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)).to(DEVICE, torch.bfloat16)
+    positions = torch.randint(0, 4000, (tokens,), generator=gen).to(DEVICE)
+    cos_sin = torch.randn(4096, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    norms = [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    slots = torch.randperm(64 * 16, generator=gen)[:tokens].to(DEVICE)
+    scales = torch.tensor([0.05, 0.01], device=DEVICE)
+    caches = [torch.zeros(64, 16, num_kv_heads, head_dim, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(4)]
+    triton_attention_inputs.qk_norm_rope_and_cache(qkv, positions, cos_sin, caches[0], caches[1], slots, num_heads,
+                                                   num_kv_heads, *norms, kv_scales=scales)
+    inputs_reference.qk_norm_rope_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, num_heads,
+                                            num_kv_heads, *norms, 1e-6, True, scales)
+    for name, actual, expected in (("keys", caches[0], caches[2]), ("values", caches[1], caches[3])):
+        equal = (actual.float() == expected.float()).float().mean().item()
+        # the torch composition rounds norm and rotary to bf16 on its own: a bf16 step apart, scaled
+        diff = (actual.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
+        report(f"{'PASS' if equal > 0.99 else 'FAIL'} fp8 fused write {name}: "
+               f"{equal * 100:.3f}% equal to torch, max |diff| / max |value| {diff:.4f}")
+    key = (20 * torch.randn(tokens, num_kv_heads, head_dim, generator=gen)).to(DEVICE, torch.bfloat16)
+    for cache in caches:
+        cache.zero_()
+    triton_kv_cache.write_kv_cache(key, key, caches[0], caches[1], slots, scales)
+    cache_reference.write_kv_cache(key, key, caches[2], caches[3], slots, scales)
+    equal = (caches[0].float() == caches[2].float()).float().mean().item()
+    report(f"{'PASS' if equal > 0.995 else 'FAIL'} fp8 write_kv_cache: {equal * 100:.3f}% equal to torch, "
+           f"saturated {(caches[2].float().abs() == 448).float().mean().item() * 100:.2f}%")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget-s", type=float, default=80.0)
@@ -218,6 +253,7 @@ def main(argv=None) -> None:
         report(f"device {torch.cuda.get_device_name()} SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
     if args.check:
         check_closeness(report)
+        check_fp8_writes(report)
     default_launch, variants = decode_variants()
     if args.smoke:
         variants = variants[:1]
