@@ -40,7 +40,7 @@ def write_random_adapters(shapes: dict[str, tuple[int, ...]], directory: Path, c
             tensors[f"{key}.lora_B.weight"] = (torch.randn(out_features, rank, generator=generator, device=device)
                                                * 0.01).bfloat16().cpu()
         path = directory / f"adapter{index}"
-        path.mkdir()
+        path.mkdir(exist_ok=True)
         save_file(tensors, path / "adapter_model.safetensors")
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
                   "bias": "none", "use_rslora": False, "use_dora": False}
@@ -129,6 +129,7 @@ def main(argv=None) -> None:
     parser.add_argument("--adapter-counts", type=int, nargs="+", default=(1, 4, 8), help="adapters per run")
     parser.add_argument("--no-base-only", action="store_true", help="skip the LoRA engine serving base requests")
     parser.add_argument("--profile", help="a file for a torch.profiler table of 20 steps of the last adapter run")
+    parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
@@ -144,6 +145,9 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
 
     with tempfile.TemporaryDirectory() as directory:
+        if args.adapters_dir:
+            directory = args.adapters_dir
+            Path(directory).mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         paths = write_random_adapters(shapes, Path(directory), max(args.adapter_counts), args.rank, args.device)
         results["adapter_write_seconds"] = round(time.perf_counter() - started, 2)

@@ -1,0 +1,159 @@
+"""vLLM's side of the multi-LoRA benchmark (benchmarks/lora.py): the same workload, shapes and adapter
+files, in vLLM's own process (never imported by our engine). Self-contained: needs only vLLM, torch
+and safetensors, no hearth_llm.
+
+    PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/lora_vllm_side.py \\
+        --num-seqs 64 --lengths 100 512 --adapters-dir /tmp/lora_adapters --json out.json
+
+vLLM: ``enable_lora=True, max_loras=8, max_lora_rank=16``, dummy base weights (a directory with only
+config.json), ``skip_tokenizer_init``. Adapters: random PEFT directories (A, B ~ N(0, 0.01) in bf16,
+``lora_alpha = 2r``, q/k/v/o/gate/up/down), made here from fixed seeds exactly as
+``benchmarks.lora.write_random_adapters`` makes them, or read from ``--adapters-dir`` if it holds them.
+Runs: base-model requests on the LoRA engine, then the workload spread over 8 adapters (request ``i``
+on adapter ``i % 8``), then batch-1 decode ms/token with one adapter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=32, hidden_size=4096,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                 vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def workload(num_seqs: int, seed: int = 0, low: int = 100, high: int = 1024):
+    """benchmarks.throughput.workload: the same prompts and output lengths for the same arguments."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_seqs):
+        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(low, high))]
+        requests.append((prompt, rng.randint(low, high)))
+    return requests
+
+
+def module_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """``model.layers.i.<block>.<proj>`` -> (out, in) for every LoRA target, as the HF checkpoint names them."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    per_layer = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+                 "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                 "mlp.down_proj": (hidden, inter)}
+    return {f"model.layers.{i}.{name}": dims for i in range(config["num_hidden_layers"])
+            for name, dims in per_layer.items()}
+
+
+def write_random_adapters(config: dict, directory: Path, count: int, rank: int) -> list[Path]:
+    import torch
+    from safetensors.torch import save_file
+
+    # benchmarks.lora.write_random_adapters iterates the checkpoint's names in its order: layers in order,
+    # within a layer as RandomWeights lists them; only the seeds and shapes matter for the benchmark.
+    paths = []
+    for index in range(count):
+        path = directory / f"adapter{index}"
+        if (path / "adapter_model.safetensors").exists():
+            paths.append(path)
+            continue
+        generator = torch.Generator("cuda").manual_seed(index)
+        tensors = {}
+        for module, (out_features, in_features) in module_shapes(config).items():
+            key = f"base_model.model.{module}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_features, generator=generator, device="cuda")
+                                               * 0.01).bfloat16().cpu()
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out_features, rank, generator=generator, device="cuda")
+                                               * 0.01).bfloat16().cpu()
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none",
+             "use_rslora": False, "use_dora": False}))
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--lengths", type=int, nargs=2, default=(100, 512))
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters-dir", default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    results = {"engine": "vllm", "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
+    try:
+        import vllm
+        results["engine"] = f"vllm {vllm.__version__}"
+    except AttributeError:
+        pass
+    model_dir = tempfile.mkdtemp()
+    json.dump(dict(LLAMA3_8B, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+              open(os.path.join(model_dir, "config.json"), "w"))
+    started = time.perf_counter()
+    adapters_dir = Path(args.adapters_dir or tempfile.mkdtemp())
+    paths = write_random_adapters(LLAMA3_8B, adapters_dir, 8, args.rank)
+    results["adapter_write_s"] = round(time.perf_counter() - started, 1)
+    loras = [LoRARequest(f"adapter{i}", i + 1, str(path)) for i, path in enumerate(paths)]
+
+    started = time.perf_counter()
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_num_seqs=args.num_seqs, max_num_batched_tokens=16384, max_model_len=4096,
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              enable_lora=True, max_loras=8, max_lora_rank=args.rank)
+    results["init_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(results), flush=True)
+
+    def params(max_tokens):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    def run(adapters: list, shift: int) -> dict:
+        for count in (1, 16, 17):  # warm-up as ours
+            warm = workload(count, seed=count + shift, low=16, high=256)
+            llm.generate([{"prompt_token_ids": p} for p, _ in warm], [params(4)] * count, use_tqdm=False,
+                         lora_request=[adapters[i % len(adapters)] for i in range(count)])
+        requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
+        prompts = [{"prompt_token_ids": [(t + shift) % 10000 for t in p]} for p, _ in requests]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, [params(m) for _, m in requests], use_tqdm=False,
+                               lora_request=[adapters[i % len(adapters)] for i in range(len(requests))])
+        elapsed = time.perf_counter() - started
+        num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"seconds": round(elapsed, 3), "output_tokens": num_output, "tok_per_s": round(num_output / elapsed, 1)}
+
+    results["lora_engine_base_only"] = run([None], shift=1)
+    print(json.dumps(results["lora_engine_base_only"]), flush=True)
+    results["adapters_8"] = run(loras, shift=2)
+    results["adapters_8"]["ratio_to_vllm_base_only"] = round(
+        results["adapters_8"]["tok_per_s"] / results["lora_engine_base_only"]["tok_per_s"], 3)
+    print(json.dumps(results["adapters_8"]), flush=True)
+    for name, lora in (("base_bs1_ms", None), ("adapter_bs1_ms", loras[0])):
+        prompt = {"prompt_token_ids": list(range(100, 132))}
+        best = 1e9
+        for _ in range(2):  # (129 tokens - 1 token) / 128: the prefill and first token left out, as ours
+            t0 = time.perf_counter()
+            llm.generate([prompt], [params(1)], use_tqdm=False, lora_request=lora)
+            t1 = time.perf_counter()
+            llm.generate([prompt], [params(129)], use_tqdm=False, lora_request=lora)
+            best = min(best, (time.perf_counter() - t1 - (t1 - t0)) / 128)
+        results[name] = round(best * 1000, 3)
+    results["seconds_since_init_started"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(results, indent=2), flush=True)
+    if args.json:
+        with open(args.json, "w") as sink:
+            json.dump(results, sink, indent=2)
+
+
+if __name__ == "__main__":
+    main()
