@@ -47,3 +47,30 @@ SHAPES = {
                          max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-5,
                          sliding_window=None),
 }
+
+# HF ``model_type`` of each architecture, for a config.json written without transformers (vLLM's side).
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "LlamaForCausalLM": "llama",
+               "MixtralForCausalLM": "mixtral"}
+
+
+def shape_fields(shape: str, max_model_len: int | None = None) -> dict:
+    """``SHAPES[shape]``, its ``max_position_embeddings`` raised to ``max_model_len`` where shorter
+    (the Llama-3-8B shape's 8,192 for the 8,704 a long-context run needs; the layers, and so the
+    cost of every token, are the same). Both sides of a comparison build from these fields.
+
+    >>> shape_fields("llama3-8b", 8704)["max_position_embeddings"], shape_fields("llama3-8b")["max_position_embeddings"]
+    (8704, 8192)
+    """
+    fields = dict(SHAPES[shape])
+    if max_model_len is not None and fields["max_position_embeddings"] < max_model_len:
+        fields["max_position_embeddings"] = max_model_len
+    return fields
+
+
+def config_json(shape: str, max_model_len: int | None = None, dtype: str = "bfloat16") -> dict:
+    """A config.json for ``shape`` (what an HF checkpoint of it holds), with the token ids the
+    benchmarks' placeholder tokenizer uses (bos 0, eos 1, pad 0)."""
+    fields = shape_fields(shape, max_model_len)
+    architecture = fields.pop("architecture")
+    return dict(fields, architectures=[architecture], model_type=MODEL_TYPES[architecture], torch_dtype=dtype,
+                bos_token_id=0, eos_token_id=1, pad_token_id=0)

@@ -21,24 +21,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
+import sys
 import time
 from collections.abc import Mapping
 
 import torch
 
 from .random_weights import RandomWeights, checkpoint_shapes, hub_state_dict
-from .shapes import SHAPES
+from .shapes import SHAPES, shape_fields
+from .vllm_peer import format_ratio_table
+from .workloads import max_model_len_for, workload
 
 # By exact architecture: a family prefix would build a dense Qwen3 for Qwen3Moe, dropping the experts.
 CONFIG_CLASSES = {"Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
                   "LlamaForCausalLM": "LlamaConfig", "MixtralForCausalLM": "MixtralConfig"}
 
 
-def hf_config(shape: str, num_layers: int | None = None):
+def hf_config(shape: str, num_layers: int | None = None, max_model_len: int | None = None):
+    """The HF config of ``shape``; ``max_model_len`` raises a shorter ``max_position_embeddings``
+    (:func:`.shapes.shape_fields`)."""
     import transformers
 
-    fields = dict(SHAPES[shape])
+    fields = shape_fields(shape, max_model_len)
     architecture = fields.pop("architecture")
     if architecture not in CONFIG_CLASSES:
         raise ValueError(f"shape {shape!r}: architecture {architecture!r} has no config class here; "
@@ -58,14 +62,15 @@ def placeholder_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t1", pad_token="t0", unk_token="t2")
 
 
-def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None):
+def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None,
+                 max_model_len: int | None = None):
     """An HF model with random weights of the given shape, and the same weights as our checkpoint
     (hub names; fused experts split into views, so the checkpoint itself copies nothing)."""
     from transformers import AutoModelForCausalLM
 
     from hearth_llm.engine.loader.checkpoint import LoadedCheckpoint
 
-    config = hf_config(shape, num_layers)
+    config = hf_config(shape, num_layers, max_model_len)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -74,7 +79,8 @@ def random_model(shape: str, dtype: torch.dtype, device: str, num_layers: int | 
     return model, checkpoint
 
 
-def random_checkpoint(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None):
+def random_checkpoint(shape: str, dtype: torch.dtype, device: str, num_layers: int | None = None,
+                      max_model_len: int | None = None):
     """Our checkpoint alone, no HF model: each weight is made on ``device`` when the loader reads it.
     Returns the :class:`RandomWeights` (names, shapes, bytes) and the checkpoint over them.
 
@@ -84,7 +90,7 @@ def random_checkpoint(shape: str, dtype: torch.dtype, device: str, num_layers: i
     """
     from hearth_llm.engine.loader.checkpoint import LoadedCheckpoint
 
-    config = hf_config(shape, num_layers)
+    config = hf_config(shape, num_layers, max_model_len)
     weights = RandomWeights(checkpoint_shapes(config, dtype), dtype, device, std=config.initializer_range)
     # A stream, not a state_dict: the checkpoint would read every tensor for its shapes, then list them all.
     checkpoint = LoadedCheckpoint(config, placeholder_tokenizer(config.vocab_size), shape,
@@ -119,15 +125,6 @@ def our_engine(checkpoint, dtype: str, max_num_seqs: int = 256, kv_cache_memory:
                           max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                           max_model_len=max_model_len, show_progress=False, async_scheduling=async_scheduling)
     return LLMEngine(config, checkpoint=checkpoint)
-
-
-def workload(num_seqs: int = 256, seed: int = 0, low: int = 100, high: int = 1024):
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(num_seqs):
-        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(low, high))]
-        requests.append((prompt, rng.randint(low, high)))
-    return requests
 
 
 def synchronize(device: torch.device) -> None:
@@ -288,10 +285,42 @@ def check_room_for_hf(parser: argparse.ArgumentParser, shape: str, kv_cache_memo
                      f"{total / 2**30:.1f} GiB: add --no-hf (ours only, one copy) or lower --kv-cache-memory")
 
 
-def main(argv=None) -> None:
+def engine_generate(engine):
+    """``generate(prompts, max_tokens) -> (seconds, output tokens)`` on our engine: one batch added
+    at once and stepped to its end, timed from the first add to the last token on the device, as
+    :func:`.vllm_side.run_workloads` times ``LLM.generate`` on vLLM's."""
+    from hearth_llm.engine.sampling_params import SamplingParams
+
+    device = engine.runner.device
+
+    def generate(prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, int]:
+        synchronize(device)
+        started = time.perf_counter()
+        for prompt, count in zip(prompts, max_tokens):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=count, ignore_eos=True,
+                                                      detokenize=False))
+        num_output = 0
+        while engine.has_unfinished_requests():
+            num_output += sum(len(delta.new_token_ids) for delta in engine.step())
+        synchronize(device)
+        elapsed = time.perf_counter() - started
+        for request_id in list(engine.groups):
+            engine.release(request_id)
+        return elapsed, num_output
+
+    return generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .vllm_side import WORKLOADS, add_workload_options
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--num-seqs", type=int, default=256)
+    add_workload_options(parser)  # --num-seqs, --lengths, the burst and long-context sizes, engine limits
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None,
+                        help="what to run besides HF's column: throughput (the 256 seqs), bs1 (decode ms/token, "
+                             "as vLLM's side times it), burst (the shared-prefix burst), long (the long-context "
+                             "mix); default all on cuda, throughput on cpu")
     parser.add_argument("--hf-num-seqs", type=int, default=256, help="0 skips HF's throughput run")
     parser.add_argument("--kv-cache-memory", default="40GiB")
     parser.add_argument("--json", help="also write the results here")
@@ -304,30 +333,106 @@ def main(argv=None) -> None:
                         help="also run ours with async scheduling off, on the same engine settings")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a dry run of the bench path on a tiny shape (needs --no-hf)")
-    parser.add_argument("--lengths", type=int, nargs=2, default=(100, 1024), metavar=("LOW", "HIGH"),
-                        help="input and output lengths are uniform in [LOW, HIGH]")
+    peer = parser.add_argument_group("vLLM as the peer (in a subprocess; never imported here)")
+    peer.add_argument("--vllm", action="store_true",
+                      help="also run the same workloads, shape and options through vLLM (dummy weights), "
+                           "before ours, and print our/vLLM ratios")
+    peer.add_argument("--vllm-python", default=sys.executable, help="the interpreter that runs vLLM's side")
+    peer.add_argument("--vllm-pythonpath", help="put this first on its PYTHONPATH (where vLLM is unpacked)")
+    peer.add_argument("--vllm-json", help="vLLM's results go here (default: beside --json, or a temp file)")
+    peer.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's")
+    peer.add_argument("--skip-ours", action="store_true", help="with --vllm: vLLM's side only")
+    peer.add_argument("--compare", nargs=2, metavar=("OURS_JSON", "VLLM_JSON"),
+                      help="print the ratio table of two earlier runs' JSON files and stop (no device needed)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compare:
+        print_comparison(*args.compare)
+        return
     if args.device == "cpu" and not args.no_hf:
         parser.error("--device cpu runs ours only; add --no-hf")
     if not 1 <= args.lengths[0] <= args.lengths[1]:
         parser.error(f"--lengths {args.lengths[0]} {args.lengths[1]}: need 1 <= LOW <= HIGH")
+    if args.skip_ours and not args.vllm:
+        parser.error("--skip-ours runs nothing without --vllm")
+    if args.workloads is None:
+        args.workloads = ["throughput"] if args.device == "cpu" else ["throughput", "bs1", "burst", "long"]
+    if args.max_model_len is None:
+        args.max_model_len = max_model_len_for(args.long_context if "long" in args.workloads else None)
+    results = {"shape": args.shape, "workloads": args.workloads,
+               "options": dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                               max_model_len=args.max_model_len)}
+    if args.vllm:  # first: vLLM's process has the whole device, and ends before ours starts
+        results["vllm"] = run_peer(parser, args)
+    if not args.skip_ours:
+        results.update(run_ours_side(parser, args))
+    if "vllm" in results and "measures" in results:
+        print(format_ratio_table(results["measures"], results["vllm"]["measures"], args.shape))
+    print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as sink:
+            json.dump(results, sink, indent=2)
+
+
+def run_peer(parser: argparse.ArgumentParser, args) -> dict:
+    """vLLM's side through :mod:`.vllm_peer`; a clear parser error if it cannot run."""
+    import tempfile
+
+    from .vllm_peer import VLLMUnavailable, run_vllm_side, vllm_environment
+
+    json_path = args.vllm_json or (args.json.removesuffix(".json") + ".vllm.json" if args.json
+                                   else tempfile.mkstemp(prefix="vllm-side-", suffix=".json")[1])
+    arguments = ["--shape", args.shape, "--workloads", *args.workloads, "--num-seqs", str(args.num_seqs),
+                 "--lengths", *map(str, args.lengths), "--prefix-burst", *map(str, args.prefix_burst),
+                 "--long-context", *map(str, args.long_context), "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                 "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    print(f"vLLM's side: {args.vllm_python} -m hearth_llm.benchmarks.vllm_side {' '.join(arguments)}",
+          file=sys.stderr, flush=True)
+    try:
+        peer = run_vllm_side(args.vllm_python, vllm_environment(args.vllm_pythonpath), arguments, json_path)
+    except VLLMUnavailable as error:
+        parser.error(f"--vllm: {error}")
+    print(f"vLLM's side done: {json.dumps(peer)}", file=sys.stderr, flush=True)
+    return peer
+
+
+def print_comparison(ours_path: str, peer_path: str) -> None:
+    from .vllm_peer import format_ratio_table
+
+    with open(ours_path) as source:
+        ours = json.load(source)
+    with open(peer_path) as source:
+        peer = json.load(source)
+    peer = peer.get("vllm", peer)  # a whole --vllm run's JSON, or vLLM's side's own
+    print(format_ratio_table(ours["measures"], peer["measures"], ours["shape"]))
+
+
+def run_ours_side(parser: argparse.ArgumentParser, args) -> dict:
     device = torch.device(args.device)
     if not args.no_hf:
         check_room_for_hf(parser, args.shape, args.kv_cache_memory)
 
     if args.no_hf:
         model = None
-        weights, checkpoint = random_checkpoint(args.shape, torch.bfloat16, args.device)
+        weights, checkpoint = random_checkpoint(args.shape, torch.bfloat16, args.device,
+                                                max_model_len=args.max_model_len)
         weight_bytes, shapes = weights.num_bytes, weights.shapes
     else:
-        model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda")
+        model, checkpoint = random_model(args.shape, torch.bfloat16, "cuda", max_model_len=args.max_model_len)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     active_bytes = active_weight_bytes(shapes, checkpoint.config, 2)
-    engine = our_engine(checkpoint, "bfloat16", kv_cache_memory=args.kv_cache_memory, device=args.device)
+    engine = our_engine(checkpoint, "bfloat16", max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                        device=args.device)
     del checkpoint
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
-    results = {"shape": args.shape, "weight_bytes": weight_bytes}
+    results = {"weight_bytes": weight_bytes, "kv_cache_tokens": engine.runner.num_blocks * engine.config.block_size}
     if active_bytes is not None:
         results["active_weight_bytes"] = active_bytes
     if args.profile:
@@ -346,6 +451,16 @@ def main(argv=None) -> None:
     print(json.dumps(results["ours"]), flush=True)
     results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine)
     results["ours_bs1_decode_graph_ms"] = decode_graph_bs1_ms(engine)
+    measures = {"throughput_tok_s": results["ours"]["tok_per_s"], "throughput_s": results["ours"]["seconds"],
+                "throughput_output_tokens": results["ours"]["output_tokens"]}
+    others = [name for name in args.workloads if name != "throughput"]
+    if others:  # the same arithmetic and ids as vLLM's side (its warm-up again: a few ms)
+        from .vllm_side import run_workloads
+
+        measures.update(run_workloads(engine_generate(engine), argparse.Namespace(**{**vars(args),
+                                                                                     "workloads": others})))
+        results["preemptions_after_all_workloads"] = engine.scheduler.num_preemptions
+    results["measures"] = measures
     if args.compare_sync:
         engine.async_scheduling = False
         # The same lengths, other ids: the first run's prompts sit in the prefix cache.
@@ -368,10 +483,7 @@ def main(argv=None) -> None:
         results["hf_continuous_batching"] = run_hf_continuous_batching(model, hf_requests)
         results["hf_num_seqs"] = len(hf_requests)
         results["ratio"] = results["ours"]["tok_per_s"] / results["hf_continuous_batching"]["tok_per_s"]
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as sink:
-            json.dump(results, sink, indent=2)
+    return results
 
 
 if __name__ == "__main__":
