@@ -508,6 +508,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shape", default=None, help="a random-weight checkpoint of this shape (bench throughput's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda with --shape, else cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, the engine's choice on cpu")
+    parser.add_argument("--engine-core", choices=("thread", "process"), default=None,
+                        help="our server's engine loop: a thread of the server process (default) or its own process")
     parser.add_argument("--peers", default=None,
                         help="comma-separated: in-process, vllm, or none (default: in-process on cpu, vllm on cuda)")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 128 on cuda, 16 on cpu")
@@ -559,7 +561,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_options(args) -> tuple[dict, list[str]]:
     """Our engine's settings, as EngineConfig fields and as ``hearth-llm serve`` flags."""
     kwargs = {"device": args.device}
-    for name in ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
+    for name in ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "engine_core"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     flags = [item for name, value in kwargs.items() for item in (f"--{name.replace('_', '-')}", str(value))]

@@ -49,11 +49,14 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--kv-cache-memory", default=None, help="bytes or e.g. '2GiB'")
     engine.add_argument("--max-waiting-requests", type=int, default=None,
                         help="queue bound; past it requests get 503 with Retry-After")
+    engine.add_argument("--engine-core", choices=("thread", "process"), default=None,
+                        help="where the engine loop runs: a thread of the server (default) or its own process, "
+                             "so the HTTP event loop and the engine do not share one interpreter lock")
     parser.set_defaults(run=run_serve)
 
 
 _ENGINE_OPTIONS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
-                   "max_waiting_requests")
+                   "max_waiting_requests", "engine_core")
 
 
 def serve_kwargs(args: argparse.Namespace) -> dict:

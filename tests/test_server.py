@@ -487,6 +487,25 @@ def test_the_serve_command_reads_its_options_and_the_key_from_the_environment(mo
     assert kwargs["api_key"] == ["sk-env"] and kwargs["embedding_model"] is None and kwargs["max_num_seqs"] == 8
     args = parser.parse_args(["serve", "--api-key", "a", "--api-key", "b", "--host", "0.0.0.0"])
     assert serve_kwargs(args)["api_key"] == ["a", "b"] and serve_kwargs(args)["host"] == "0.0.0.0"
+    assert "engine_core" not in serve_kwargs(args)  # the engine's own default
+    assert serve_kwargs(parser.parse_args(["serve", "--engine-core", "process"]))["engine_core"] == "process"
+
+
+def test_a_server_over_an_engine_core_in_its_own_process_streams_the_same_tokens():
+    """``--engine-core process``: the engine loop runs in a child process (no shared interpreter lock
+    with the HTTP loop); the same greedy completion as the in-thread engine, streamed."""
+    prompt = "The capital of France is"
+    body = {"model": "default", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    texts = {}
+    for engine_core in ("process", "thread"):
+        with start_server("default", preload=True, embedding_model=None, engine_core=engine_core, **ENGINE) as running:
+            with httpx.stream("POST", f"{running.root_url}/v1/completions", json={**body, "stream": True},
+                              timeout=60) as response:
+                assert response.status_code == 200
+                chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            texts[engine_core] = "".join(chunk["choices"][0]["text"] for chunk in chunks)
+    assert texts["process"] and texts["process"] == texts["thread"]
 
 
 def test_the_server_maps_onto_public_engine_apis_only():
