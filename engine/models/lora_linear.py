@@ -7,7 +7,9 @@ layer's slot tensors (``lora_a`` ``[S, blocks * max_rank, in]``, ``lora_b`` ``[S
 max_rank, out]``; one rank block per shard, so q, k and v of a fused ``qkv_proj`` each keep their
 own A and B). Which slot each token uses is the step's :class:`LoRAStep`, which the model
 runner fills before every forward pass: an explicit object handed to every wrapper at wrap time,
-since the model's forward signature carries no adapter inputs.
+since the model's forward signature carries no adapter inputs. A step without adapters runs the
+base methods alone; a step with some plans its tokens once and every layer-projection adds its
+update in one shrink and one expand launch (``kernels/lora``).
 
 >>> step = LoRAStep(capacity=2048, device=torch.device("cpu"))
 >>> wrapped = wrap_with_lora(model, num_slots=8, max_rank=16, step=step)
