@@ -10,7 +10,10 @@ stopped.
 from __future__ import annotations
 
 import os
+import pickle
+import signal
 import threading
+import types
 from collections import deque
 from dataclasses import replace
 
@@ -34,18 +37,29 @@ class _Link:
         self._lock = threading.Lock()
 
     def send(self, message) -> bool:
-        """False when the parent is gone."""
+        """False when the parent is gone. Exceptions are checked to come back out of pickle whole."""
+        if isinstance(message, Output) and isinstance(message.item, BaseException):
+            message = Output(message.stream_id, picklable_error(message.item))
+        elif isinstance(message, (Reply, StartFailed, Stopped)) and getattr(message, "error", None) is not None:
+            message.error = picklable_error(message.error)
         try:
             with self._lock:
                 self.conn.send(message)
             return True
         except (BrokenPipeError, EOFError, OSError):
             return False
-        except Exception as error:  # noqa: BLE001 - an output or error that does not pickle
-            if isinstance(message, Output) and isinstance(message.item, BaseException):
-                return self.send(Output(message.stream_id, RuntimeError(f"{type(message.item).__name__}: "
-                                                                        f"{message.item}")))
-            raise error
+
+
+def picklable_error(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling (an exception pickles as its type and ``args``, and some
+    types need other constructor arguments), else a RuntimeError with its type and message."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+        if type(copy) is type(error):
+            return error
+    except Exception:  # noqa: BLE001 - any failure means: send the text instead
+        pass
+    return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class _PipeStream:
@@ -104,6 +118,8 @@ class ChildEngineCore(EngineCore):
 
 def core_process_main(config, conn) -> None:
     """The child's entry point: serve ``conn`` until the parent closes it or says :class:`Close`."""
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when this engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     link = _Link(conn)
     core = ChildEngineCore(config, link)
     core.start()
@@ -127,11 +143,27 @@ def _report_start(core: ChildEngineCore, link: _Link) -> None:
     except BaseException as error:  # noqa: BLE001 - the parent's wait_until_started raises it
         link.send(StartFailed(error))
         return
-    engine = core.engine
-    view = EngineView(tokenizer=engine.tokenizer, hf_config=engine.hf_config, max_model_len=engine.max_model_len,
-                      vocab_size=engine.vocab_size, eos_token_ids=frozenset(engine.eos_token_ids),
-                      dtype=engine.runner.dtype, pid=os.getpid())
+    try:
+        engine = core.engine
+        view = EngineView(tokenizer=engine.tokenizer, hf_config=_picklable_config(engine.hf_config),
+                          max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                          eos_token_ids=frozenset(engine.eos_token_ids), dtype=engine.runner.dtype, pid=os.getpid())
+        pickle.dumps(view)
+    except Exception as error:  # noqa: BLE001 - say so rather than leave the parent waiting
+        link.send(StartFailed(RuntimeError(f"the engine process could not describe its engine: "
+                                           f"{type(error).__name__}: {error}")))
+        core.close()
+        return
     link.send(Started(view, core.model_info, core.stats()))
+
+
+def _picklable_config(hf_config):
+    """The HF config, or its fields as attributes where its class was made at load (a GGUF file's)."""
+    try:
+        pickle.dumps(hf_config)
+        return hf_config
+    except Exception:  # noqa: BLE001 - a class pickle cannot find by name
+        return types.SimpleNamespace(**hf_config.to_dict())
 
 
 def _handle(core: ChildEngineCore, link: _Link, message) -> None:

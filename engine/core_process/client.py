@@ -312,12 +312,12 @@ class ProcessEngineCore:
         stop_error = None
         try:
             while True:
-                ready = connection.wait([conn, process.sentinel])
-                if conn not in ready:
-                    break  # the child exited and left nothing more to read
                 try:
+                    ready = connection.wait([conn, process.sentinel])
+                    if conn not in ready:
+                        break  # the child exited and left nothing more to read
                     message = conn.recv()
-                except (EOFError, OSError):
+                except (EOFError, OSError):  # the child is gone (or this end was closed)
                     break
                 if isinstance(message, Stopped):
                     stop_error = message.error
