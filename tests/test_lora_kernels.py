@@ -283,7 +283,7 @@ for dtype in ("*fp32", "*bf16"):
             (k._expand_kernel, {"part_ptr": "*fp32", "b_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
                                 "y_ptr": dtype, "slice_starts_ptr": "*i32"},
              ["N", "R", "num_splits", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],
-             {"SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 128 if one_block else 64,
+             {"SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 256 if one_block else 64,
               "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32}),
         ]
         for kernel, pointers, ints, blocks in cases:

@@ -28,7 +28,7 @@ _TARGET_PROGRAMS = 264        # two per H200 SM: what split-K aims for on decode
 _MAX_SPLITS = 16
 _MIN_K_PER_SPLIT = 128
 _TARGET_EXPAND_PROGRAMS = 528  # four per SM: the expand's column blocks are dealt out to this many
-_MAX_ONE_RANK_BLOCK = 128      # ranks of a layer summed once per tile (registers: BLOCK_M x 128 floats)
+_MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
         BLOCK_R=block_r, BLOCK_K=32 if dot_in_fp32 else 64, DOT_IN_FP32=dot_in_fp32)
     block_n = 64 if dot_in_fp32 else 128
     num_col_blocks = triton.cdiv(out_features, block_n)
-    one_rank_block = rank <= _MAX_ONE_RANK_BLOCK
+    one_rank_block = block_m * next_power_of_2(rank) <= _MAX_ONE_RANK_BLOCK
     _expand_kernel[(num_tiles, min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles)))](
         partials, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank, num_splits,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
