@@ -91,12 +91,33 @@ def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None) 
     return result
 
 
+def sweep(num_tokens: int, rank: int) -> list[dict]:
+    """ms per layer (the four projections) for a few launch shapes: K splits and expand programs are
+    runtime choices (no recompilation), so this shows which the defaults should be."""
+    from hearth_llm.kernels.lora import triton_lora
+
+    defaults = triton_lora._MAX_SPLITS, triton_lora._TARGET_EXPAND_PROGRAMS
+    rows = []
+    try:
+        for max_splits in (4, 8, 16):
+            for expand_programs in (264, 528, 1056):
+                triton_lora._MAX_SPLITS, triton_lora._TARGET_EXPAND_PROGRAMS = max_splits, expand_programs
+                ms = sum(measure(name, num_tokens, 8, rank)["lora_ms"] for name in PROJECTIONS)
+                rows.append({"tokens": num_tokens, "max_splits": max_splits, "expand_programs": expand_programs,
+                             "lora_ms_per_layer": round(ms, 4)})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        triton_lora._MAX_SPLITS, triton_lora._TARGET_EXPAND_PROGRAMS = defaults
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", help="a Python file with an older add_lora(y, x, token_slots, a, b) to time too")
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--sweep", type=int, nargs="*", default=(), help="token counts to sweep launch shapes at")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     old = None
@@ -117,6 +138,8 @@ def main(argv=None) -> None:
                  if key in rows[0]}
         print(json.dumps({"tokens": num_tokens, "per_layer": layer}), flush=True)
     print(("PASS" if is_exact else "FAIL") + " lora kernels match the reference (max error < 2% of the update)")
+    for num_tokens in args.sweep:
+        results += sweep(num_tokens, args.rank)
     if args.json:
         with open(args.json, "w") as sink:
             json.dump(results, sink, indent=2)
