@@ -136,13 +136,32 @@ def write_bert_tokenizer(path) -> None:
 
 
 def sentence_transformers_baseline(model_path: str):
+    """LangChain's HuggingFaceEmbeddings, or where langchain-huggingface is not installed the
+    ``SentenceTransformer`` it wraps, called as it calls it; None without sentence-transformers."""
+    # sentence-transformers' own defaults: batches of 32 sorted by length, normalization by the model.
     try:
         from langchain_huggingface import HuggingFaceEmbeddings
+    except ImportError:
+        pass
+    else:
+        return HuggingFaceEmbeddings(model_name=model_path, model_kwargs={"device": "cpu"})
+    try:
+        from sentence_transformers import SentenceTransformer
     except ImportError as error:
         print(f"baseline skipped: {error}")
         return None
-    # sentence-transformers' own defaults: batches of 32 sorted by length, normalization by the model.
-    return HuggingFaceEmbeddings(model_name=model_path, model_kwargs={"device": "cpu"})
+    print("langchain-huggingface is not installed: the baseline is SentenceTransformer.encode, which it wraps")
+    return _SentenceTransformerDocuments(SentenceTransformer(model_path, device="cpu"))
+
+
+class _SentenceTransformerDocuments:
+    """``embed_documents`` as HuggingFaceEmbeddings does it: ``encode`` with its defaults, as lists."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self.model.encode(texts, show_progress_bar=False).tolist()
 
 
 def time_round(embed, sentences: list[str]) -> tuple[float, float, list[list[float]]]:

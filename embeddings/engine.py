@@ -431,8 +431,13 @@ class EmbeddingEngine:
     def _finish_batches(self, num_left: int) -> None:
         """Settle the workers' batches as they end, until at most ``num_left`` are in flight."""
         while len(self._in_flight) > num_left:
-            done, _ = concurrent.futures.wait(self._in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:   # a GPU batch's future holds PendingRows: the device may still be on it
+            if self._runs_on_gpu:
+                # A GPU batch's future is done once queued (it holds PendingRows), and the device runs
+                # them in order: settle the oldest, so as not to wait for newer ones before their turn.
+                done = [next(iter(self._in_flight))]
+            else:
+                done, _ = concurrent.futures.wait(self._in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
                 self._finish_batch(self._in_flight.pop(future), lambda future=future: _rows(future.result()))
 
     def _tokenize(self, items: list[_Item]) -> list[_Item]:

@@ -138,6 +138,36 @@ def test_side_by_side_workers_give_the_vectors_of_a_single_thread(monkeypatch):
     assert len(threads_used) == 2
 
 
+def test_the_cuda_pipeline_gives_the_vectors_of_the_serial_engine_settling_batches_in_order(monkeypatch):
+    # The CUDA scheduling, run on the CPU: one worker only queues each batch (runner.launch), the
+    # engine thread waits for the oldest while it takes and tokenizes the next steps.
+    texts = [f"sentence {i} " + "word " * (i % 23) for i in range(300)]
+    config = dict(num_workers=1, max_batch_size=16, show_progress=False, dtype="float32")
+    with EmbeddingEngine(EmbeddingConfig(**config)) as serial:
+        expected = serial.embed(texts)
+    pipelined = EmbeddingEngine(EmbeddingConfig(**config))
+    pipelined._runs_on_gpu = True
+    with pipelined:
+        pipelined.start()
+        launched_on, waited_for = [], []
+        original = pipelined._runner.launch
+
+        def launch(token_ids):
+            pending = original(token_ids)
+            launched_on.append(threading.current_thread().name)
+            number, wait = len(launched_on), pending.wait
+            pending.wait = lambda: waited_for.append(number) or wait()
+            return pending
+
+        monkeypatch.setattr(pipelined._runner, "launch", launch)
+        actual = pipelined.embed(texts)
+        num_steps = pipelined.stats()["num_steps"]
+    assert torch.allclose(actual, expected, atol=1e-5)
+    assert num_steps > 2 and len(launched_on) > num_steps
+    assert all(name.startswith("hearth-embeddings-worker") for name in launched_on)
+    assert waited_for == sorted(waited_for) == list(range(1, len(launched_on) + 1))
+
+
 def test_workers_run_on_one_thread_each_and_leave_the_process_its_thread_count(monkeypatch):
     num_threads = torch.get_num_threads()
     with EmbeddingEngine(EmbeddingConfig(num_workers=2, max_batch_size=4, show_progress=False)) as engine:
