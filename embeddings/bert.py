@@ -238,12 +238,12 @@ class BertEncoder(nn.Module):
             hidden = layer(hidden, layout, bf16_out_proj=in_bf16, bf16_mlp=in_bf16 and layer is self.layers[-1])
         return layout.pad(hidden).view(batch, length, -1)
 
-    def use_compiled_blocks(self) -> bool:
+    def use_compiled_blocks(self, enabled: bool = True) -> bool:
         """On CUDA in float16/bfloat16, run each layer's second half compiled
-        (:mod:`~.compiled_block`); whether it is on (False elsewhere, or without a compiler)."""
+        (:mod:`~.compiled_block`); whether it is on (False elsewhere, without a compiler, or not ``enabled``)."""
         weight = self.word_embeddings.weight
         block = None
-        if weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16):
+        if enabled and weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16):
             block = compiled_block.compiled_block()
         for layer in self.layers:
             layer.compiled_half = block

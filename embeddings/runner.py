@@ -76,10 +76,16 @@ class EncoderRunner:
         return self.spec.model_type in BERT_MODEL_TYPES
 
     def _compile_now(self) -> None:
-        """Compile at load rather than in the first request: embed a few texts of different lengths."""
+        """Compile at load rather than in the first request: embed a few texts. If compiling fails
+        (a compiler toolchain missing on this machine...), the encoder stays eager."""
         token_ids, _ = self.tokenize(list(CALIBRATION_TEXTS[:4]), truncate=True)
-        with torch.inference_mode():
-            self.run(token_ids)
+        try:
+            with torch.inference_mode():
+                self.run(token_ids)
+        except Exception as error:  # noqa: BLE001 - the eager path is always there
+            logger.warning("compiling the embedding encoder failed (%s: %s); it runs eagerly",
+                           type(error).__name__, str(error)[:500])
+            self.model.use_compiled_blocks(enabled=False)
 
     @property
     def is_mixed_precision(self) -> bool:
