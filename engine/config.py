@@ -15,6 +15,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # LLM(quantization=...) values (engine/models/quant implements them).
 QUANTIZATION_METHODS = ("gguf", "fp8")
+# kv_cache_dtype -> what the cache stores (None: the model dtype)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -75,6 +77,10 @@ class EngineConfig:
       child process behind the same classes, :mod:`~.core_process`): there other torch work of this process
       (a notebook's tensors, HF models) cannot slow its OpenMP threads down, nor it theirs; outputs cross a
       pipe. ``LLM.engine`` is then a read-only view; LoRA and tensor parallelism need ``"thread"``.
+    - ``kv_cache_dtype``: ``"auto"`` stores keys and values in ``dtype``; ``"fp8"`` (or ``"fp8_e4m3"``) stores
+      them in FP8 e4m3 (1 byte each: twice the tokens per GiB, half the bytes each decode step reads),
+      CUDA of compute capability >= 8.9 only. Each layer has its own key and value scale, fixed at 1.0
+      (as vLLM's default without a calibrated checkpoint): values beyond +-448 saturate.
     """
 
     model: str = "default"
@@ -106,6 +112,7 @@ class EngineConfig:
     quantization: str | None = None
     tensor_parallel_size: int = 1
     engine_core: str = "thread"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -148,6 +155,23 @@ class EngineConfig:
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         self._validate_engine_core()
+        self._validate_kv_cache_dtype()
+
+    def _validate_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
+            return
+        device = self.torch_device
+        if device.type != "cuda":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs CUDA (its kernels are Triton's); the "
+                             f"device is {device.type}: use kv_cache_dtype='auto'")
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs FP8 e4m3 support (compute capability "
+                             f">= 8.9); this GPU has {torch.cuda.get_device_capability(device)}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet; use kv_cache_dtype='auto'")
 
     def _validate_engine_core(self) -> None:
         if self.engine_core not in ("thread", "process"):
@@ -176,6 +200,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the paged KV cache stores: ``torch_dtype``, or FP8 e4m3 for ``kv_cache_dtype="fp8"``."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:

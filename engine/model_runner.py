@@ -25,10 +25,12 @@ class ModelRunner:
 
     def __init__(self, checkpoint, device: torch.device, dtype: torch.dtype, block_size: int,
                  kv_cache_memory: int | None, lora_config=None, max_num_batched_tokens: int = 2048,
-                 parallel=None):
+                 parallel=None, kv_cache_dtype: torch.dtype | None = None):
         self.decode_graphs = None
         self.device = device
         self.dtype = dtype
+        # What the paged cache stores: the model dtype, or FP8 e4m3 (EngineConfig.kv_cache_dtype).
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         # Config and weight names/shapes checked before anything is read; weights streamed in.
         # ``parallel`` (a TensorParallel): this rank's slice only, KV heads included.
@@ -40,13 +42,13 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(kv_cache_memory)
         cache_shape = (self.arch.num_hidden_layers, 2, self.num_blocks, block_size,
                        self.num_kv_heads, self.arch.head_dim)
-        self.kv_cache = _zeros(cache_shape, dtype, device)
+        self.kv_cache = _zeros(cache_shape, self.kv_cache_dtype, device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_hidden_layers)]
 
     @property
     def bytes_per_block(self) -> int:
         arch = self.arch
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        element_size = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * arch.num_hidden_layers * self.block_size * self.num_kv_heads * arch.head_dim * element_size
 
     def _num_kv_blocks(self, kv_cache_memory: int | None) -> int:

@@ -25,7 +25,8 @@ def make_executor(config, checkpoint, lora_config=None):
 
     return ModelRunner(checkpoint, config.torch_device, config.torch_dtype, config.block_size,
                        config.kv_cache_memory, lora_config=lora_config,
-                       max_num_batched_tokens=config.max_num_batched_tokens)
+                       max_num_batched_tokens=config.max_num_batched_tokens,
+                       kv_cache_dtype=config.kv_cache_torch_dtype)
 
 
 __all__ = ["make_executor", "MultiprocExecutor"]

@@ -52,8 +52,9 @@ def plan_load(checkpoint, config) -> LoadPlan:
     # Floating tensors counted in ``dtype`` without casting on meta (``.to`` there costs a cold start ~1 s)
     weights = sum(t.numel() * (element_size if t.is_floating_point() else t.element_size())
                   for t in [*model.parameters(), *model.buffers()])
+    kv_element_size = torch.empty((), dtype=config.kv_cache_torch_dtype).element_size()  # 1 for an fp8 cache
     bytes_per_block = (2 * arch.num_hidden_layers * config.block_size * arch.num_key_value_heads * arch.head_dim
-                       * element_size)
+                       * kv_element_size)
     tokens = config.max_model_len or min(arch.max_position_embeddings, MIN_AUTO_CONTEXT_TOKENS)
     minimum = -(-tokens // config.block_size) * bytes_per_block
     if config.kv_cache_memory is not None:

@@ -93,13 +93,14 @@ def _renumbered_pool(old: BlockPool, keep: list[int], new_id: dict[int, int], nu
 def _compacted(runner, keep: list[int], num_blocks: int) -> torch.Tensor:
     """The runner's cache as a ``num_blocks`` cache holding ``keep``'s blocks first. On a GPU the
     kept blocks wait in host memory, so the device never holds the old and the new cache at once."""
-    cache = runner.kv_cache
+    cache = _as_stored(runner.kv_cache)
     shape = (*cache.shape[:2], num_blocks, *cache.shape[3:])
     index = torch.tensor(keep, dtype=torch.long, device=cache.device)
     if cache.device.type != "cuda":
         new = new_kv_cache(shape, cache.dtype, cache.device)
         new[:, :, :len(keep)] = cache.index_select(2, index)
-        return new
+        return new.view(runner.kv_cache.dtype)
+    cache_dtype = runner.kv_cache.dtype
     staged = [cache[layer].index_select(1, index).to("cpu") for layer in range(cache.shape[0])]
     set_kv_cache(runner, None)
     del cache  # the last reference: the old cache goes back to the allocator here
@@ -107,7 +108,12 @@ def _compacted(runner, keep: list[int], num_blocks: int) -> torch.Tensor:
     new = torch.zeros(shape, dtype=staged[0].dtype, device=index.device)
     for layer, blocks in enumerate(staged):
         new[layer, :, :len(keep)].copy_(blocks)
-    return new
+    return new.view(cache_dtype)
+
+
+def _as_stored(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its bytes (index_select has no fp8 kernel); other caches as they are."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 def set_kv_cache(runner, cache: torch.Tensor | None) -> None:

@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.o_proj = RowLinear(num_heads * head_dim, hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj")
         self.rotary = rotary
         self.q_norm, self.k_norm = q_norm, k_norm
+        self._kv_scales: torch.Tensor | None = None
 
     @classmethod
     def from_arch(cls, arch, layer_index: int, rotary: RotaryEmbedding, prefix: str = "", **overrides) -> "Attention":
@@ -69,6 +70,16 @@ class Attention(nn.Module):
         return cls(arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, rotary,
                    prefix=prefix, **kwargs)
 
+    def kv_scales_for(self, key_cache: torch.Tensor) -> torch.Tensor | None:
+        """This layer's (key scale, value scale) for an fp8 cache, else None. Fixed at 1.0, vLLM's
+        default without calibrated scales; one tensor per layer, made on the first (eager) step so
+        CUDA graphs captured later read it in place."""
+        if key_cache.dtype != torch.float8_e4m3fn:
+            return None
+        if self._kv_scales is None or self._kv_scales.device != key_cache.device:
+            self._kv_scales = torch.ones(2, dtype=torch.float32, device=key_cache.device)
+        return self._kv_scales
+
     def forward(self, positions, hidden, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
         qkv_proj, rotary = self.qkv_proj, self.rotary  # each a module lookup: once per step
@@ -76,15 +87,16 @@ class Attention(nn.Module):
         qkv = qkv_proj(hidden)
         key_cache, value_cache = kv_cache
         has_qk_norm = self.q_norm is not None
+        kv_scales = self.kv_scales_for(key_cache)
         # Split heads, q/k norm, rotary and the cache write: one kernel on CUDA.
         query = kernels.qk_norm_rope_and_cache(
             qkv, positions, rotary.cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
             num_heads, num_kv_heads, self.q_norm.weight if has_qk_norm else None,
             self.k_norm.weight if has_qk_norm else None, self.q_norm.eps if has_qk_norm else 1e-6,
-            rotary.is_neox_style,
+            rotary.is_neox_style, kv_scales,
         )
         out = kernels.paged_attention(
             query, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window, self.soft_cap,
+            meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window, self.soft_cap, kv_scales,
         )
         return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))

@@ -59,12 +59,13 @@ class CohereQKNormAttention(Attention):
         query = self.q_norm(query.view(num_tokens, num_heads, self.head_dim)).flatten(1)
         key = self.k_norm(key.view(num_tokens, num_kv_heads, self.head_dim)).flatten(1)
         key_cache, value_cache = kv_cache
+        kv_scales = self.kv_scales_for(key_cache)
         query = kernels.qk_norm_rope_and_cache(torch.cat((query, key, value), dim=-1), positions,
                                                self.rotary.cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
-                                               num_heads, num_kv_heads, is_neox_style=False)
+                                               num_heads, num_kv_heads, is_neox_style=False, kv_scales=kv_scales)
         out = kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens,
                                       meta.query_start_loc, meta.max_query_len, meta.max_context_len, self.scale,
-                                      self.sliding_window)
+                                      self.sliding_window, kv_scales=kv_scales)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 

@@ -34,11 +34,13 @@ class Olmo2Attention(Attention):
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qkv = torch.cat((self.q_norm(query), self.k_norm(key), value), dim=-1)
         key_cache, value_cache = kv_cache
+        kv_scales = self.kv_scales_for(key_cache)
         query = kernels.qk_norm_rope_and_cache(qkv, positions, self.rotary.cos_sin_cache, key_cache, value_cache,
-                                               meta.slot_mapping, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)
+                                               meta.slot_mapping, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
+                                               kv_scales=kv_scales)
         out = kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens,
                                       meta.query_start_loc, meta.max_query_len, meta.max_context_len, self.scale,
-                                      self.sliding_window)
+                                      self.sliding_window, kv_scales=kv_scales)
         return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
 
 
