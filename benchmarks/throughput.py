@@ -12,6 +12,19 @@ token ids, EOS ignored, seed 0, greedy. The same weights run through HF transfor
 batching (``continuous_batching_context_manager``) in the same process. Also batch-size-1 decode
 ms/token for both, against the weight-read floor (weight bytes / copy bandwidth measured here).
 
+On CUDA, after the throughput run, the other workloads of :mod:`.workloads` (``--workloads``): bs1 decode
+timed as vLLM's side times it, the 64-request shared-prefix burst (a 2,048-token prefix never seen, then
+one warmed by an earlier request) and the long-context mix (32 x 8,192-token prompts, 512 new tokens).
+One engine runs them all, so ``max_model_len`` is 8,704 when the long mix runs (else 4,096).
+
+``--vllm`` runs the same shape, workloads and options through vLLM first, in its own process
+(:mod:`.vllm_side`, dummy weights), and prints the ratios (> 1: ours faster):
+
+    python -m hearth_llm.benchmarks.throughput --shape llama3-8b --no-hf --vllm --vllm-pythonpath /tmp/vsite
+    python -m hearth_llm.benchmarks.throughput --shape llama3-8b --skip-ours --vllm --vllm-pythonpath /tmp/vsite \
+        --vllm-json vllm.json                                   # vLLM's side only, e.g. in another device session
+    python -m hearth_llm.benchmarks.throughput --compare ours.json vllm.json   # the table, no device
+
 Checkpoints carry hub names (one tensor per expert for MoE), as real checkpoints do. With ``--no-hf``
 no HF model is built: each weight is made on the device as our loader reads it
 (:mod:`.random_weights`), so the device holds one copy of the weights, not two.
