@@ -90,7 +90,7 @@ async def run(args) -> list[tuple[str, str]]:
     common = dict(show_progress=False, device="cpu", max_num_seqs=max(8, args.requests), kv_cache_memory="256MiB")
     cores = len(os.sched_getaffinity(0))
     # one logical CPU more than the cores: the 1-replica set and the N-replica set both stay up (one runs at a time)
-    ray.init(num_cpus=cores + 1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=cores + 1, include_dashboard=False, log_to_driver=False)
     prompt = prompts_for(args.model, 1)[0]
     prompts = prompts_for(args.model, args.requests)
     engines = {

@@ -13,7 +13,7 @@ import asyncio
 import time
 
 import pytest
-from transformers import LlamaConfig
+from transformers import AutoTokenizer, LlamaConfig
 
 ray = pytest.importorskip("ray", reason="the replica tests need Ray: pip install 'hearth-llm[ray]'")
 
@@ -33,13 +33,17 @@ LONG = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     config = LlamaConfig(**TINY_COMMON, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    return str(save_tiny_model(config, tmp_path_factory.mktemp("replica_model") / "llama", seed=3))
+    path = save_tiny_model(config, tmp_path_factory.mktemp("replica_model") / "llama", seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(path)  # a chat template, for ChatHearth
+    tokenizer.chat_template = "{% for m in messages %}w5 {{ m['content'] }} w6 {% endfor %}w7"
+    tokenizer.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
     """An AsyncLLM on two replicas; LLM(model_dir, **KW, **REPLICAS) shares its replica set."""
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # a new local Ray, never a running one
     handle = AsyncLLM(model_dir, **KW, **REPLICAS)
     handle.core.wait_until_started()
     yield handle
@@ -84,6 +88,18 @@ async def test_streamed_tokens_equal_the_batch_ones(engine, model_dir):
     streamed = [token async for out in engine.generate(prompt, GREEDY) for token in out.delta_token_ids]
     with LLM(model_dir, **KW) as single:
         assert streamed == single.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_chat_hearth_on_replicas_answers_as_on_one_engine(engine, model_dir):
+    pytest.importorskip("langchain_core")
+    from hearth_llm.integrations.langchain import ChatHearth
+
+    replicated = ChatHearth(model=model_dir, engine_kwargs={**KW, **REPLICAS}, max_tokens=5, temperature=0)
+    single = ChatHearth(model=model_dir, engine_kwargs=KW, max_tokens=5, temperature=0)
+    question = "w10 w11 w12"
+    answer = single.invoke(question)
+    assert replicated.invoke(question).content == answer.content
+    assert "".join(chunk.content for chunk in replicated.stream(question)) == answer.content
 
 
 async def test_shared_prefix_requests_go_to_one_replica_and_hit_its_cache(engine):
