@@ -131,6 +131,7 @@ def main(argv=None) -> None:
         runs.append((label, result))
         print(f"{label}: {result.get('total_s', float('nan')):.2f} s to first token"
               + (f" ({result['error']})" if "error" in result else ""), flush=True)
+        print(json.dumps(result), flush=True)  # kept even if a later run is cut short
     results["runs"] = dict(runs)
     print(format_breakdown(runs))
     warm = [run["total_s"] for label, run in runs if "total_s" in run and label != "empty cache"]
