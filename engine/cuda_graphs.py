@@ -19,11 +19,14 @@ MAX_GRAPH_ROWS = 512
 
 
 def capture_sizes(max_rows: int) -> list[int]:
-    sizes = [size for size in (1, 2, 4, 8) if size <= max_rows]
-    sizes += list(range(16, max_rows + 1, 16))
-    if sizes[-1] < max_rows:  # e.g. 20 rows (4 sequences verifying 4 proposals each)
-        sizes.append(-(-max_rows // 16) * 16)
-    return sizes
+    """1, 2, 4, 8, then multiples of 16, up to the first that holds ``max_rows``.
+
+    >>> capture_sizes(5), capture_sizes(20)[-2:]      # 1 sequence verifying 4 proposals; 4 of them
+    ([1, 2, 4, 8], [16, 32])
+    """
+    candidates = [1, 2, 4, 8] + list(range(16, max_rows + 16, 16))
+    end = next(index for index, size in enumerate(candidates) if size >= max_rows)
+    return candidates[:end + 1]
 
 
 def graph_rows(max_batch: int, num_speculative_tokens: int) -> int:
