@@ -5,9 +5,10 @@
 1. per-token streaming overhead: one greedy stream of ``--tokens`` tokens, its inter-token time
    in-process (``AsyncLLM(model)``) and through one Ray replica (``replicas=1, backend="ray"``), both
    on one torch thread so only the path differs; the difference is what a token costs to cross Ray
-   (the replica's outbox, one ``poll`` reply, the driver's pump, the caller's stream).
+   (the replica's outbox, one ``poll`` reply, the driver's pump, the caller's stream). The same for
+   a whole one-token request (routing, tokenizing in the driver, the add call, prefill, the end).
 2. throughput: ``--requests`` requests of ``--tokens`` tokens sent at once, to one in-process engine
-   on every core and to two replicas of one core each (``ray.init(num_cpus=2)``).
+   on every core and to one replica per core (``ray.init(address="local")``).
 
 Runs are interleaved (A, B, A, B) and the best of ``--repeats`` is kept: the machine is shared.
 ``--model tiny`` is a random 2-layer Llama (steps of ~1 ms: overhead dominates); ``default`` is the
@@ -52,15 +53,34 @@ def prompts_for(model: str, count: int) -> list:
 
 
 async def inter_token_ms(engine, prompt, tokens: int) -> float:
-    """Median ms between two streamed outputs of one greedy request (first token excluded)."""
+    """Mean ms per token of one greedy stream from its first output to its last: outputs that
+    cross Ray may arrive several at once, so gaps between single outputs would say nothing."""
     from hearth_llm.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    stamps = []
+    first = last = None
+    num_tokens = 0
     async for out in engine.generate(prompt, params):
-        stamps.append((time.perf_counter(), len(out.delta_token_ids)))
-    gaps = [(b[0] - a[0]) * 1e3 / max(1, b[1]) for a, b in zip(stamps[1:], stamps[2:])]
-    return statistics.median(gaps)
+        last = time.perf_counter()
+        if first is None:
+            first = last
+        else:
+            num_tokens += len(out.delta_token_ids)
+    return (last - first) * 1e3 / max(1, num_tokens)
+
+
+async def request_ms(engine, prompt, count: int = 5) -> float:
+    """Median ms of a whole one-token request (prefill, one token, the stream's end): the per-request cost."""
+    from hearth_llm.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        async for _ in engine.generate(prompt, params):
+            pass
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
 
 
 async def throughput(engine, prompts, tokens: int) -> float:
@@ -104,16 +124,22 @@ async def run(args) -> list[tuple[str, str]]:
         await inter_token_ms(engine, prompt, 8)
     rows = []
     latency = {name: [] for name in list(engines)[:2]}
+    per_request = {name: [] for name in list(engines)[:2]}
     rates = {name: [] for name in list(engines)[2:]}
     for _ in range(args.repeats):
         for name in latency:
             latency[name].append(await inter_token_ms(engines[name], prompt, args.tokens))
+            per_request[name].append(await request_ms(engines[name], prompt))
         for name in rates:
             rates[name].append(await throughput(engines[name], prompts, args.tokens))
     local_ms, ray_ms = (min(values) for values in latency.values())
     for name, values in latency.items():
-        rows.append((f"single stream, {name}: ms/token (median gap, best of {args.repeats})", f"{min(values):.3f}"))
+        rows.append((f"single stream, {name}: ms/token (mean after the first, best of {args.repeats})", f"{min(values):.3f}"))
     rows.append(("per-token overhead through Ray (ms)", f"{ray_ms - local_ms:+.3f} ({(ray_ms / local_ms - 1) * 100:+.1f} %)"))
+    for name, values in per_request.items():
+        rows.append((f"one-token request, {name}: ms (median of 5, best of {args.repeats})", f"{min(values):.2f}"))
+    local_request, ray_request = (min(values) for values in per_request.values())
+    rows.append(("per-request overhead through Ray (ms)", f"{ray_request - local_request:+.2f}"))
     for name, values in rates.items():
         rows.append((f"{args.requests} requests x {args.tokens} tokens, {name}: tok/s (best)", f"{max(values):.1f}"))
     local_rate, ray_rate = (max(values) for values in rates.values())

@@ -149,6 +149,27 @@ async def test_a_closed_stream_frees_its_blocks_on_its_replica(engine):
     assert by_index[replica]["num_generation_tokens"] - generated_before < LONG.max_tokens  # cut short
 
 
+@pytest.mark.parametrize("delay_s", [0.0, 0.3])
+async def test_an_abort_ends_the_stream_whether_or_not_the_request_was_sent(engine, delay_s):
+    stream = engine.core.add_request(random_prompts(1, [10], seed=60)[0], LONG, request_id=f"abort-{delay_s}")
+    await asyncio.sleep(delay_s)
+    await engine.abort(f"abort-{delay_s}")
+    outputs = [out async for out in stream]
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert sum(len(out.delta_token_ids) for out in outputs) < LONG.max_tokens
+    await wait_until_idle(engine)
+
+
+def test_invalid_prompts_refuse_the_whole_batch_as_one_engine_does(engine):
+    streams = engine.core.add_requests([[5, 6, 7], []], [GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        list(streams[1])
+    with pytest.raises(ValueError, match="none was queued"):
+        list(streams[0])
+    with pytest.raises(ValueError, match="temperature"):  # sampling parameters: at once, in the caller
+        engine.core.add_request([5, 6], SamplingParams(temperature=-1))
+
+
 async def test_a_replica_ray_restarts_serves_again(engine):
     stream = engine.generate(random_prompts(1, [12], seed=50)[0], LONG, request_id="restarted")
     await stream.__anext__()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, EngineOverloadedError
 from ..input_processor import BatchRejectedError, InputProcessor, RequestInput, request_input
+from ..outputs import StreamOutput
 from ..streams import RequestStream
 from . import ray_cluster
 from .options import ReplicaOptions
@@ -284,15 +285,14 @@ class ReplicaSet:
             self._abort_pending(pending)
 
     def _abort_pending(self, pending: _Pending) -> None:
-        with self._lock:
-            route = pending.route
-            if route is None:
-                pending.is_aborted = True  # not sent yet: _submit drops it
+        with self._lock:  # see _route_and_send: the add is submitted before this abort, or never
+            if pending.route is None:
+                pending.is_aborted = True  # not sent yet: _route_and_send drops it
                 return
-        try:
-            self._replicas[route.replica].handle.actor.abort.remote(pending.input.request_id)
-        except Exception:  # noqa: BLE001 - the replica is gone: its pump fails the request
-            pass
+            try:
+                self._replicas[pending.route.replica].handle.actor.abort.remote(pending.input.request_id)
+            except Exception:  # noqa: BLE001 - the replica is gone: its pump fails the request
+                pass
 
     def _is_serving(self) -> bool:
         return not self.is_stopped and self._loop_thread is not None and self._loop_thread.is_alive()
@@ -399,48 +399,45 @@ class ReplicaSet:
         self._loop.create_task(self._submit(pendings, cache_salt, timeout))
 
     async def _submit(self, pendings: list[_Pending], cache_salt, timeout) -> None:
-        """Check and tokenize the batch here (all or none, as one engine would), route each
-        request, then send each replica its share in one call."""
+        """Check and tokenize the batch here (all or none, as one engine would), then route each
+        request and send each replica its share in one call."""
         try:
             await asyncio.wrap_future(self._startup)
-            routes = self._route(pendings, cache_salt)
+            samples = self._check(pendings)
+            self._route_and_send(pendings, samples, cache_salt, timeout)
         except Exception as error:  # noqa: BLE001 - the batch is refused or the set is dead
             for index, pending in enumerate(pendings):
-                self._finish(pending, error.error_for(index) if isinstance(error, BatchRejectedError) else
-                             _copy(error))
-            return
-        batches: dict[int, list[tuple]] = {}
-        for pending, route in zip(pendings, routes):
-            if route is None:
-                continue
-            checked = pending.input
-            batches.setdefault(route.replica, []).append((checked.request_id, checked.prompt, checked.sampling_params,
-                                                          checked.priority, checked.lora_request))
-        for index, batch in batches.items():
-            self._replicas[index].handle.actor.add.remote(batch, cache_salt, timeout)
+                self._finish(pending, error.error_for(index) if isinstance(error, BatchRejectedError) else _copy(error))
 
-    def _route(self, pendings: list[_Pending], cache_salt) -> list[Route | None]:
-        # ids in use: those in flight before this batch (the batch's own duplicates are the processor's)
+    def _check(self, pendings: list[_Pending]) -> list[list]:
+        """Each request's samples (their token ids) as the replica's engine will see them, or
+        ``BatchRejectedError``. LoRA adapters are checked by the replica that loads them."""
         batch_ids = {pending.input.request_id for pending in pendings}
-        with self._lock:
+        with self._lock:  # ids in use: those in flight before this batch (its own duplicates: the processor's)
             in_use = {request_id for request_id, p in self._pending.items() if p.route is not None
                       and request_id not in batch_ids}
-        # LoRA adapters are checked by the replica that loads them; the prompt is checked here.
-        requests = self._processor.process([replace(p.input, lora_request=None) for p in pendings], in_use)
-        routes = []
+        return self._processor.process([replace(p.input, lora_request=None) for p in pendings], in_use)
+
+    def _route_and_send(self, pendings: list[_Pending], samples: list[list], cache_salt, timeout) -> None:
+        # Under the lock: an abort either finds no route (and the request is dropped here) or finds
+        # one whose add was submitted before it, so the replica sees add, then abort.
+        batches: dict[int, list[tuple]] = {}
         with self._lock:
-            for pending, samples in zip(pendings, requests):
-                if pending.is_aborted:
-                    self._pending.pop(pending.input.request_id, None)
-                    routes.append(None)
+            for pending, children in zip(pendings, samples):
+                checked = pending.input
+                if pending.is_aborted:  # aborted before it was sent: it ends here, as one engine would end it
+                    self._pending.pop(checked.request_id, None)
+                    pending.stream.put(StreamOutput(checked.request_id, "", [], finish_reason="abort", finished=True))
                     continue
-                lora = pending.input.lora_request
+                lora = checked.lora_request
                 extra_key = None if cache_salt is None and lora is None else \
                     json.dumps([cache_salt, lora.name if lora is not None else None])
-                pending.route = self._router.route(samples[0].prompt_token_ids, extra_key, len(samples))
-                self._replicas[pending.route.replica].pending[pending.input.request_id] = pending
-                routes.append(pending.route)
-        return routes
+                pending.route = self._router.route(children[0].prompt_token_ids, extra_key, len(children))
+                self._replicas[pending.route.replica].pending[checked.request_id] = pending
+                batches.setdefault(pending.route.replica, []).append(
+                    (checked.request_id, checked.prompt, checked.sampling_params, checked.priority, lora))
+            for index, batch in batches.items():
+                self._replicas[index].handle.actor.add.remote(batch, cache_salt, timeout)
 
     async def _pump(self, replica: _Replica) -> None:
         """Carry one replica's outputs to their streams until it dies or the set closes."""
