@@ -32,8 +32,62 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, q
     if num_seqs == 1:
         return _single_sequence_attention(query, key_cache, value_cache, block_tables, context_lens,
                                           max_context_len, scale, sliding_window, soft_cap)
+    split = _split_of_lopsided_batch(query_start_loc, context_lens, max_query_len, max_context_len)
+    if split is not None:
+        return _lopsided_attention(query, key_cache, value_cache, block_tables, split, scale, sliding_window,
+                                   soft_cap)
     return _varlen_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                              max_query_len, max_context_len, scale, sliding_window, soft_cap)
+
+
+# A mixed batch is padded to its longest query and context. When that multiplies the work by more
+# than this (one long prefill beside many short queries, as when a burst of requests shares a new
+# prefix within one step), the long queries run on their own and only the short ones are padded.
+_MAX_PADDING_FACTOR = 2
+
+
+def _split_of_lopsided_batch(query_start_loc, context_lens, max_query_len, max_context_len):
+    """None, or ``(long, short)``: ``long`` lists ``(seq, first token, end token, context_len)`` of the
+    queries longer than a quarter of the longest; ``short`` holds the rest as a sub-batch ``(token
+    rows, sequences, query_start_loc, context_lens, max_query_len, max_context_len)`` or None. Once per step."""
+    def compute():
+        starts = query_start_loc.tolist()
+        query_lens = [end - start for start, end in zip(starts, starts[1:])]
+        contexts = context_lens.tolist()
+        needed = sum(q * c for q, c in zip(query_lens, contexts))
+        if len(query_lens) * max_query_len * max_context_len <= _MAX_PADDING_FACTOR * max(needed, 1):
+            return None
+        threshold = max(1, max_query_len // 4)
+        long = [(seq, starts[seq], starts[seq + 1], contexts[seq]) for seq, q in enumerate(query_lens) if q > threshold]
+        short_seqs = [seq for seq, q in enumerate(query_lens) if 0 < q <= threshold]
+        if not short_seqs:
+            return long, None
+        short_lens = [query_lens[seq] for seq in short_seqs]
+        device = query_start_loc.device
+        rows = torch.tensor([row for seq in short_seqs for row in range(starts[seq], starts[seq + 1])], device=device)
+        sub_starts = torch.tensor([0, *short_lens], device=device).cumsum(0).to(query_start_loc.dtype)
+        short_contexts = [contexts[seq] for seq in short_seqs]
+        short = (rows, torch.tensor(short_seqs, device=device), sub_starts,
+                 torch.tensor(short_contexts, dtype=context_lens.dtype, device=device), max(short_lens),
+                 max(short_contexts))
+        return long, short
+
+    return _memo.get("lopsided_split", (query_start_loc, context_lens, max_query_len, max_context_len), compute)
+
+
+def _lopsided_attention(query, key_cache, value_cache, block_tables, split, scale, sliding_window, soft_cap):
+    long, short = split
+    out = query.new_empty(query.shape)
+    for seq, start, end, context_len in long:  # (a lone sequence's context length is its max_context_len)
+        out[start:end] = _single_sequence_attention(query[start:end], key_cache, value_cache,
+                                                    block_tables[seq:seq + 1], None, context_len, scale,
+                                                    sliding_window, soft_cap)
+    if short is not None:
+        rows, seqs, sub_starts, sub_contexts, max_query_len, max_context_len = short
+        out[rows] = _varlen_attention(query[rows], key_cache, value_cache, block_tables[seqs], sub_contexts, sub_starts,
+                                      max_query_len, max_context_len, scale, sliding_window, soft_cap)
+    return out
+
 
 
 def _gather(cache: torch.Tensor, blocks: tuple, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
