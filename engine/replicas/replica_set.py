@@ -348,9 +348,10 @@ class ReplicaSet:
         try:
             self._loop.run_forever()
         finally:
-            for task in asyncio.all_tasks(self._loop):
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
                 task.cancel()
-            self._loop.run_until_complete(asyncio.sleep(0))
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self._loop.close()
 
     async def _start_replicas(self) -> None:
