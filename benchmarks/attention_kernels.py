@@ -231,15 +231,85 @@ def check_fp8_writes(report) -> None:
            f"saturated {(caches[2].float().abs() == 448).float().mean().item() * 100:.2f}%")
 
 
+def engine_throughput(shape: str, variants: list[str], report, num_seqs: int = 256) -> None:
+    """The benchmark workload (``num_seqs`` sequences, prompt and output U[100,1024]) through the
+    engine once per variant: ``legacy`` (the decode kernel before the split-K rewrite), ``auto``
+    (the current kernels, bf16 cache), ``fp8`` (an e4m3 cache); ``auto:N64/w4/s2/p8/min256[/nodot]``
+    runs the current kernel with that decode launch."""
+    import gc
+
+    from hearth_llm.engine.config import EngineConfig
+    from hearth_llm.engine.llm_engine import LLMEngine
+    from hearth_llm.kernels.attention import triton_attention as ta
+
+    from .throughput import random_checkpoint, run_ours
+    from .workloads import workload
+    _, checkpoint = random_checkpoint(shape, torch.bfloat16, DEVICE)
+    requests = workload(num_seqs) if DEVICE == "cuda" else workload(num_seqs, low=10, high=40)
+    current, default_launch = ta.decode_attention, ta.DEFAULT_LAUNCH
+    for variant in variants:
+        kv_dtype, _, launch = variant.partition(":")
+        if kv_dtype == "legacy":
+            ta.decode_attention = _legacy_decode_as_current
+        elif launch:
+            ta.DEFAULT_LAUNCH = _parse_launch(launch)
+        try:
+            config = EngineConfig(model=checkpoint.source, dtype="bfloat16", device=DEVICE, max_num_seqs=256,
+                                  max_num_batched_tokens=16384, kv_cache_memory="40GiB" if DEVICE == "cuda" else "64MiB",
+                                  max_model_len=4096,
+                                  show_progress=False, kv_cache_dtype="auto" if kv_dtype == "legacy" else kv_dtype)
+            engine = LLMEngine(config, checkpoint=checkpoint)
+            result = run_ours(engine, requests)
+            report(f"engine {shape} {variant}: {result['tok_per_s']:.0f} tok/s, {result['seconds']:.2f} s, "
+                   f"steps {result['steps']}, p50 step {result['step_ms_p50']:.2f} ms, blocks {engine.runner.num_blocks}")
+        finally:
+            ta.decode_attention, ta.DEFAULT_LAUNCH = current, default_launch
+            engine = None
+            gc.collect()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _legacy_decode_as_current(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                              max_context_len, kv_scales, common, launch=None):
+    from hearth_llm.kernels.attention import triton_attention as ta
+    assert kv_scales is None, "the legacy decode kernel reads no fp8 cache"
+    sliding_window = common["sliding_window"] if common["HAS_SLIDING_WINDOW"] else None
+    block_n = ta.DECODE_BLOCK_N // (2 if common["BLOCK_D"] > 128 else 1)
+    ta._decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                         max_context_len, sliding_window, block_n, common)
+
+
+def _parse_launch(text: str):
+    """``N64/w4/s2/p8/min256[/nodot]`` (as :func:`_describe` prints it) -> DecodeLaunch."""
+    from hearth_llm.kernels.attention.triton_attention import DecodeLaunch
+    fields = dict(use_dot=True)
+    for part in text.split("/"):
+        if part == "nodot":
+            fields["use_dot"] = False
+        elif part.startswith("min"):
+            fields["min_split_tokens"] = int(part[3:])
+        else:
+            fields[{"N": "block_n", "w": "num_warps", "s": "num_stages", "p": "programs_per_sm"}[part[0]]] = int(part[1:])
+    return DecodeLaunch(**fields)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget-s", type=float, default=80.0)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny cases on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--engine", nargs="+", metavar="VARIANT",
+                        help="instead of the kernel sweep: the engine's throughput per variant (legacy, auto, fp8, "
+                             "auto:N64/w4/s2/p8/min256)")
+    parser.add_argument("--shape", default="qwen3-0.6b", help="with --engine")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = "cpu" if args.smoke else "cuda"
+    if args.engine:
+        engine_throughput(args.shape, args.engine, lambda line: print(line, flush=True), 256 if not args.smoke else 4)
+        return
     began = time.perf_counter()
 
     def report(line):

@@ -696,9 +696,10 @@ def _split_decode_reduce_kernel(
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      launch: DecodeLaunch = DEFAULT_LAUNCH) -> int:
+                      launch: DecodeLaunch | None = None) -> int:
     """Splits per (sequence, KV head): enough for ``launch.programs_per_sm`` programs per SM, a
     power of two up to ``launch.max_splits``, and no more than the longest context can use."""
+    launch = launch or DEFAULT_LAUNCH
     wanted = triton.cdiv(launch.programs_per_sm * _sm_count(device), max(1, num_seqs * num_kv_heads))
     usable = triton.cdiv(max(1, max_context_len), launch.min_split_tokens)
     return min(next_power_of_2(min(wanted, usable)), launch.max_splits)
@@ -714,9 +715,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                     max_context_len, kv_scales, common, launch: DecodeLaunch = DEFAULT_LAUNCH) -> None:
+                     max_context_len, kv_scales, common, launch: DecodeLaunch | None = None) -> None:
     """Writes decode attention into ``out``; ``common`` holds the kernel arguments
-    ``triton_attention.paged_attention`` shares with its prefill kernel."""
+    :func:`paged_attention` shares with its prefill kernel. ``launch``: ``DEFAULT_LAUNCH`` when None."""
+    launch = launch or DEFAULT_LAUNCH
     num_heads = query.shape[1]
     num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
     sliding_window = common["sliding_window"] if common["HAS_SLIDING_WINDOW"] else None
