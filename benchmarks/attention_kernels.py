@@ -119,6 +119,10 @@ def decode_variants():
     return DEFAULT_LAUNCH, [("new " + _describe(launch), launch) for launch in launches]
 
 
+def _gbs(batch: PagedBatch, us: float) -> float:
+    return batch.kv_bytes / (us * 1e-6) / 1e9
+
+
 def _describe(launch) -> str:
     return (f"N{launch.block_n}/w{launch.num_warps}/s{launch.num_stages}/p{launch.programs_per_sm}"
             f"/min{launch.min_split_tokens}{'' if launch.use_dot else '/nodot'}")
@@ -329,29 +333,36 @@ def main(argv=None) -> None:
         variants = variants[:1]
     best_tiles: dict[str, tuple[float, object]] = {}
     cases = decode_cases(args.smoke)
-    for shape, label, contexts in cases:
-        batch = paged_batch(shape, contexts, [1] * len(contexts))
-        gbs = lambda us: batch.kv_bytes / (us * 1e-6) / 1e9  # noqa: E731
+    # Every case's batch at once (~10 GB), so each variant compiles once and runs on all of them.
+    batches = [paged_batch(shape, contexts, [1] * len(contexts)) for shape, _, contexts in cases]
+    legacy_us = []
+    for (shape, label, _), batch in zip(cases, batches):
         legacy = run_legacy_decode(batch)
-        line = f"decode {shape} {label}: legacy {legacy:.1f}us {gbs(legacy):.0f}GB/s"
+        legacy_us.append(legacy)
+        line = f"decode {shape} {label}: legacy {legacy:.1f}us {_gbs(batch, legacy):.0f}GB/s"
         if batch.max_context_len <= 4096:
             legacy_graph = run_legacy_decode(batch, graph_max_context_len=4096)
-            line += f" | legacy(max_len 4096, as in graphs) {legacy_graph:.1f}us {gbs(legacy_graph):.0f}GB/s"
+            line += f" | legacy(max_len 4096, as in graphs) {legacy_graph:.1f}us {_gbs(batch, legacy_graph):.0f}GB/s"
         report(line)
-        results = []
-        for name, launch in [("new default " + _describe(default_launch), default_launch)] + variants:
-            if out_of_time(0.42):
-                report("  (out of time: variants skipped)")
-                break
+    results: dict[int, list] = {index: [] for index in range(len(cases))}
+    for name, launch in [("new default " + _describe(default_launch), default_launch)] + variants:
+        if out_of_time(0.42):
+            report("  (out of time: later decode variants skipped)")
+            break
+        cells = []
+        for index, ((shape, label, _), batch) in enumerate(zip(cases, batches)):
             us = run_decode(batch, launch, graph_max_context_len=4096 if batch.max_context_len <= 4096 else None)
-            results.append((us, name, launch))
-            report(f"  {name}: {us:.1f}us {gbs(us):.0f}GB/s ({legacy / us:.2f}x legacy)")
-        if results:
-            best = min(results, key=lambda r: r[0])
+            results[index].append((us, name, launch))
+            cells.append(f"{label}/{shape}: {us:.1f}us {_gbs(batch, us):.0f}GB/s {legacy_us[index] / us:.2f}x")
+        report(f"{name} | " + " | ".join(cells))
+    for index, ((shape, label, _), batch) in enumerate(zip(cases, batches)):
+        if results[index]:
+            best = min(results[index], key=lambda r: r[0])
             best_tiles[label + shape] = best
-            report(f"  BEST {best[1]} {best[0]:.1f}us {gbs(best[0]):.0f}GB/s")
-        del batch
-        torch.cuda.empty_cache()
+            report(f"BEST decode {shape} {label}: {best[1]} {best[0]:.1f}us {_gbs(batch, best[0]):.0f}GB/s "
+                   f"({legacy_us[index] / best[0]:.2f}x legacy)")
+    del batches
+    torch.cuda.empty_cache()
 
     # Split policy around the most common best tile, on the shapes it matters for.
     if best_tiles and not out_of_time(0.45):
