@@ -166,6 +166,10 @@ def test_invalid_prompts_refuse_the_whole_batch_as_one_engine_does(engine):
         list(streams[1])
     with pytest.raises(ValueError, match="none was queued"):
         list(streams[0])
+    busy = engine.core.add_request([5, 6, 7], LONG, request_id="taken")
+    with pytest.raises(ValueError, match="'taken' is already in use"):
+        list(engine.core.add_request([8, 9], GREEDY, request_id="taken"))
+    busy.close()
     with pytest.raises(ValueError, match="temperature"):  # sampling parameters: at once, in the caller
         engine.core.add_request([5, 6], SamplingParams(temperature=-1))
 

@@ -1,15 +1,18 @@
 """``EngineReplica``: one engine inside a Ray actor (the class is plain Python; ``ray_cluster`` wraps
 it with ``ray.remote`` when it starts replicas, so this module imports without Ray).
 
-Outputs travel back multiplexed: each request's stream is read by a task on the actor's event
-loop into one outbox, and the driver's long-poll (``poll``) takes everything there at once. One
-Ray call then carries a whole engine step's tokens for every request on the replica, where a
-streaming generator per request would cost one Ray object per token per request.
+Outputs travel back multiplexed: the engine thread puts every request's outputs into one outbox
+(its streams are :class:`_OutboxStream` objects, not readers' queues), and the driver's long-poll
+(``poll``) takes everything there at once. One Ray call then carries a whole engine step's tokens
+for every request on the replica, where a streaming generator per request would cost one Ray
+object, and a wake-up of the actor's event loop, per token per request.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import pickle
+import threading
 from dataclasses import dataclass
 
 from ..config import EngineConfig
@@ -18,9 +21,6 @@ from ..model_info import ModelInfo
 
 # How long one poll waits for news before it returns empty (the driver polls again at once).
 POLL_WAIT_S = 1.0
-# Event-loop turns a poll lets pass after the first news, so the rest of that engine step's
-# outputs (handed to the streams a moment apart) travel in the same reply.
-COALESCE_TURNS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +54,69 @@ class ReplicaFacts:
         return None  # adapters live in the replicas; per-request LoRARequest(path=...) still works
 
 
+class _Outbox:
+    """Every request's outputs in arrival order, put by the engine thread, taken by ``poll``; the
+    actor's event loop is woken once per batch, not once per output."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[str, object]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._has_items: asyncio.Event | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None:
+            self._loop, self._has_items = loop, asyncio.Event()
+
+    def post(self, request_id: str, item: object) -> None:
+        """From any thread."""
+        if isinstance(item, BaseException):
+            item = _picklable(item)
+        with self._lock:
+            was_empty = not self._items
+            self._items.append((request_id, item))
+        if was_empty:
+            self._loop.call_soon_threadsafe(self._has_items.set)
+
+    async def take(self, wait_s: float) -> list[tuple[str, object]]:
+        """Everything there; waits up to ``wait_s`` for the first item."""
+        if not self._items:
+            try:
+                await asyncio.wait_for(self._has_items.wait(), wait_s)
+            except asyncio.TimeoutError:
+                return []
+        self._has_items.clear()  # before taking: a post after this take sets it again
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
+class _OutboxStream:
+    """What the replica's core puts a request's outputs into: its outbox, tagged with the request id.
+    The driver's ``RequestStream`` has the reader, so it also keeps the deadline."""
+
+    def __init__(self, request_id: str, outbox: _Outbox) -> None:
+        self.request_id = request_id
+        self._outbox = outbox
+
+    def put(self, item) -> bool:
+        self._outbox.post(self.request_id, item)
+        return True  # the driver's reader leaving is an abort the driver sends
+
+
+class _ReplicaCore(EngineCore):
+    """An :class:`EngineCore` whose streams all lead into one outbox."""
+
+    def __init__(self, config: EngineConfig, outbox: _Outbox) -> None:
+        super().__init__(config)
+        self._outbox = outbox
+
+    def _make_stream(self, request_id: str, timeout: float | None) -> _OutboxStream:
+        return _OutboxStream(request_id, self._outbox)
+
+
 class EngineReplica:
-    """The body of one replica actor: an :class:`EngineCore` and an outbox the driver polls.
+    """The body of one replica actor: an engine core and the outbox the driver polls.
 
     Every method is a coroutine, so Ray runs the actor as an async actor: a waiting ``poll`` does
     not block ``add`` or ``abort``.
@@ -63,13 +124,12 @@ class EngineReplica:
 
     def __init__(self, model: str, engine_kwargs: dict):
         self.config = EngineConfig.from_kwargs(model, **engine_kwargs)
-        self.core = EngineCore(self.config)
-        self._outbox: list[tuple[str, object]] = []
-        self._has_news: asyncio.Event | None = None  # made on the actor's event loop
-        self._readers: set[asyncio.Task] = set()
+        self._outbox = _Outbox()
+        self.core = _ReplicaCore(self.config, self._outbox)
 
     async def start(self) -> ReplicaFacts:
         """Load the model (blocking only a worker thread) and describe it."""
+        self._outbox.bind(asyncio.get_running_loop())
         await asyncio.to_thread(self.core.wait_until_started)
         engine = self.core.engine
         return ReplicaFacts(self.core.model_info, engine.tokenizer, engine.hf_config, self.config, os.getpid(),
@@ -78,34 +138,20 @@ class EngineReplica:
     async def add(self, requests: list[tuple], cache_salt: str | None, timeout: float | None) -> None:
         """Queue ``(request_id, prompt, sampling_params, priority, lora_request)`` tuples as one
         batch; their outputs (or errors) appear in the outbox."""
-        request_ids = [request[0] for request in requests]
+        self._outbox.bind(asyncio.get_running_loop())
         try:
-            streams = self.core.add_requests([r[1] for r in requests], [r[2] for r in requests], request_ids,
-                                             [r[3] for r in requests], cache_salt, timeout,
-                                             lora_requests=[r[4] for r in requests])
+            self.core.add_requests([r[1] for r in requests], [r[2] for r in requests], [r[0] for r in requests],
+                                   [r[3] for r in requests], cache_salt, timeout,
+                                   lora_requests=[r[4] for r in requests])
         except Exception as error:  # noqa: BLE001 - overloaded or stopped: every request of the batch hears it
-            for request_id in request_ids:
-                self._post(request_id, error)
-            return
-        for stream in streams:
-            task = asyncio.get_running_loop().create_task(self._read(stream))
-            self._readers.add(task)
-            task.add_done_callback(self._readers.discard)
+            for request in requests:
+                self._outbox.post(request[0], error)
 
     async def poll(self, wait_s: float = POLL_WAIT_S) -> list[tuple[str, object]]:
         """Every ``(request_id, StreamOutput | exception)`` since the last poll, oldest first;
         waits up to ``wait_s`` for the first."""
-        news = self._news()
-        if not self._outbox:
-            try:
-                await asyncio.wait_for(news.wait(), wait_s)
-            except asyncio.TimeoutError:
-                return []
-            for _ in range(COALESCE_TURNS):
-                await asyncio.sleep(0)
-        batch, self._outbox = self._outbox, []
-        news.clear()
-        return batch
+        self._outbox.bind(asyncio.get_running_loop())
+        return await self._outbox.take(wait_s)
 
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
@@ -128,23 +174,15 @@ class EngineReplica:
     async def close(self) -> None:
         await asyncio.to_thread(self.core.close)
 
-    # ---- the outbox ----------------------------------------------------------------------------
 
-    async def _read(self, stream) -> None:
-        try:
-            async for output in stream:
-                self._post(stream.request_id, output)
-        except Exception as error:  # noqa: BLE001 - the driver's stream raises it
-            self._post(stream.request_id, error)
-
-    def _post(self, request_id: str, item: object) -> None:
-        self._outbox.append((request_id, item))
-        self._news().set()
-
-    def _news(self) -> asyncio.Event:
-        if self._has_news is None:
-            self._has_news = asyncio.Event()
-        return self._has_news
+def _picklable(error: BaseException) -> BaseException:
+    """The error itself if it crosses Ray intact, else a RuntimeError with its text (a poll's reply
+    that does not pickle would lose every output in it)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure: send the text instead
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _node_id() -> str:

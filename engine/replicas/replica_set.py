@@ -223,6 +223,13 @@ class ReplicaSet:
         with self._lock:
             self._raise_if_stopped()
             self._check_overload(sum(p.input.sampling_params.n for p in pendings))
+            rejected = self._id_in_use(pendings)
+            if rejected is not None:  # as one engine does: the whole batch fails, through its streams
+                for index, pending in enumerate(pendings):
+                    pending.stream.put(rejected.error_for(index))
+                return [pending.stream for pending in pendings]
+            for pending in pendings:
+                self._pending[pending.input.request_id] = pending  # in flight (and abortable) from now on
             self._start_locked()
             # The loop thread may not run yet: the batch waits for the startup future there.
             self._loop.call_soon_threadsafe(self._submit_soon, pendings, cache_salt, timeout)
@@ -277,6 +284,15 @@ class ReplicaSet:
                 f"{in_flight} sequences are in flight on {self.options.replicas} replicas, {num_sequences} more "
                 f"would pass replicas x (max_waiting_requests + max_num_seqs) = {bound}; retry later")
         # counted as in flight from now on (the loop thread routes them)
+
+    def _id_in_use(self, pendings: list[_Pending]) -> BatchRejectedError | None:
+        seen = set()
+        for index, pending in enumerate(pendings):
+            request_id = pending.input.request_id
+            if request_id in self._pending or request_id in seen:
+                return BatchRejectedError(index, ValueError(f"request_id {request_id!r} is already in use"))
+            seen.add(request_id)
+        return None
 
     def _abort_stream(self, stream: RequestStream) -> None:
         with self._lock:
@@ -394,9 +410,6 @@ class ReplicaSet:
         self._router = PrefixAffinityRouter(self.options.replicas, self.config.block_size, max_load_gap=gap)
 
     def _submit_soon(self, pendings: list[_Pending], cache_salt, timeout) -> None:
-        with self._lock:
-            for pending in pendings:
-                self._pending[pending.input.request_id] = pending  # in flight from now on
         self._loop.create_task(self._submit(pendings, cache_salt, timeout))
 
     async def _submit(self, pendings: list[_Pending], cache_salt, timeout) -> None:
@@ -413,11 +426,8 @@ class ReplicaSet:
     def _check(self, pendings: list[_Pending]) -> list[list]:
         """Each request's samples (their token ids) as the replica's engine will see them, or
         ``BatchRejectedError``. LoRA adapters are checked by the replica that loads them."""
-        batch_ids = {pending.input.request_id for pending in pendings}
-        with self._lock:  # ids in use: those in flight before this batch (its own duplicates: the processor's)
-            in_use = {request_id for request_id, p in self._pending.items() if p.route is not None
-                      and request_id not in batch_ids}
-        return self._processor.process([replace(p.input, lora_request=None) for p in pendings], in_use)
+        # ids in use were refused by add_requests already
+        return self._processor.process([replace(p.input, lora_request=None) for p in pendings], ())
 
     def _route_and_send(self, pendings: list[_Pending], samples: list[list], cache_salt, timeout) -> None:
         # Under the lock: an abort either finds no route (and the request is dropped here) or finds
@@ -467,6 +477,10 @@ class ReplicaSet:
         is_last = isinstance(item, BaseException) or item.finished
         if is_last:
             self._finish(pending, item)
+            if isinstance(item, EngineDeadError) and not isinstance(item, EngineClosedError) and not self._is_closing:
+                # the engine loop inside the actor died, the actor lives on: end the actor, so its
+                # other requests fail now and Ray restarts it (max_restarts) or it stays dead
+                ray_cluster.import_ray().kill(replica.handle.actor, no_restart=False)
         elif not pending.stream.put(item):
             self._abort_pending(pending)  # its reader's event loop is gone
 
