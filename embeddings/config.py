@@ -61,10 +61,11 @@ class EmbeddingConfig:
       (Qwen3-Embedding: last token); with ``task="score"`` it is an LLM reranker (Qwen3-Reranker:
       the probability of "yes" against "no" after its judging prompt). Decoders run on the LLM
       engine's own model code, with no KV cache kept.
-    - ``enforce_eager``: on CUDA in float16/bfloat16 our BERT-family encoders run the second half
-      of each layer (output projection, feed-forward, residuals, layer norms) through
-      ``torch.compile`` (embeddings/compiled_block.py: fewer passes over the activations; compiled
-      once at load, a few seconds); ``True`` keeps everything eager. The CPU and float32 are always eager.
+    - ``compile``: on CUDA in float16/bfloat16, run the second half of each layer of our
+      BERT-family encoders (output projection, feed-forward, residuals, layer norms) through
+      ``torch.compile`` (embeddings/compiled_block.py: fewer passes over the activations). It
+      compiles at load, which takes tens of seconds on a machine whose compile caches are cold, so
+      it is off by default. The CPU and float32 always run eagerly.
     """
 
     model: str = "default"
@@ -79,7 +80,7 @@ class EmbeddingConfig:
     pooling: str | None = None
     dimensions: int | None = None
     task: str = "auto"
-    enforce_eager: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,8 +107,8 @@ class EmbeddingConfig:
                                  f"got {self.max_seq_length}")
         if self.pooling is not None and self.pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES} or None, got {self.pooling!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if self.show_progress is not None and not isinstance(self.show_progress, bool):
             raise ValueError(f"show_progress must be True, False or None, got {self.show_progress!r}")
 

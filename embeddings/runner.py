@@ -57,7 +57,7 @@ class EncoderRunner:
                                                                  device=self.device)
             if config.allows_mixed_precision and self._offers_mixed:
                 self._use_mixed_precision_if_close()
-            if not config.enforce_eager and self._offers_compiled and self.model.use_compiled_blocks():
+            if config.compile and self._offers_compiled and self.model.use_compiled_blocks():
                 self._compile_now()
         else:
             self.model = _load_transformers_model(spec, config)

@@ -94,11 +94,11 @@ def test_varlen_flash_attention_matches_attention_per_run(dtype):
 def test_compiled_blocks_embed_as_the_eager_encoder_in_bfloat16(tmp_path):
     path = write_encoder(tmp_path, "xlm-roberta", "mean")
     vectors = {}
-    for enforce_eager in (True, False):
+    for compile in (False, True):
         with EmbeddingEngine(EmbeddingConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                             enforce_eager=enforce_eager)) as engine:
-            vectors[enforce_eager] = engine.embed(TEXTS)
+                                             compile=compile)) as engine:
+            vectors[compile] = engine.embed(TEXTS)
             is_compiled = [layer.compiled_half is not None for layer in engine._runner.model.layers]
-        assert all(is_compiled) is not enforce_eager and any(is_compiled) is not enforce_eager
+        assert all(is_compiled) is compile and any(is_compiled) is compile
     cosine = F.cosine_similarity(vectors[False], vectors[True], dim=1)
     assert cosine.min().item() >= 0.9999, cosine
