@@ -142,8 +142,10 @@ def test_word_wise_w4g128_kernel_matches_the_reference(num_rows):
     data = gguf_reference.pack_w4g128(codes, scales, zeros)
     x, bias = torch.randn(num_rows, 256, generator=generator), torch.randn(40, generator=generator)
     expected = gguf_reference.gguf_linear(x, data, "W4G128", bias)
-    out = triton_w4g128.w4g128_linear(x, data, bias, block_n=16)
+    out = triton_w4g128.w4g128_linear(x, data, bias, block_n=16, groups_per_iter=4)  # 2 groups: one iteration half masked
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(triton_w4g128.dequantize(data, torch.float32), gguf_reference.dequantize(data, "W4G128"),
+                               rtol=0, atol=0)
 
 
 # Layers that read the same input share one act-order permutation (GPTQ orders by that input's statistics).

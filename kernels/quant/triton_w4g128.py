@@ -4,7 +4,9 @@ The generic block decoder of ``gguf_triton.py`` gathers every code byte by byte;
 group's 68 bytes as 17 int32 words — word 0 holds the float16 scale and the zero point, words
 1..16 the codes, byte ``j`` of them element ``j`` (low nibble) and ``j + 64`` (high nibble) — and
 splits them with shifts, so each group is two ``[BLOCK_N, 64]`` tiles in registers. Decode-sized
-steps take a GEMV, larger ones a ``tl.dot`` GEMM over the same tiles.
+steps take a GEMV; from ``DEQUANT_MIN_ROWS`` rows the weight is dequantized into a scratch buffer
+in ``x``'s dtype and multiplied by cuBLAS (the in-register ``tl.dot`` GEMM ran at 67-85 GB/s of
+weights at M=256 on the H200, 8-9x cuBLAS's bf16 time; the scratch copy costs ~2 bf16 reads).
 
 >>> out = w4g128_linear(x.cuda(), data.cuda())      # == gguf_reference.gguf_linear(x, data, "W4G128")
 """
@@ -17,6 +19,7 @@ import triton.language as tl
 GROUP = 128
 GROUP_WORDS = 17  # 68 bytes
 GEMV_MAX_ROWS = 4
+DEQUANT_MIN_ROWS = 16
 
 
 @triton.jit
@@ -34,18 +37,34 @@ def _group_tiles(rows32, g, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, num_groups, stride_xm, stride_w32, stride_om,
-                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr):
+    """``GROUPS_PER_ITER`` groups per iteration as ``[BLOCK_N, 16 * GROUPS_PER_ITER, 4]`` code bytes
+    against ``x`` loaded in the same ``[word, byte]`` layout (no reshapes); per group
+    ``s * (sum(q * x) - z * sum(x))``."""
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the end read the last row; their results are not stored.
     rows32 = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w32
-    half = tl.arange(0, 64)
+    slot = tl.arange(0, 16 * GROUPS_PER_ITER)           # word slots: group slot // 16, word slot % 16
+    byte = tl.arange(0, 4)
+    x_row = x_ptr + m * stride_xm
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for g in range(0, num_groups):
-        w_lo, w_hi = _group_tiles(rows32, g, BLOCK_N)
-        x_lo = tl.load(x_ptr + m * stride_xm + g * 128 + half).to(tl.float32)
-        x_hi = tl.load(x_ptr + m * stride_xm + g * 128 + 64 + half).to(tl.float32)
-        acc += tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)
+    for g0 in range(0, num_groups, GROUPS_PER_ITER):
+        group = g0 + slot // 16
+        valid = group < num_groups
+        word = rows32[:, None] + group[None, :] * 17
+        header = tl.load(word, mask=valid[None, :], other=0)                                    # [BN, S]
+        codes = tl.load(word + 1 + (slot % 16)[None, :], mask=valid[None, :], other=0)
+        codes = (codes[:, :, None] >> (byte * 8)[None, None, :]) & 0xFF                         # [BN, S, 4]
+        column = group[:, None] * 128 + (slot % 16)[:, None] * 4 + byte[None, :]                # [S, 4]
+        x_lo = tl.load(x_row + column, mask=valid[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(x_row + column + 64, mask=valid[:, None], other=0.0).to(tl.float32)
+        dots = tl.sum((codes & 0xF).to(tl.float32) * x_lo[None, :, :] + (codes >> 4).to(tl.float32) * x_hi[None, :, :],
+                      axis=2)                                                                   # [BN, S]
+        x_sums = tl.sum(x_lo + x_hi, axis=1)                                                    # [S]
+        scale = (header & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        zero = ((header >> 16) & 0xFF).to(tl.float32)
+        acc += tl.sum(scale * (dots - zero * x_sums[None, :]), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
@@ -77,8 +96,34 @@ def _w4g128_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, strid
     tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _w4g128_dequant_kernel(w_ptr, out_ptr, N, stride_w32, stride_on, BLOCK_N: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
+    rows32 = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w32
+    w_lo, w_hi = _group_tiles(rows32, g, BLOCK_N)
+    columns = g * 128 + tl.arange(0, 64)[None, :]
+    out_rows = out_ptr + rn[:, None].to(tl.int64) * stride_on
+    mask = rn[:, None] < N
+    tl.store(out_rows + columns, w_lo.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_rows + columns + 64, w_hi.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weight of CUDA ``W4G128`` rows ``data`` in ``dtype`` (one launch)."""
+    num_rows, row_bytes = data.shape
+    num_groups = row_bytes // (GROUP_WORDS * 4)
+    words = data.contiguous().view(torch.int32)
+    out = torch.empty(num_rows, num_groups * GROUP, dtype=dtype, device=data.device)
+    block_n = 32
+    _w4g128_dequant_kernel[(triton.cdiv(num_rows, block_n), num_groups)](
+        words, out, num_rows, words.stride(0), out.stride(0), BLOCK_N=block_n)
+    return out
+
+
 def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  gemv_max_rows: int = GEMV_MAX_ROWS, block_n: int | None = None) -> torch.Tensor:
+                  gemv_max_rows: int = GEMV_MAX_ROWS, block_n: int | None = None, groups_per_iter: int = 2,
+                  num_warps: int = 4) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` and ``W`` as uint8 ``W4G128`` rows ``data``
     ``[N, K / 128 * 68]``; the result in ``x``'s dtype."""
     num_rows, row_bytes = data.shape
@@ -93,11 +138,13 @@ def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None
         return out
     bias_arg = bias if bias is not None else out
     if m <= gemv_max_rows:
-        block_n = block_n or 32
+        block_n = block_n or 16
         _w4g128_gemv_kernel[(m, triton.cdiv(num_rows, block_n))](
             x, words, bias_arg, out, num_rows, num_groups, x.stride(0), words.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=block_n)
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, GROUPS_PER_ITER=groups_per_iter, num_warps=num_warps)
         return out
+    if m >= DEQUANT_MIN_ROWS and x.dtype != torch.float32:
+        return torch.nn.functional.linear(x, dequantize(data, x.dtype), bias)
     block_m = 16 if m <= 16 else 64
     block_n = block_n or 64
     _w4g128_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(num_rows, block_n))](
