@@ -301,8 +301,13 @@ def passages_row(args) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     with tempfile.TemporaryDirectory() as path:
         model_path = write_passage_encoder(path, args.shape, args.device)
+        options = {} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}
         ours = EmbeddingEngine(EmbeddingConfig(model=model_path, device=args.device, dtype=args.dtype,
-                                               max_seq_length=args.passage_tokens, show_progress=False))
+                                               max_seq_length=args.passage_tokens, show_progress=False,
+                                               compile=args.compile, **options))
+        load_start = time.perf_counter()
+        ours.start()
+        load_seconds = time.perf_counter() - load_start
         sides = {"hearth": lambda texts: ours.embed(texts)}
         try:
             from sentence_transformers import SentenceTransformer
@@ -328,7 +333,8 @@ def passages_row(args) -> dict:
                 rates[name].append(len(passages) / (time.perf_counter() - start))
         row = {"shape": args.shape, "device": args.device, "dtype": args.dtype, "num_passages": len(passages),
                "passage_tokens": args.passage_tokens, "rounds": args.rounds, "implementation": ours.implementation,
-               "precision": ours.precision, "hearth_passages_per_s": round(statistics.median(rates["hearth"]), 1),
+               "precision": ours.precision, "compile": args.compile, "max_batch_tokens": ours.config.batch_token_budget,
+               "hearth_load_seconds": round(load_seconds, 1), "hearth_passages_per_s": round(statistics.median(rates["hearth"]), 1),
                "hearth_rounds": [round(rate, 1) for rate in rates["hearth"]]}
         if "sentence_transformers" in sides:
             ratios = [a / b for a, b in zip(rates["hearth"], rates["sentence_transformers"], strict=True)]
@@ -435,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-passages", type=int, default=10000)
     parser.add_argument("--passage-tokens", type=int, default=256)
     parser.add_argument("--st-batch-size", type=int, default=128, help="sentence-transformers' batch size")
+    parser.add_argument("--compile", action="store_true", help="passages row: EmbeddingConfig(compile=True)")
+    parser.add_argument("--max-batch-tokens", type=int, help="passages row: EmbeddingConfig.max_batch_tokens")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.llm_rerank:
