@@ -160,39 +160,46 @@ def real_weights_table(args) -> None:
 
 def overhead_table(engine, k: int, num_tokens: int, repeats: int) -> None:
     """Per-step cost of a plain decode step and of verifying ``k`` forced proposals, with the CUDA
-    graphs (when captured) and without them, and plain decode with async scheduling."""
+    graphs (when captured) and without them, and plain decode with async scheduling. Rows print as
+    they are measured."""
     prompt = list(range(100, 132))
     engine.proposer = ForcedProposer(k)
     run_one(engine, prompt, 16, speculative=False, ignore_eos=True)
     run_one(engine, prompt, 16, ignore_eos=True)
 
-    def ms_per_step(speculative: bool) -> tuple[float, int]:
+    def ms_per_step(speculative: bool) -> float:
         """Best ms per step after the prefill's (whatever the proposals' fate: a step costs the same)."""
         runs = [run_one(engine, prompt, num_tokens, speculative=speculative, ignore_eos=True) for _ in range(repeats)]
-        return min(run[3] * 1000 / max(run[2] - 1, 1) for run in runs), runs[-1][2] - 1
+        return min(run[3] * 1000 / max(run[2] - 1, 1) for run in runs)
 
-    (plain_ms, plain_steps), (verify_ms, verify_steps) = ms_per_step(False), ms_per_step(True)
     graphs = engine.runner.decode_graphs
-    rows = [("decode step", plain_ms), (f"verify step (1+{k} tokens)", verify_ms)]
-    if graphs is not None:  # the same steps eager, and plain decode launched ahead (async scheduling)
-        engine.runner.decode_graphs = None
-        rows += [("decode step, eager", ms_per_step(False)[0]), (f"verify step (1+{k}), eager", ms_per_step(True)[0])]
-        engine.runner.decode_graphs = graphs
-        engine.async_scheduling = True   # plain requests only: nothing is proposed for them
-        rows.append(("decode step, async scheduling", ms_per_step(False)[0]))
-        engine.async_scheduling = False
-    print(f"\nverification overhead, batch 1, k={k} (ms per step after the prefill; steps: {plain_steps} / "
-          f"{verify_steps}; CUDA graphs: {'on' if graphs is not None else 'off'})")
+    print(f"\nverification overhead, batch 1, k={k} (ms per step after the prefill, best of {repeats} runs of "
+          f"{num_tokens} tokens; CUDA graphs: {'on' if graphs is not None else 'off'})")
     print("| step | ms | vs decode step |")
     print("|---|---|---|")
-    for name, ms in rows:
-        print(f"| {name} | {ms:.3f} | {ms / plain_ms:.2f}x |")
-    base_ms = rows[-1][1] if graphs is not None else plain_ms
+    plain_ms = ms_per_step(False)
+    _print_step_row("decode step", plain_ms, plain_ms)
+    verify_ms = ms_per_step(True)
+    _print_step_row(f"verify step (1+{k} tokens)", verify_ms, plain_ms)
+    base_ms = plain_ms
+    if graphs is not None:  # the same steps eager, and plain decode launched ahead (async scheduling)
+        engine.runner.decode_graphs = None
+        _print_step_row("decode step, eager", ms_per_step(False), plain_ms)
+        _print_step_row(f"verify step (1+{k}), eager", ms_per_step(True), plain_ms)
+        engine.runner.decode_graphs = graphs
+        engine.async_scheduling = True   # plain requests only: nothing is proposed for them
+        base_ms = ms_per_step(False)
+        _print_step_row("decode step, async scheduling", base_ms, plain_ms)
+        engine.async_scheduling = False
     print(f"\n| acceptance per position | tokens per step | effective ms/token | vs plain decode ({base_ms:.3f} ms) |")
     print("|---|---|---|---|")
     for rate in (0.5, 0.7, 0.9):
         per_step = (1 - rate ** (k + 1)) / (1 - rate)
         print(f"| {rate} | {per_step:.2f} | {verify_ms / per_step:.3f} | {verify_ms / per_step / base_ms:.2f}x |")
+
+
+def _print_step_row(name: str, ms: float, plain_ms: float) -> None:
+    print(f"| {name} | {ms:.3f} | {ms / plain_ms:.2f}x |", flush=True)
 
 
 def _synchronize(engine) -> None:
@@ -233,8 +240,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.dtype == "auto":
             args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        started = time.perf_counter()
         _, checkpoint = random_checkpoint(args.overhead_shape, dtype, args.device)
         engine = make_engine(checkpoint.source, speculative, args, checkpoint=checkpoint)
+        print(f"{args.overhead_shape} ({args.dtype}, random weights): engine built (CUDA graphs included) in "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
     overhead_table(engine, args.k, args.overhead_tokens, args.repeats)
 
 
