@@ -39,8 +39,8 @@ class EmbeddingConfig:
       on CPU (throughput is flat from 512 to 4096 and drops at 8192, where activations outgrow
       the caches) and 16384 on CUDA.
     - ``max_batch_size``: texts in one forward pass; default 64 on CPU, 512 on CUDA. A step of
-      the engine takes four batches' worth of texts per worker, so a query that arrives behind a
-      large corpus waits for about one step (~1 s on two CPU cores).
+      the engine takes four batches' worth of texts per worker (on CUDA one batch's worth), so a
+      query that arrives behind a large corpus waits for about one step (~1 s on two CPU cores).
     - ``num_workers``: forward passes that run at once, each on one CPU thread; default
       ``torch.get_num_threads()`` on CPU (one per core), 1 on CUDA. With 1, every batch runs on
       the engine thread with all of torch's intra-op threads. With more, the engine thread runs on

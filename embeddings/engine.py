@@ -40,7 +40,8 @@ logger = logging.getLogger("hearth_llm")
 PROGRESS_MIN_TEXTS = 1000
 # A step takes this many batches' worth of texts per worker: enough to sort by length across
 # several batches and keep every worker busy, few enough that a query arriving behind a large
-# corpus waits briefly.
+# corpus waits briefly. On CUDA a step is one batch's worth of texts: the device works through the
+# last step while the next is tokenized, and a small first step gets the device started sooner.
 BATCHES_PER_STEP = 4
 # Callers that fan out together (``asyncio.gather`` over 64 queries) submit over a few milliseconds.
 # Waking from idle, the thread waits until no request has arrived for BURST_QUIET_S (at most
@@ -381,7 +382,7 @@ class EmbeddingEngine:
                 if self._is_closing:
                     return None
             requests = list(self._waiting)
-            budget = BATCHES_PER_STEP * self.config.batch_size_limit * self.num_workers
+            budget = self.config.batch_size_limit * (1 if self._runs_on_gpu else BATCHES_PER_STEP * self.num_workers)
             shares = fair_shares([len(r.texts) - r.num_taken for r in requests], budget)
             items = []
             for request, share in zip(requests, shares, strict=True):
@@ -409,7 +410,10 @@ class EmbeddingEngine:
                    for batch in plan_batches(lengths, self.config.batch_token_budget, self.config.batch_size_limit,
                                              split_below=self._runner.float32_below_length)]
         self._num_step_batches = 0
-        if self._workers is None or (len(batches) == 1 and not self._in_flight):
+        # a lone batch runs here, without a hand-off; on CUDA only when nothing else waits (a larger
+        # request's next step is tokenized while its batch runs on the worker)
+        is_alone = len(batches) == 1 and not self._in_flight and not (self._runs_on_gpu and self._waiting)
+        if self._workers is None or is_alone:
             for batch in batches:
                 self._run_batch(batch)
             return

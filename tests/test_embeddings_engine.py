@@ -163,7 +163,7 @@ def test_the_cuda_pipeline_gives_the_vectors_of_the_serial_engine_settling_batch
         actual = pipelined.embed(texts)
         num_steps = pipelined.stats()["num_steps"]
     assert torch.allclose(actual, expected, atol=1e-5)
-    assert num_steps > 2 and len(launched_on) > num_steps
+    assert num_steps > 2 and len(launched_on) >= num_steps - 1   # all but maybe a lone last one
     assert all(name.startswith("hearth-embeddings-worker") for name in launched_on)
     assert waited_for == sorted(waited_for) == list(range(1, len(launched_on) + 1))
 
