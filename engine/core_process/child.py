@@ -92,6 +92,11 @@ class ChildEngineCore(EngineCore):
         try:
             self.add_requests(message.prompts, message.sampling_params, message.request_ids, message.priorities,
                               message.cache_salt, None, lora_requests=message.lora_requests)
+        except BaseException:  # refused (overloaded, stopped): its streams were never queued
+            with self._pipe_lock:
+                for stream_id in message.stream_ids:
+                    self.pipe_streams.pop(stream_id, None)
+            raise
         finally:
             self._next_stream_ids.clear()
 
