@@ -42,7 +42,8 @@ def test_base_tokens_are_left_bit_identical():
 
 @pytest.mark.parametrize("shape", [(5, 20, 33, 3, 6), (3, 130, 70, 2, 48), (2, 16, 16, 1, 1),
                                    (150, 40, 72, 3, 5), (200, 24, 20, 5, 20),  # > 128 tokens: the sorted blocks
-                                   (4, 16, 24, 2, 150), (140, 16, 24, 2, 150)])  # ranks in several chunks
+                                   (4, 16, 24, 2, 150), (140, 16, 24, 2, 150),  # ranks in several chunks
+                                   (1100, 24, 200, 3, 6)])  # prefill-sized tiles: no K split, a column block each
 def test_triton_matches_reference(shape):
     triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
     y, x, slots, a, b = _inputs(*shape, seed=2, device=DEVICE)
@@ -282,8 +283,8 @@ for dtype in ("*fp32", "*bf16"):
              {"BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_K": 32 if fp32 else 64, "DOT_IN_FP32": fp32}),
             (k._expand_kernel, {"part_ptr": "*fp32", "b_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
                                 "y_ptr": dtype, "slice_starts_ptr": "*i32"},
-             ["N", "R", "num_splits", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],
-             {"SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 256 if one_block else 64,
+             ["N", "R", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],
+             {"NUM_SPLITS": 32 if one_block else 1, "SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 256 if one_block else 64,
               "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32}),
         ]
         for kernel, pointers, ints, blocks in cases:

@@ -24,10 +24,13 @@ import triton.language as tl
 from ..triton_utils import next_power_of_2
 from .plan import LoRAPlan, block_m_for, max_tiles_for
 
+# Launch shapes, from an H200 sweep at Llama-3-8B shapes (benchmarks/lora_kernels.py --sweep): decode-sized
+# kernels are latency-bound, so short K loops (many splits) and many expand programs win there.
 _TARGET_PROGRAMS = 264        # two per H200 SM: what split-K aims for on decode-sized steps
-_MAX_SPLITS = 16
+_MAX_SPLITS = 32
 _MIN_K_PER_SPLIT = 128
-_TARGET_EXPAND_PROGRAMS = 528  # four per SM: the expand's column blocks are dealt out to this many
+_TARGET_EXPAND_PROGRAMS = 1056  # eight per SM: the expand's column blocks are dealt out to this many
+_PREFILL_BLOCK_M = 64          # prefill-sized tiles: no K split, a column block per expand program (as SGMV)
 _MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
 
 
@@ -73,14 +76,14 @@ def _shrink_kernel(x_ptr, a_ptr, tiles_ptr, tokens_ptr, part_ptr, K, R, K_PER_SP
 
 
 @triton.jit
-def _rank_block(part_ptr, slice_starts_ptr, tokens, is_row, r_start, R, num_splits, stride_ps, stride_pt,
-                SLICE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def _rank_block(part_ptr, slice_starts_ptr, tokens, is_row, r_start, R, stride_ps, stride_pt,
+                NUM_SPLITS: tl.constexpr, SLICE_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """Ranks ``r_start + [0, BLOCK_R)`` of the tile's tokens, summed over the K splits, and the
     column range of the slice each rank belongs to."""
     ranks = r_start + tl.arange(0, BLOCK_R)
     is_rank = ranks < R
     s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for split in range(num_splits):
+    for split in tl.static_range(NUM_SPLITS):  # unrolled: the loads are all in flight at once
         s += tl.load(part_ptr + split * stride_ps + tokens[:, None] * stride_pt + ranks[None, :],
                      mask=is_row[:, None] & is_rank[None, :], other=0.0)
     piece = ranks // SLICE_RANK
@@ -102,9 +105,10 @@ def _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, i
     return tl.dot(s.to(b.dtype), b, acc)
 
 
-@triton.jit(do_not_specialize=["N", "R", "num_splits"])
-def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_ptr, N, R, num_splits,
-                   stride_ps, stride_pt, stride_bs, stride_br, stride_yt, SLICE_RANK: tl.constexpr,
+@triton.jit(do_not_specialize=["N", "R"])
+def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_ptr, N, R,
+                   stride_ps, stride_pt, stride_bs, stride_br, stride_yt, NUM_SPLITS: tl.constexpr,
+                   SLICE_RANK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_RANK_BLOCK: tl.constexpr,
                    DOT_IN_FP32: tl.constexpr):
     slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M)
@@ -112,7 +116,7 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         if ONE_RANK_BLOCK:  # the usual case: the tile's ranks summed once, for every column block
             ranks, s, piece_start, piece_end = _rank_block(part_ptr, slice_starts_ptr, tokens, is_row, 0, R,
-                                                           num_splits, stride_ps, stride_pt, SLICE_RANK, BLOCK_M,
+                                                           stride_ps, stride_pt, NUM_SPLITS, SLICE_RANK, BLOCK_M,
                                                            BLOCK_R)
         # Each program takes every num_programs(1)-th column block: decode steps have few tiles, and
         # the rank-space rows are loaded once for all of them.
@@ -127,7 +131,7 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
             else:
                 for r_start in range(0, R, BLOCK_R):
                     ranks, s, piece_start, piece_end = _rank_block(part_ptr, slice_starts_ptr, tokens, is_row,
-                                                                   r_start, R, num_splits, stride_ps, stride_pt,
+                                                                   r_start, R, stride_ps, stride_pt, NUM_SPLITS,
                                                                    SLICE_RANK, BLOCK_M, BLOCK_R)
                     acc = _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col,
                                      col_start, BLOCK_N, DOT_IN_FP32)
@@ -141,6 +145,8 @@ def num_splits_for(num_tokens: int, in_features: int, rank: int, num_slots: int,
     """K splits of the shrink: enough programs to fill the GPU when a step has few tiles (decode),
     each split at least ``_MIN_K_PER_SPLIT`` wide, and the partials within the scratch. A function
     of the shapes only, so a captured graph and its replays agree."""
+    if block_m_for(num_tokens) >= _PREFILL_BLOCK_M:  # tiles enough (and every expand program would re-sum)
+        return 1
     programs = max_tiles_for(num_tokens, num_slots) * triton.cdiv(rank, _block_r(rank))
     splits = 1
     while (splits < _MAX_SPLITS and programs * splits < _TARGET_PROGRAMS
@@ -182,11 +188,13 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
         BLOCK_R=block_r, BLOCK_K=32 if dot_in_fp32 else 64, DOT_IN_FP32=dot_in_fp32)
     block_n = 64 if dot_in_fp32 else 128
     num_col_blocks = triton.cdiv(out_features, block_n)
+    if block_m < _PREFILL_BLOCK_M:  # few tiles: deal each program several column blocks
+        num_col_blocks = min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles))
     one_rank_block = block_m * next_power_of_2(rank) <= _MAX_ONE_RANK_BLOCK
-    _expand_kernel[(num_tiles, min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles)))](
-        partials, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank, num_splits,
+    _expand_kernel[(num_tiles, num_col_blocks)](
+        partials, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        SLICE_RANK=slice_rank, BLOCK_M=block_m,
+        NUM_SPLITS=num_splits, SLICE_RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
         ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32)
     return y
