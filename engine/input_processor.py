@@ -144,14 +144,16 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and _are_token_ids(prompt):
             return None, list(prompt)
         raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
 
     def _check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt must not be empty (it has no tokens)")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        # min/max first: one pass in C (a burst of long prompts spent most of its host time here)
+        bad = [] if 0 <= min(token_ids) and max(token_ids) < self.vocab_size else \
+            [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
@@ -184,6 +186,12 @@ class InputProcessor:
                 child.waits_for = children[0]
             children.append(child)
         return children
+
+
+def _are_token_ids(prompt) -> bool:
+    """Every item an int (not a bool): the types in one pass in C when all are exactly int (a 2k-token
+    prompt took ~0.5 ms in the item-by-item check); anything else gets the exact check."""
+    return set(map(type, prompt)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
 
 
 def _raise_in_use(request_id: str) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from .block_pool import BlockPool, hash_block_tokens
+from .block_pool import BlockPool, hash_blocks
 from .request import Request
 
 
@@ -69,7 +69,8 @@ class KVCacheManager:
         num_tokens_after = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_blocks_needed = -(-num_tokens_after // self.block_size)
         num_new_blocks = num_blocks_needed - len(request.block_ids) - len(cached_block_ids)
-        num_cached_in_free_queue = sum(1 for b in cached_block_ids if self.pool.blocks[b].ref_count == 0)
+        ref_counts = self.pool.ref_counts
+        num_cached_in_free_queue = sum(1 for b in cached_block_ids if ref_counts[b] == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_cached_in_free_queue:
             return False
         if cached_block_ids:
@@ -127,13 +128,12 @@ class KVCacheManager:
             self.pool.uncache_block(block_id)
 
     def _extend_block_hashes(self, request: Request) -> None:
-        num_full_blocks = request.num_tokens // self.block_size
         hashes = request.block_hashes
-        while len(hashes) < num_full_blocks:
-            start = len(hashes) * self.block_size
-            parent = hashes[-1] if hashes else None
-            tokens = request.token_ids[start:start + self.block_size]
-            hashes.append(hash_block_tokens(parent, tokens, _extra_key(request)))
+        start = len(hashes) * self.block_size
+        end = request.num_tokens // self.block_size * self.block_size
+        if end > start:
+            hashes.extend(hash_blocks(hashes[-1] if hashes else None, request.token_ids[start:end], self.block_size,
+                                      _extra_key(request)))
 
 
 def _extra_key(request: Request) -> str | None:

@@ -180,3 +180,17 @@ def test_samples_of_one_request_are_prefilled_in_one_step(tiny_model_dirs, make_
     expected = hf_greedy(tiny_model_dirs["llama"], prompt, MAX_TOKENS)
     assert [sample.output_token_ids for sample in samples] == [expected] * 3
     engine.release(request_id)
+
+
+def test_a_prompt_hashed_at_once_chains_like_block_by_block():
+    """The manager hashes a prompt's blocks from one buffer; each hash is the chained one."""
+    from hearth_llm.engine.block_pool import hash_block_tokens, hash_blocks
+
+    tokens = list(range(100, 133))
+    chained, parent = [], None
+    for start in range(0, 32, 8):
+        parent = hash_block_tokens(parent, tokens[start:start + 8], "tenant")
+        chained.append(parent)
+    assert hash_blocks(None, tokens, 8, "tenant") == chained
+    assert hash_blocks(chained[1], tokens[16:], 8, "tenant") == chained[2:]
+    assert hash_blocks(None, tokens, 8) != chained
