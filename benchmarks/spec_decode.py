@@ -3,13 +3,16 @@
     hearth-llm bench spec [--k 4] [--max-tokens 96] [--repeats 2] [--draft default]
     hearth-llm bench spec --overhead-shape llama3-8b --device cuda      # the H200 variant
 
-1. Real weights (the bundled SmolLM2-135M by default, so acceptance is real): a RAG prompt (the
-   whole demo handbook, then a question whose answer the model should quote) and an extraction
-   prompt (copy fields out of a pasted order). Each runs greedy, alone, without speculation and
+1. Real weights (the bundled SmolLM2-135M by default, so acceptance is real): the ``make demo``
+   RAG questions as the demo asks them (its system prompt and wording, the handbook page that
+   answers the question as context), an extraction prompt (copy fields out of a pasted order),
+   and with ``--quote-prompts`` the older variant (the whole handbook, "quote it word for word").
+   Each runs greedy, alone, without speculation and
    with n-gram prompt lookup (and a draft model with ``--draft``; ``--draft default`` is
    SmolLM2 drafting for itself, a sanity check of the draft path: acceptance about 100 %).
    Decode tokens/s count from the first token to the last (prefix caching is off so every run
-   prefills alike). Outputs are checked token-equal to the plain run (in bfloat16 a verify step's
+   prefills alike); ``--clock cpu`` counts the engine thread's CPU time instead of wall time, for
+   a machine shared with other work (1 thread: the forward passes run on that thread). Outputs are checked token-equal to the plain run (in bfloat16 a verify step's
    logits can round differently from a decode step's, so a near-tie may flip; float32 is exact).
    The CPU thread count is fixed (``--adaptive-threads`` lets the governor choose: its choices
    change bfloat16 rounding from run to run, so even two plain runs can differ).
@@ -28,6 +31,16 @@ from pathlib import Path
 
 import torch
 
+# The demo's RAG questions, each with the handbook page that answers it (the demo retrieves one page),
+# and its prompt wording (integrations/demo, not imported here: that would pull in LangChain).
+DEMO_QUESTIONS = {
+    "How often should I descale the kettle if my water is hard?": "04-descaling.md",
+    "How much does express delivery cost?": "08-returns-and-shipping.md",
+    "What does error code E1 mean?": "06-error-codes.md",
+}
+DEMO_SYSTEM = ("You are a helpful assistant for the Larkspur Wren kettle. "
+               "Answer in one short sentence, using only the handbook.")
+DEMO_HUMAN = "Handbook:\n{context}\n\nQuestion: {question}"
 QUESTIONS = [
     "How often should I descale the kettle if my water is hard?",
     "What does error code E1 mean?",
@@ -51,23 +64,34 @@ EXTRACT_USER = ("Document:\n{document}\n\nCopy these fields exactly as they appe
                 "as 'field: value': order number, customer, email, shipping address, each item line, total.")
 
 
-def handbook_text() -> str:
-    """The demo's handbook pages, read from the files (importing the demo would pull in LangChain)."""
+def handbook_folder() -> Path:
+    """The demo's handbook pages (found without importing the demo, which would pull in LangChain)."""
     spec = util.find_spec("hearth_llm.integrations")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "demo" / "corpus"
-    return "\n\n".join(page.read_text(encoding="utf-8") for page in sorted(folder.glob("*.md")))
+    return Path(list(spec.submodule_search_locations)[0]) / "demo" / "corpus"
 
 
-def workloads(tokenizer) -> dict[str, list[int]]:
+def handbook_text() -> str:
+    return "\n\n".join(page.read_text(encoding="utf-8") for page in sorted(handbook_folder().glob("*.md")))
+
+
+def workloads(tokenizer, quote_prompts: bool = False) -> dict[str, list[int]]:
     def chat(system: str | None, user: str) -> list[int]:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
-    context = handbook_text()
-    prompts = {f"rag {i + 1}": chat(RAG_SYSTEM, RAG_USER.format(context=context, question=q))
-               for i, q in enumerate(QUESTIONS)}
+    folder = handbook_folder()
+    prompts = {f"rag {i + 1}": chat(DEMO_SYSTEM, DEMO_HUMAN.format(context=(folder / page).read_text(encoding="utf-8"),
+                                                                   question=question))
+               for i, (question, page) in enumerate(DEMO_QUESTIONS.items())}
+    if quote_prompts:
+        context = handbook_text()
+        prompts.update({f"rag-quote {i + 1}": chat(RAG_SYSTEM, RAG_USER.format(context=context, question=q))
+                        for i, q in enumerate(QUESTIONS)})
     prompts["extraction"] = chat(None, EXTRACT_USER.format(document=ORDER))
     return prompts
+
+
+CLOCK = [time.perf_counter]  # --clock cpu: time.thread_time
 
 
 class ForcedProposer:
@@ -106,26 +130,17 @@ def run_one(engine, prompt: list[int], max_tokens: int, speculative: bool = True
     request_id = engine.add_request(prompt, params)
     tokens, num_steps, first_token_at = [], 0, None
     _synchronize(engine)
-    started = time.perf_counter()
+    started = CLOCK[0]()
     while engine.has_unfinished_requests():
         for delta in engine.step():
             tokens += delta.new_token_ids
         num_steps += 1
         if tokens and first_token_at is None:
-            first_token_at = time.perf_counter()  # the prefill's step (CPU: the host has waited for it)
+            first_token_at = CLOCK[0]()  # the prefill's step (CPU: the host has waited for it)
     _synchronize(engine)
-    ended = time.perf_counter()
+    ended = CLOCK[0]()
     engine.release(request_id)
     return tokens, ended - started, num_steps, ended - (first_token_at or ended)
-
-
-def decode_rate(engine, prompt: list[int], max_tokens: int, repeats: int) -> tuple[list[int], float]:
-    """Decode tokens/s after the first token (best of ``repeats``), and the tokens."""
-    best, tokens = 0.0, []
-    for _ in range(repeats):
-        tokens, _, _, decode_seconds = run_one(engine, prompt, max_tokens)
-        best = max(best, (len(tokens) - 1) / max(decode_seconds, 1e-9))
-    return tokens, best
 
 
 def spec_counters(engine) -> tuple[int, int, int]:
@@ -134,28 +149,40 @@ def spec_counters(engine) -> tuple[int, int, int]:
 
 
 def real_weights_table(args) -> None:
-    plain = make_engine(args.model, None, args)
-    systems = {f"ngram k={args.k}": make_engine(args.model, {
+    engines = {"no speculation": make_engine(args.model, None, args)}
+    engines[f"ngram k={args.k}"] = make_engine(args.model, {
         "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-        "prompt_lookup_max": args.lookup_max}, args)}
+        "prompt_lookup_max": args.lookup_max}, args)
     if args.draft:
-        systems[f"draft {Path(args.draft).name} k={args.k}"] = make_engine(args.model, {
+        engines[f"draft {Path(args.draft).name} k={args.k}"] = make_engine(args.model, {
             "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}, args)
-    print(f"| prompt | tokens in/out | system | decode tok/s | speedup | acceptance | tokens/step | equal |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, prompt in workloads(plain.tokenizer).items():
-        run_one(plain, prompt, 8)  # warm-up
-        reference, plain_rate = decode_rate(plain, prompt, args.max_tokens, args.repeats)
-        print(f"| {name} | {len(prompt)}/{len(reference)} | no speculation | {plain_rate:.1f} | 1.00x | | 1.00 | |")
-        for system, engine in systems.items():
-            run_one(engine, prompt, 8)
-            before = spec_counters(engine)
-            tokens, rate = decode_rate(engine, prompt, args.max_tokens, args.repeats)
-            drafts, proposed, accepted = (a - b for a, b in zip(spec_counters(engine), before))
+    print(f"| prompt | tokens in/out | system | decode tok/s | speedup | acceptance | tokens per verify step | equal |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for name, prompt in workloads(engines["no speculation"].tokenizer, args.quote_prompts).items():
+        for engine in engines.values():
+            run_one(engine, prompt, 8)  # warm-up
+        before = {system: spec_counters(engine) for system, engine in engines.items() if engine.proposer}
+        outputs = interleaved_rates(engines, prompt, args.max_tokens, args.repeats)
+        reference, plain_rate = outputs.pop("no speculation")
+        print(f"| {name} | {len(prompt)}/{len(reference)} | no speculation | {plain_rate:.1f} | 1.00x | | | |")
+        for system, (tokens, rate) in outputs.items():
+            drafts, proposed, accepted = (a - b for a, b in zip(spec_counters(engines[system]), before[system]))
             acceptance = accepted / proposed if proposed else 0.0
             per_step = 1 + accepted / drafts if drafts else 1.0
             print(f"| {name} | {len(prompt)}/{len(tokens)} | {system} | {rate:.1f} | {rate / plain_rate:.2f}x | "
                   f"{acceptance:.0%} | {per_step:.2f} | {'yes' if tokens == reference else 'NO'} |", flush=True)
+
+
+def interleaved_rates(engines: dict, prompt: list[int], max_tokens: int, repeats: int) -> dict:
+    """Per system, (its tokens, best decode tokens/s of ``repeats`` runs); the systems take turns
+    run by run, so a burst of load on a shared machine hits them alike."""
+    best = {system: ([], 0.0) for system in engines}
+    for _ in range(repeats):
+        for system, engine in engines.items():
+            tokens, _, _, decode_seconds = run_one(engine, prompt, max_tokens)
+            rate = (len(tokens) - 1) / max(decode_seconds, 1e-9)
+            best[system] = (tokens, max(best[system][1], rate))
+    return best
 
 
 def overhead_table(engine, k: int, num_tokens: int, repeats: int) -> None:
@@ -227,9 +254,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the real-weights table; measure the verification overhead on a random-weight "
                              "model of this shape (e.g. llama3-8b on cuda)")
     parser.add_argument("--overhead-tokens", type=int, default=128)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: the engine thread's CPU time (a shared machine; needs --num-threads 1)")
+    parser.add_argument("--quote-prompts", action="store_true",
+                        help="also the older RAG variant: the whole handbook as context, 'quote it word for word'")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="the engine's max_num_seqs (fewer CUDA graphs to capture; default: the engine's)")
     args = parser.parse_args(argv)
+    if args.clock == "cpu":
+        if args.num_threads != 1 or args.device != "cpu":
+            parser.error("--clock cpu needs --device cpu and --num-threads 1 (the forward passes on this thread)")
+        CLOCK[0] = time.thread_time
     speculative = {"method": "ngram", "num_speculative_tokens": args.k}
     if args.overhead_shape is None:
         real_weights_table(args)
