@@ -83,6 +83,14 @@ async def test_two_replicas_give_the_single_engines_tokens(engine, model_dir):
     await wait_until_idle(engine)
 
 
+def test_seeded_samples_of_a_request_equal_the_single_engines(engine, model_dir):
+    params = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=5)
+    prompts = random_prompts(3, [6], seed=3)
+    with LLM(model_dir, **KW, **REPLICAS) as replicated, LLM(model_dir, **KW) as single:
+        got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (replicated, single))
+    assert [[c.token_ids for c in out.outputs] for out in got] == [[c.token_ids for c in out.outputs] for out in want]
+
+
 async def test_streamed_tokens_equal_the_batch_ones(engine, model_dir):
     prompt = random_prompts(1, [9], seed=2)[0]
     streamed = [token async for out in engine.generate(prompt, GREEDY) for token in out.delta_token_ids]

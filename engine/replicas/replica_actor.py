@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -186,9 +187,8 @@ def _picklable(error: BaseException) -> BaseException:
 
 
 def _node_id() -> str:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - outside Ray (tests of the body alone)
+    """The Ray node this actor runs on; "local" outside Ray (asking Ray there would start one)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return "local"
+    return ray.get_runtime_context().get_node_id()
