@@ -63,7 +63,7 @@ def _slot_tensors(in_features, slices, num_slots, rank, device):
 
 
 def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None) -> dict:
-    from hearth_llm.kernels.lora import LoRAPlan, add_lora_planned, reference
+    from hearth_llm.kernels.lora import LoRAPlan, add_lora_planned, reference, scratch_numel
 
     device = torch.device("cuda")
     in_features, slices = PROJECTIONS[name]
@@ -75,7 +75,7 @@ def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None) 
     seq_slots, counts = _sequences(num_tokens, num_adapters)
     plan = LoRAPlan(max(num_tokens, 512), 8, device)
     plan.set_sequences(seq_slots, counts)
-    scratch = torch.empty(max(num_tokens, 4096) * a.shape[1], dtype=torch.float32, device=device)
+    scratch = torch.zeros(scratch_numel(num_tokens, a.shape[1]), dtype=torch.float32, device=device)
     token_slots = torch.from_numpy(np.repeat(seq_slots, counts)).to(device)
 
     out = add_lora_planned(y.clone(), x, plan, a, b, bounds, rank, scratch).float()

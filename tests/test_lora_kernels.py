@@ -10,7 +10,7 @@ import torch
 from hearth_llm.engine.lora.adapter import ShardLoRA
 from hearth_llm.engine.models.linear import QKVLinear
 from hearth_llm.engine.models.lora_linear import LoRAStep, LoRALinearMethod
-from hearth_llm.kernels.lora import LoRAPlan, reference
+from hearth_llm.kernels.lora import LoRAPlan, reference, scratch_numel
 from hearth_llm.kernels.lora.plan import block_m_for, max_tiles_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,16 +122,20 @@ def test_triton_planned_fused_slices_match_reference(slice_sizes, num_tokens, in
     slots, counts = np.array([2, -1, 0, 2]), np.array([num_tokens - num_tokens // 2 - 1, 1, num_tokens // 2, 0])
     plan = LoRAPlan(capacity=num_tokens, num_slots=3, device=torch.device("cpu"))
     plan.set_sequences(slots, counts)
-    scratch = torch.empty(4096 * a.shape[1])
-    splits = triton_lora.num_splits_for(num_tokens, in_features, a.shape[1], 3, 4096)
+    scratch = torch.zeros(scratch_numel(num_tokens, a.shape[1]), device=DEVICE)
+    splits = triton_lora.num_splits_for(num_tokens, in_features, a.shape[1], 3, 16384)
     assert (splits > 1) == (num_tokens == 3)
     to = lambda t: t.to(DEVICE)
     out = triton_lora.add_lora_planned(to(y.clone()), to(x), _on(plan, DEVICE), to(a), to(b), to(bounds), 4,
-                                       to(scratch)).cpu()
+                                       scratch).cpu()
     token_slots = torch.from_numpy(np.repeat(slots, counts))
     torch.testing.assert_close(out, reference.add_lora(y.clone(), x, token_slots, a, b), rtol=1e-4, atol=1e-3)
     base_row = int(counts[0])
     assert torch.equal(out[base_row], y[base_row])  # the base token is not even rounded
+    assert not scratch[-triton_lora.NUM_TICKETS:].view(torch.int32).any()  # the split tickets are back at zero
+    again = triton_lora.add_lora_planned(to(y.clone()), to(x), _on(plan, DEVICE), to(a), to(b), to(bounds), 4,
+                                         scratch).cpu()
+    assert torch.equal(again, out)  # the split sums run in a fixed order
 
 
 def _on(plan, device):
@@ -278,9 +282,10 @@ for dtype in ("*fp32", "*bf16"):
     for block_m, one_block in ((16, True), (64, False)):  # decode-sized and prefill-sized tiles; rank chunks
         cases = [
             (k._shrink_kernel, {"x_ptr": dtype, "a_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
-                                "part_ptr": "*fp32"},
+                                "sum_ptr": "*fp32", "part_ptr": "*fp32", "tickets_ptr": "*i32"},
              ["K", "R", "K_PER_SPLIT", "stride_xt", "stride_as", "stride_ar", "stride_ps", "stride_pt"],
-             {"BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_K": 32 if fp32 else 64, "DOT_IN_FP32": fp32}),
+             {"NUM_SPLITS": 32 if one_block else 1, "BLOCK_M": block_m, "BLOCK_R": 64,
+              "BLOCK_K": 32 if fp32 else 64, "DOT_IN_FP32": fp32}),
             (k._expand_kernel, {"part_ptr": "*fp32", "b_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
                                 "y_ptr": dtype, "slice_starts_ptr": "*i32"},
              ["N", "R", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],

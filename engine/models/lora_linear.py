@@ -23,12 +23,10 @@ import contextlib
 import numpy as np
 import torch
 
-from hearth_llm.kernels.lora import LoRAPlan, add_lora, add_lora_planned
+from hearth_llm.kernels.lora import LoRAPlan, add_lora, add_lora_planned, scratch_numel
 
 from .linear import linear_layers
 from .linear_method import LinearMethod
-
-SCRATCH_MIN_ROWS = 4096
 
 
 class LoRAStep:
@@ -61,8 +59,8 @@ class LoRAStep:
         if not self.is_planned:
             return
         self.plan = LoRAPlan(self.capacity, num_slots, self.device)
-        rows = max(self.capacity, SCRATCH_MIN_ROWS)  # decode steps split K: more partial rows than tokens
-        self.scratch = torch.empty(rows * max_ranks_per_layer, dtype=torch.float32, device=self.device)
+        self.scratch = torch.zeros(scratch_numel(self.capacity, max_ranks_per_layer), dtype=torch.float32,
+                                   device=self.device)
 
     def begin_sequences(self, slot_of_seq, num_tokens_of_seq) -> None:
         """Set this step: sequence ``i`` has ``num_tokens_of_seq[i]`` tokens on slot ``slot_of_seq[i]``

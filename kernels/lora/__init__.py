@@ -28,7 +28,10 @@ from ..lazy_triton import triton_module
 from . import reference
 from .plan import LoRAPlan
 
-__all__ = ["LoRAPlan", "add_lora", "add_lora_planned"]
+__all__ = ["LoRAPlan", "add_lora", "add_lora_planned", "scratch_numel"]
+
+SCRATCH_MIN_ROWS = 16384  # decode steps split K: up to 32 partial rows per token, plus the sums
+SCRATCH_TICKETS = 8192    # = triton_lora.NUM_TICKETS (kept here so the size needs no Triton import)
 
 
 def _triton_module():
@@ -52,3 +55,9 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
     if y.is_cuda and _triton_module() is not None:
         return _triton_module().add_lora_planned(y, x, plan, lora_a, lora_b, slice_starts, slice_rank, scratch)
     return reference.add_lora(y, x, reference.token_slots_of(plan, x.shape[0]), lora_a, lora_b)
+
+
+def scratch_numel(max_tokens: int, max_ranks: int) -> int:
+    """Float32 elements of the zero-filled scratch :func:`add_lora_planned` needs for steps of up to
+    ``max_tokens`` tokens and layers of up to ``max_ranks`` ranks (all slices)."""
+    return max(max_tokens, SCRATCH_MIN_ROWS) * max_ranks + SCRATCH_TICKETS

@@ -30,6 +30,7 @@ _TARGET_PROGRAMS = 264        # two per H200 SM: what split-K aims for on decode
 _MAX_SPLITS = 32
 _MIN_K_PER_SPLIT = 128
 _TARGET_EXPAND_PROGRAMS = 1056  # eight per SM: the expand's column blocks are dealt out to this many
+NUM_TICKETS = 8192             # (tile, rank block) counters of split K, at the end of the scratch
 _PREFILL_BLOCK_M = 64          # prefill-sized tiles: no K split, a column block per expand program (as SGMV)
 _MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
 
@@ -48,9 +49,9 @@ def _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["K", "R", "K_PER_SPLIT"])
-def _shrink_kernel(x_ptr, a_ptr, tiles_ptr, tokens_ptr, part_ptr, K, R, K_PER_SPLIT, stride_xt, stride_as, stride_ar,
-                   stride_ps, stride_pt, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_IN_FP32: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, tiles_ptr, tokens_ptr, sum_ptr, part_ptr, tickets_ptr, K, R, K_PER_SPLIT, stride_xt,
+                   stride_as, stride_ar, stride_ps, stride_pt, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M)
     if slot >= 0:
         ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -71,8 +72,22 @@ def _shrink_kernel(x_ptr, a_ptr, tiles_ptr, tokens_ptr, part_ptr, K, R, K_PER_SP
                 acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, a, acc)
-        tl.store(part_ptr + split * stride_ps + tokens[:, None] * stride_pt + ranks[None, :], acc,
-                 mask=is_row[:, None] & is_rank[None, :])
+        offsets = tokens[:, None] * stride_pt + ranks[None, :]
+        mask = is_row[:, None] & is_rank[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(sum_ptr + offsets, acc, mask=mask)
+        else:
+            # Each split leaves its partial; the last of a (tile, rank block) to finish sums them in split
+            # order (deterministic) into sum_ptr, so the expand reads one row per token, once.
+            tl.store(part_ptr + split * stride_ps + offsets, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+            ticket_ptr = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for other in tl.static_range(NUM_SPLITS):  # .cg: from L2, where the other SMs wrote
+                    total += tl.load(part_ptr + other * stride_ps + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(sum_ptr + offsets, total, mask=mask)
+                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -148,9 +163,11 @@ def num_splits_for(num_tokens: int, in_features: int, rank: int, num_slots: int,
     if block_m_for(num_tokens) >= _PREFILL_BLOCK_M:  # tiles enough (and every expand program would re-sum)
         return 1
     programs = max_tiles_for(num_tokens, num_slots) * triton.cdiv(rank, _block_r(rank))
+    if programs > NUM_TICKETS:
+        return 1
     splits = 1
     while (splits < _MAX_SPLITS and programs * splits < _TARGET_PROGRAMS
-           and in_features // (2 * splits) >= _MIN_K_PER_SPLIT and 2 * splits * num_tokens <= scratch_rows):
+           and in_features // (2 * splits) >= _MIN_K_PER_SPLIT and (2 * splits + 1) * num_tokens <= scratch_rows):
         splits *= 2
     return splits
 
@@ -165,9 +182,11 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
 
     ``lora_a`` ``[S, P * slice_rank, K]`` and ``lora_b`` ``[S, P * slice_rank, N]`` hold ``P`` slices;
     slice ``p`` covers columns ``slice_starts[p] : slice_starts[p + 1]`` (``slice_starts``: int32 on
-    the device, ``P + 1`` long) and B is zero outside them. ``scratch``: float32, at least
-    ``rows * P * slice_rank`` elements for the ``rows`` of :func:`num_splits_for`. ``y`` and ``x``
-    need unit stride along their rows; ``lora_a``/``lora_b`` must be contiguous. Returns ``y``.
+    the device, ``P + 1`` long) and B is zero outside them. ``scratch``: float32, zeros when first
+    given (its last :data:`NUM_TICKETS` elements are the K splits' tickets, which every launch leaves at
+    zero), large enough for the split partials it has room for (:func:`num_splits_for`), and at least
+    ``(NUM_TICKETS + num_tokens * P * slice_rank)`` elements. ``y`` and ``x`` need unit stride along
+    their rows; ``lora_a``/``lora_b`` must be contiguous. Returns ``y``.
     """
     num_tokens, in_features = x.shape
     num_slots, rank, _ = lora_a.shape
@@ -178,23 +197,26 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
     block_m = block_m_for(num_tokens)
     num_tiles = max_tiles_for(num_tokens, num_slots)
     block_r = _block_r(rank)
-    num_splits = num_splits_for(num_tokens, in_features, rank, num_slots, scratch.numel() // rank)
+    tickets = scratch[-NUM_TICKETS:].view(torch.int32)
+    num_splits = num_splits_for(num_tokens, in_features, rank, num_slots, (scratch.numel() - NUM_TICKETS) // rank)
     k_per_split = triton.cdiv(triton.cdiv(in_features, num_splits), 64) * 64
-    partials = scratch[:num_splits * num_tokens * rank].view(num_splits, num_tokens, rank)
+    rank_rows = scratch[:(num_splits + 1) * num_tokens * rank].view(num_splits + 1, num_tokens, rank)
+    shrunk, partials = rank_rows[0], rank_rows[1:]
     dot_in_fp32 = x.dtype == torch.float32
     _shrink_kernel[(num_tiles, triton.cdiv(rank, block_r), num_splits)](
-        x, lora_a, plan.tiles, plan.sorted_tokens, partials, in_features, rank, k_per_split, x.stride(0),
-        lora_a.stride(0), lora_a.stride(1), partials.stride(0), partials.stride(1), BLOCK_M=block_m,
-        BLOCK_R=block_r, BLOCK_K=32 if dot_in_fp32 else 64, DOT_IN_FP32=dot_in_fp32)
+        x, lora_a, plan.tiles, plan.sorted_tokens, shrunk, partials, tickets, in_features, rank, k_per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), rank_rows.stride(0), rank_rows.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=32 if dot_in_fp32 else 64,
+        DOT_IN_FP32=dot_in_fp32)
     block_n = 64 if dot_in_fp32 else 128
     num_col_blocks = triton.cdiv(out_features, block_n)
     if block_m < _PREFILL_BLOCK_M:  # few tiles: deal each program several column blocks
         num_col_blocks = min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles))
     one_rank_block = block_m * next_power_of_2(rank) <= _MAX_ONE_RANK_BLOCK
     _expand_kernel[(num_tiles, num_col_blocks)](
-        partials, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank,
-        partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        NUM_SPLITS=num_splits, SLICE_RANK=slice_rank, BLOCK_M=block_m,
+        shrunk, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank,
+        rank_rows.stride(0), rank_rows.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        NUM_SPLITS=1, SLICE_RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
         ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32)
     return y
@@ -213,5 +235,5 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora_a
     if not plan.has_adapters:
         return y
     slice_starts = torch.tensor([0, lora_b.shape[-1]], dtype=torch.int32, device=x.device)
-    scratch = torch.empty(_MAX_SPLITS * num_tokens * rank, dtype=torch.float32, device=x.device)
+    scratch = torch.zeros((_MAX_SPLITS + 1) * num_tokens * rank + NUM_TICKETS, dtype=torch.float32, device=x.device)
     return add_lora_planned(y, x, plan, lora_a.contiguous(), lora_b.contiguous(), slice_starts, rank, scratch)
