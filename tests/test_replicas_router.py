@@ -143,3 +143,18 @@ def test_bad_replica_options_raise_before_an_engine_exists():
 
     with pytest.raises(ValueError, match="needs backend='ray'"):
         AsyncLLM("default", replicas=3)
+
+
+@pytest.mark.parametrize("device, cluster_gpus, tp, bundle", [
+    ("auto", 0, 1, {"CPU": 1}),             # no GPU in the cluster: one CPU per rank
+    ("auto", 4, 2, {"CPU": 1, "GPU": 2}),   # the cluster's GPUs decide, not this machine's
+    ("auto", 1, 2, {"CPU": 2}),             # too few GPUs for one replica's ranks: the CPU
+    ("cpu", 4, 2, {"CPU": 2}),
+    ("cuda", 0, 2, {"CPU": 1, "GPU": 2}),   # asked for: Ray waits for the GPUs (or says there is no room)
+])
+def test_each_replica_reserves_its_ranks_devices(device, cluster_gpus, tp, bundle):
+    from hearth_llm.engine import EngineConfig
+    from hearth_llm.engine.replicas.ray_cluster import replica_bundle
+
+    config = EngineConfig(device=device, tensor_parallel_size=tp)
+    assert replica_bundle(config, cluster_gpus).as_ray_bundle() == bundle

@@ -388,8 +388,10 @@ class ReplicaSet:
         self._started_ray = ray_cluster.join_cluster(self.options.ray_address)
         bundle = ray_cluster.replica_bundle(self.config, ray_cluster.cluster_gpus())
         kwargs = {"show_progress": False, **self._engine_kwargs}
-        if self.config.device == "auto":
-            kwargs["device"] = bundle.device  # the bundle decided; a replica does not guess again
+        if self.config.device == "auto" or bundle.device == "cuda":
+            # the bundle decided; a replica does not guess again, and its GPUs are numbered from 0
+            # (Ray sets CUDA_VISIBLE_DEVICES to them), so "cuda:1" would name one it does not have
+            kwargs["device"] = bundle.device
         if bundle.device == "cpu" and "num_threads" not in self._engine_kwargs:
             kwargs["num_threads"] = bundle.num_cpus  # the replica's share of the cores, not the driver's count
         prefix = f"hearth-{str(self.config.model).rstrip('/').rsplit('/', 1)[-1]}-{uuid.uuid4().hex[:8]}"
