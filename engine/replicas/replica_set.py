@@ -243,7 +243,8 @@ class ReplicaSet:
             self._abort_pending(pending)
 
     def stats(self) -> dict:
-        """The replicas' engine counters summed (``max_num_scheduled_requests``: their maximum), and
+        """The replicas' engine counters summed (``max_num_scheduled_requests``: their maximum; flags such
+        as ``is_sleeping``: true when true of every live replica), and
         ``replicas``: per replica its router counters (``num_outstanding``, ``num_routed``,
         ``num_affine_routed``, ``num_fallback_routed``, ``is_alive``) and its own engine counters."""
         if self._startup is None or not self._startup.done() or self._router is None:
@@ -578,8 +579,8 @@ def _sum_counters(entries: list[dict]) -> dict:
         for key, value in entry.items():
             if key in ("replica", "pid", "node_id", "last_error", "is_alive") or isinstance(value, (str, type(None))):
                 continue
-            if isinstance(value, bool):
-                total[key] = total.get(key, False) or value
+            if isinstance(value, bool):  # is_sleeping: the set sleeps when all its replicas do
+                total[key] = total.get(key, True) and value
             elif isinstance(value, (int, float)):
                 total[key] = max(total.get(key, value), value) if key in _MAX_NOT_SUM else total.get(key, 0) + value
     return total
