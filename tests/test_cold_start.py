@@ -1,6 +1,7 @@
 """Cold start: the staged reads (reader threads, a ring of buffers, chunks across tensor and file
 boundaries) give exactly the tensors the plain reads give, the fast random checkpoint is a valid HF
 directory, and ``bench cold-start`` times every phase of a fresh process on a tiny model."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -77,3 +78,52 @@ def test_bench_cold_start_times_each_phase_of_a_fresh_process(sharded_dir, tmp_p
     assert run["total_s"] == pytest.approx(sum(phases.values()))
     assert run["total_s"] <= run["wall_s"]
     assert "TOTAL to first token" in capsys.readouterr().out
+
+
+def test_a_remembered_config_rebuilds_to_the_same_model(tiny_model_dirs, tmp_path):
+    from transformers import AutoConfig
+
+    from hearth_llm.engine.loader.config_cache import load_config
+    from hearth_llm.engine.models import model_class_for
+
+    for name, directory in tiny_model_dirs.items():
+        real = load_config(directory / "config.json", cache_root=tmp_path)  # resolved by AutoConfig, written
+        cached = load_config(directory / "config.json", cache_root=tmp_path)
+        assert type(real) is type(AutoConfig.from_pretrained(directory)) and type(cached) is not type(real), name
+        assert (type(cached).__name__, cached.model_type) == (type(real).__name__, real.model_type)
+        model_class = model_class_for(real)
+        assert model_class_for(cached) is model_class
+        ours, theirs = model_class.arch_from_hf_config(cached), model_class.arch_from_hf_config(real)
+        for field in dataclasses.fields(theirs):
+            a, b = getattr(ours, field.name), getattr(theirs, field.name)
+            assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b, (name, field.name)
+        assert cached._name_or_path == str(directory)
+
+
+def test_config_classes_with_logic_of_their_own_are_not_remembered(tmp_path):
+    from transformers import LlamaConfig
+
+    from hearth_llm.engine.loader.config_cache import is_plain_config_class, remember
+
+    class WithProperty(LlamaConfig):
+        @property
+        def layers_per_stage(self):
+            return self.num_hidden_layers // 2
+
+    class WithAlias(LlamaConfig):
+        attribute_map = {"n_layer": "num_hidden_layers"}
+
+    assert is_plain_config_class(LlamaConfig)
+    assert not is_plain_config_class(WithProperty) and not is_plain_config_class(WithAlias)
+    assert not remember(tmp_path / "entry.json", WithProperty(num_hidden_layers=2))
+    assert not (tmp_path / "entry.json").exists()
+
+
+def test_top_level_tokenizers_load_as_autotokenizer_loads_them(tiny_model_dirs):
+    from transformers import AutoTokenizer
+
+    directory = tiny_model_dirs["llama"]
+    direct, auto = hf_dir._load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+    assert type(direct) is type(auto)
+    assert direct.get_vocab() == auto.get_vocab() and direct.all_special_tokens == auto.all_special_tokens
+    assert direct("w5 w7 w9").input_ids == auto("w5 w7 w9").input_ids

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .checkpoint import LoadedCheckpoint, WeightShapes
+from .config_cache import load_config
 from .staged_reads import ReadStats, TensorEntry, stream_to_device
 
 logger = logging.getLogger("hearth_llm.loader")
@@ -27,18 +28,15 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype, allow_pickle: bool = False
     >>> checkpoint.weight_shapes()["lm_head.weight"]
     ((320, 64), 'models/tiny-llama/model.safetensors')
     """
-    # Imported here: resolving transformers' Auto classes costs ~0.3 s of every cold start, GGUF ones too.
-    from transformers import AutoConfig, AutoTokenizer
-
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"model: {str(path)!r} has no config.json")
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = load_config(config_file)  # remembered across processes: config_cache.py
     except Exception as error:  # transformers raises many types (strict dataclass checks among them)
         raise ValueError(f"model: cannot read {config_file}: {error}") from error
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    tokenizer = _load_tokenizer(path)
     safetensor_files = sorted(path.glob("*.safetensors"))
     if safetensor_files:
         shapes = _safetensors_shapes(safetensor_files)
@@ -49,6 +47,23 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype, allow_pickle: bool = False
     pickled_files = _pickled_files(path, allow_pickle)
     return LoadedCheckpoint(config, tokenizer, str(path), weight_stream=lambda: _stream_pickled(pickled_files, progress),
                             dtype=dtype)
+
+
+# Tokenizer classes of transformers' top level: loaded by the class itself, AutoTokenizer would pick it
+# the same way but first imports transformers.models' index of every model (~1.4 s of a cold start).
+_TOP_LEVEL_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _load_tokenizer(path: Path):
+    import transformers
+
+    try:
+        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name in _TOP_LEVEL_TOKENIZERS and hasattr(transformers, name):
+        return getattr(transformers, name).from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 def _safetensors_shapes(files: list[Path]) -> WeightShapes:
