@@ -23,7 +23,8 @@ import contextlib
 import numpy as np
 import torch
 
-from hearth_llm.kernels.lora import LoRAPlan, add_lora, add_lora_planned, scratch_numel
+from hearth_llm.kernels.lora import (LoRAPlan, add_lora, add_lora_planned, expand_planned, scratch_numel,
+                                     shrink_planned)
 
 from .linear import linear_layers
 from .linear_method import LinearMethod
@@ -41,6 +42,8 @@ class LoRAStep:
     cost grows with the adapters in the batch, not with ``max_loras``.
     """
 
+    overlaps_shrink = True  # CUDA: the shrink on a side stream beside the base projection
+
     def __init__(self, capacity: int, device: torch.device, planned: bool | None = None) -> None:
         self.capacity = capacity
         self.device = device
@@ -53,6 +56,7 @@ class LoRAStep:
         self.used_slots: slice | torch.Tensor = slice(0, 0)
         self.compact_token_slots = torch.full((0,), -1, dtype=torch.long)
         self.is_single_adapter = False
+        self.side_stream = None  # CUDA: where the shrink runs beside the base projection
 
     def allocate(self, num_slots: int, max_ranks_per_layer: int) -> None:
         """The device plan and scratch (CUDA), once, before any graph is captured."""
@@ -61,6 +65,8 @@ class LoRAStep:
         self.plan = LoRAPlan(self.capacity, num_slots, self.device)
         self.scratch = torch.zeros(scratch_numel(self.capacity, max_ranks_per_layer), dtype=torch.float32,
                                    device=self.device)
+        if self.device.type == "cuda":
+            self.side_stream = torch.cuda.Stream(device=self.device)
 
     def begin_sequences(self, slot_of_seq, num_tokens_of_seq) -> None:
         """Set this step: sequence ``i`` has ``num_tokens_of_seq[i]`` tokens on slot ``slot_of_seq[i]``
@@ -101,6 +107,23 @@ class LoRAStep:
             yield
         finally:
             self.has_adapters, self.is_capturing = False, False
+
+    def can_overlap(self, x: torch.Tensor) -> bool:
+        """Whether this forward's layers run their shrink on the side stream (CUDA, the runner's pass)."""
+        return (self.side_stream is not None and self.overlaps_shrink and x.is_cuda
+                and (x.shape[0] == self.num_tokens or self.is_capturing))
+
+    def apply_overlapped(self, layer, x: torch.Tensor, bias, method: "LoRALinearMethod") -> torch.Tensor:
+        """``base.apply`` plus the update, the shrink on the side stream beside the base projection (it
+        reads only ``x``; both are tiny beside a decode step's weight reads), the expand after both.
+        The side stream forks from and joins the current one, so graph capture records both branches."""
+        main = torch.cuda.current_stream(x.device)
+        self.side_stream.wait_stream(main)
+        with torch.cuda.stream(self.side_stream):
+            shrunk = shrink_planned(x, self.plan, method.lora_a, self.scratch)
+        y = method.base.apply(layer, x, bias)
+        main.wait_stream(self.side_stream)
+        return expand_planned(y, shrunk, self.plan, method.lora_b, method.slice_starts, method.max_rank)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, method: "LoRALinearMethod") -> None:
         """``y += `` each token's adapter update through ``method``'s slot tensors."""
@@ -161,9 +184,12 @@ class LoRALinearMethod(LinearMethod):
         self.base.process_weights_after_loading(layer)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        step = self.step
+        if step.has_adapters and step.can_overlap(x):
+            return step.apply_overlapped(layer, x, bias, self)
         y = self.base.apply(layer, x, bias)
-        if self.step.has_adapters:  # a host bool: a base-only step launches nothing more
-            self.step.add(y, x, self)
+        if step.has_adapters:  # a host bool: a base-only step launches nothing more
+            step.add(y, x, self)
         return y
 
     def forward_routine(self, layer):

@@ -28,7 +28,7 @@ from ..lazy_triton import triton_module
 from . import reference
 from .plan import LoRAPlan
 
-__all__ = ["LoRAPlan", "add_lora", "add_lora_planned", "scratch_numel"]
+__all__ = ["LoRAPlan", "add_lora", "add_lora_planned", "expand_planned", "scratch_numel", "shrink_planned"]
 
 SCRATCH_MIN_ROWS = 16384  # decode steps split K: up to 32 partial rows per token, plus the sums
 SCRATCH_TICKETS = 8192    # = triton_lora.NUM_TICKETS (kept here so the size needs no Triton import)
@@ -61,3 +61,15 @@ def scratch_numel(max_tokens: int, max_ranks: int) -> int:
     """Float32 elements of the zero-filled scratch :func:`add_lora_planned` needs for steps of up to
     ``max_tokens`` tokens and layers of up to ``max_ranks`` ranks (all slices)."""
     return max(max_tokens, SCRATCH_MIN_ROWS) * max_ranks + SCRATCH_TICKETS
+
+
+def shrink_planned(x: torch.Tensor, plan: LoRAPlan, lora_a: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """CUDA: the shrink half of :func:`add_lora_planned` alone (it reads only ``x``, so a caller may run
+    it on another stream beside the base projection); returns the float32 ``[T, R]`` rank-space rows."""
+    return _triton_module().shrink_planned(x, plan, lora_a, scratch)
+
+
+def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b: torch.Tensor,
+                   slice_starts: torch.Tensor, slice_rank: int) -> torch.Tensor:
+    """CUDA: the expand half, ``y[t] += shrunk[t] @ lora_b[s]`` for the plan's tokens; returns ``y``."""
+    return _triton_module().expand_planned(y, shrunk, plan, lora_b, slice_starts, slice_rank)

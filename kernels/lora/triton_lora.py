@@ -188,11 +188,17 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
     ``(NUM_TICKETS + num_tokens * P * slice_rank)`` elements. ``y`` and ``x`` need unit stride along
     their rows; ``lora_a``/``lora_b`` must be contiguous. Returns ``y``.
     """
+    if x.shape[0] == 0:
+        return y
+    return expand_planned(y, shrink_planned(x, plan, lora_a, scratch), plan, lora_b, slice_starts, slice_rank)
+
+
+def shrink_planned(x: torch.Tensor, plan: LoRAPlan, lora_a: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The first half of :func:`add_lora_planned`: ``x[t] @ lora_a[s].T`` for the plan's tokens into a
+    float32 ``[T, R]`` view of ``scratch`` (other rows undefined), in one launch. Reads only ``x``,
+    so it may run beside the base projection (another stream)."""
     num_tokens, in_features = x.shape
     num_slots, rank, _ = lora_a.shape
-    out_features = lora_b.shape[-1]
-    if num_tokens == 0:
-        return y
     x = x if x.stride(1) == 1 else x.contiguous()
     block_m = block_m_for(num_tokens)
     num_tiles = max_tiles_for(num_tokens, num_slots)
@@ -208,6 +214,17 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
         x.stride(0), lora_a.stride(0), lora_a.stride(1), rank_rows.stride(0), rank_rows.stride(1),
         NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=32 if dot_in_fp32 else 64,
         DOT_IN_FP32=dot_in_fp32)
+    return shrunk
+
+
+def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b: torch.Tensor,
+                   slice_starts: torch.Tensor, slice_rank: int) -> torch.Tensor:
+    """The second half: ``y[t] += shrunk[t] @ lora_b[s]`` for the plan's tokens, in one launch."""
+    num_tokens, rank = shrunk.shape
+    num_slots, _, out_features = lora_b.shape
+    block_m = block_m_for(num_tokens)
+    num_tiles = max_tiles_for(num_tokens, num_slots)
+    dot_in_fp32 = y.dtype == torch.float32
     block_n = 64 if dot_in_fp32 else 128
     num_col_blocks = triton.cdiv(out_features, block_n)
     if block_m < _PREFILL_BLOCK_M:  # few tiles: deal each program several column blocks
@@ -215,7 +232,7 @@ def add_lora_planned(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, lora_a: t
     one_rank_block = block_m * next_power_of_2(rank) <= _MAX_ONE_RANK_BLOCK
     _expand_kernel[(num_tiles, num_col_blocks)](
         shrunk, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank,
-        rank_rows.stride(0), rank_rows.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        0, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         NUM_SPLITS=1, SLICE_RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
         ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32)
