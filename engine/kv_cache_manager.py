@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 
 from .block_pool import BlockPool, hash_blocks
 from .request import Request
@@ -36,6 +37,9 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # first block's hash → (token ids, block hashes) of the latest request that began with that block:
+        # a burst over one prefix copies the prefix's hashes instead of hashing it again per request
+        self._recent_prompts: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,9 +56,9 @@ class KVCacheManager:
             return []
         self._extend_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
+        hits, lookup = [], self.pool.cached_blocks.get   # (a burst looks up ~10^4 blocks per step)
         for block_hash in request.block_hashes[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
+            block_id = lookup(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -69,8 +73,7 @@ class KVCacheManager:
         num_tokens_after = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_blocks_needed = -(-num_tokens_after // self.block_size)
         num_new_blocks = num_blocks_needed - len(request.block_ids) - len(cached_block_ids)
-        ref_counts = self.pool.ref_counts
-        num_cached_in_free_queue = sum(1 for b in cached_block_ids if ref_counts[b] == 0)
+        num_cached_in_free_queue = list(map(self.pool.ref_counts.__getitem__, cached_block_ids)).count(0)
         if num_new_blocks > self.pool.num_free_blocks - num_cached_in_free_queue:
             return False
         if cached_block_ids:
@@ -129,11 +132,43 @@ class KVCacheManager:
 
     def _extend_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
-        start = len(hashes) * self.block_size
         end = request.num_tokens // self.block_size * self.block_size
+        if not hashes and end:
+            self._copy_recent_prefix_hashes(request)
+        start = len(hashes) * self.block_size
         if end > start:
             hashes.extend(hash_blocks(hashes[-1] if hashes else None, request.token_ids[start:end], self.block_size,
                                       _extra_key(request)))
+
+    def _copy_recent_prefix_hashes(self, request: Request) -> None:
+        """Start the request's hashes with its first block's, then those of every following block
+        it shares with the latest request that began with the same block (equal first hashes: equal
+        tokens and extra key, so equal chains as far as the tokens agree)."""
+        block_size, hashes = self.block_size, request.block_hashes
+        first = hash_blocks(None, request.token_ids[:block_size], block_size, _extra_key(request))[0]
+        recent = self._recent_prompts.pop(first, None)
+        if recent is not None and recent[1] and recent[1][0] == first:  # (a list re-hashed in another regime: not)
+            recent_tokens, recent_hashes = recent
+            num_blocks = min(len(recent_hashes), request.num_tokens // block_size)
+            hashes.extend(recent_hashes[:_num_common_blocks(request.token_ids, recent_tokens, num_blocks, block_size)])
+        else:
+            hashes.append(first)
+        self._recent_prompts[first] = (request.token_ids, hashes)
+        if len(self._recent_prompts) > _MAX_RECENT_PROMPTS:
+            self._recent_prompts.popitem(last=False)
+
+
+_MAX_RECENT_PROMPTS = 256
+
+
+def _num_common_blocks(tokens: list[int], other: list[int], num_blocks: int, block_size: int) -> int:
+    """How many of the first ``num_blocks`` blocks two token lists share, the first known equal
+    (block-sized slices compared in C: ~5x cheaper than hashing the blocks)."""
+    count = 1
+    while count < num_blocks and \
+            tokens[count * block_size:(count + 1) * block_size] == other[count * block_size:(count + 1) * block_size]:
+        count += 1
+    return count
 
 
 def _extra_key(request: Request) -> str | None:

@@ -194,3 +194,25 @@ def test_a_prompt_hashed_at_once_chains_like_block_by_block():
     assert hash_blocks(None, tokens, 8, "tenant") == chained
     assert hash_blocks(chained[1], tokens[16:], 8, "tenant") == chained[2:]
     assert hash_blocks(None, tokens, 8) != chained
+
+
+def test_a_prompt_sharing_a_recent_prompts_blocks_gets_the_hashes_it_would_compute():
+    """Hashes copied from a recent prompt with the same first block equal hashing from scratch (a
+    manager that saw nothing else), wherever the two prompts part: mid-block, at a block edge, not at
+    all, shorter, longer, or in the first block; and only under the same salt."""
+    def hashed(manager, request_id, tokens, salt):
+        request = make_request(request_id, tokens)
+        request.cache_salt = salt
+        manager.find_cached_prefix(request)
+        return request.block_hashes
+
+    base = list(range(100, 140))                               # five blocks of 8
+    others = [base[:21] + [7] * 19, base[:24] + [7] * 9, base[:], base[:30], base + [9] * 20, [5] + base[1:]]
+    for salt in (None, "tenant"):
+        manager = KVCacheManager(num_blocks=16, block_size=8)
+        hashed(manager, "a", base, salt)
+        for index, tokens in enumerate(others):
+            alone = hashed(KVCacheManager(num_blocks=16, block_size=8), "alone", tokens, salt)
+            assert hashed(manager, f"b{index}", tokens, salt) == alone, (salt, index)
+    manager = KVCacheManager(num_blocks=16, block_size=8)
+    assert hashed(manager, "a", base, None)[0] != hashed(manager, "b", base, "tenant")[0]
