@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 GOAL_SECONDS = 10.0
 CHILD_FLAG = "--child"
@@ -107,6 +108,9 @@ def main(argv=None) -> None:
                              "weight loaders) instead of the staged reads through pinned buffers: an A/B")
     parser.add_argument("--profile", help="write a cProfile summary of the last run's engine load (the "
                                           "engine thread's LLM(...) work) here")
+    parser.add_argument("--no-compile-bytecode", action="store_true",
+                        help="do not write our package's .pyc files first (pip install writes them for a wheel; a "
+                             "checkout run with PYTHONDONTWRITEBYTECODE=1 would compile every module at each start)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -121,6 +125,8 @@ def main(argv=None) -> None:
                                        "seconds": time.perf_counter() - started}
         print(f"wrote {num_bytes / 1e9:.2f} GB of {args.write_checkpoint} to {args.model} in "
               f"{results['write_checkpoint']['seconds']:.1f} s", flush=True)
+    if not args.no_compile_bytecode:
+        results["compiled_modules"] = compile_package_bytecode()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="hearth-cold-cache-")
     os.makedirs(cache_dir, exist_ok=True)
     env = {**os.environ, "HOME": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
@@ -147,6 +153,21 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as sink:
             json.dump(results, sink, indent=2)
+
+
+def compile_package_bytecode() -> int:
+    """Write the ``.pyc`` files of our packages, as ``pip install`` does for the wheel; how many
+    modules there are."""
+    import compileall
+    import importlib.util
+
+    count = 0
+    for package in ("engine", "kernels", "embeddings", "integrations", "benchmarks", "cli", "server"):
+        spec = importlib.util.find_spec(f"hearth_llm.{package}")  # imports the namespace, not the package
+        for directory in (spec.submodule_search_locations or []) if spec is not None else []:
+            compileall.compile_dir(directory, quiet=1)
+            count += sum(1 for _ in Path(directory).rglob("*.py"))
+    return count
 
 
 # ---- the child: runs in the fresh interpreter ---------------------------------------------------

@@ -69,6 +69,7 @@ def test_a_truncated_shard_is_a_value_error_naming_the_directory(sharded_dir, tm
 def test_bench_cold_start_times_each_phase_of_a_fresh_process(sharded_dir, tmp_path, capsys):
     out = tmp_path / "cold.json"
     cold_start.main(["--model", str(sharded_dir), "--device", "cpu", "--repeats", "1", "--kv-cache-memory", "16MiB",
+                     "--no-compile-bytecode",
                      "--json", str(out)])
     [run] = json.loads(out.read_text())["runs"].values()
     phases = run["phases"]
