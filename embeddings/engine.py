@@ -500,12 +500,15 @@ class EmbeddingEngine:
         self._stats["num_texts"] += len(batch)
         self._stats["num_tokens"] += sum(len(item.token_ids) for item in batch)
         self._stats["num_padded_tokens"] += len(batch) * max(len(item.token_ids) for item in batch)
+        rows_of: dict[int, tuple[_Request, list[int], list[int]]] = {}   # request → (batch rows, its indices)
         for row, item in enumerate(batch):
-            request = item.request
-            request.embeddings[item.index] = embeddings[row]
-            request.num_done += 1
-        for request in {id(item.request): item.request for item in batch}.values():
-            self._advance(request, sum(1 for item in batch if item.request is request))
+            _, rows, indices = rows_of.setdefault(id(item.request), (item.request, [], []))
+            rows.append(row)
+            indices.append(item.index)
+        for request, rows, indices in rows_of.values():   # one copy per request, not one per text
+            request.embeddings.index_copy_(0, torch.tensor(indices), embeddings[rows])
+            request.num_done += len(rows)
+            self._advance(request, len(rows))
 
     def _advance(self, request: _Request, num_new: int) -> None:
         if request.progress is not None:
