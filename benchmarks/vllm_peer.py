@@ -83,15 +83,19 @@ def ratio(key: str, ours: float, peer: float) -> float:
 def format_ratio_table(ours: dict, peer: dict, shape: str, peer_name: str = "vLLM") -> str:
     """Both sides' measures and the ratios (> 1: ours faster), with each goal met or not; measures
     only one side has are left out."""
-    lines = [f"{'measure (' + shape + ')':<42}{'ours':>12}{peer_name:>12}{'ratio':>9}   goal"]
+    lines = [f"{'measure (' + shape + ')':<42}{'ours':>14}{peer_name:>14}{'ratio':>9}   goal"]
     for key, label, _, goal in MEASURES:
         if key not in ours or key not in peer:
             continue
         value = ratio(key, ours[key], peer[key])
         verdict = "" if goal is None else f">= {goal:.1f}x {'met' if value >= goal else 'NOT met'}"
-        lines.append(f"{label:<42}{ours[key]:>12,.3f}{peer[key]:>12,.3f}{value:>8.2f}x   {verdict}")
+        lines.append(f"{label:<42}{_number(ours[key]):>14}{_number(peer[key]):>14}{value:>8.2f}x   {verdict}")
     if "bs1_ms_per_token" in ours and shape in BS1_GOAL_MS:
         goal = BS1_GOAL_MS[shape]
         lines.append(f"bs1 decode goal <= {goal} ms/token: {ours['bs1_ms_per_token']:.3f} "
                      f"{'met' if ours['bs1_ms_per_token'] <= goal else 'NOT met'}")
     return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3f}"
