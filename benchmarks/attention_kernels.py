@@ -252,10 +252,12 @@ def engine_throughput(shape: str, variants: list[str], report, num_seqs: int = 2
     _, checkpoint = random_checkpoint(shape, torch.bfloat16, DEVICE)
     requests = workload(num_seqs) if DEVICE == "cuda" else workload(num_seqs, low=10, high=40)
     current, default_launch = ta.decode_attention, ta.DEFAULT_LAUNCH
+    prefill_tiles = ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N
     for variant in variants:
         kv_dtype, _, launch = variant.partition(":")
-        if kv_dtype == "legacy":
+        if kv_dtype == "legacy":  # the kernels as they were: the old decode kernel and prefill tiles
             ta.decode_attention = _legacy_decode_as_current
+            ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = 64, 32
         elif launch:
             ta.DEFAULT_LAUNCH = _parse_launch(launch)
         try:
@@ -269,6 +271,7 @@ def engine_throughput(shape: str, variants: list[str], report, num_seqs: int = 2
                    f"steps {result['steps']}, p50 step {result['step_ms_p50']:.2f} ms, blocks {engine.runner.num_blocks}")
         finally:
             ta.decode_attention, ta.DEFAULT_LAUNCH = current, default_launch
+            ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = prefill_tiles
             engine = None
             gc.collect()
             if DEVICE == "cuda":
@@ -309,6 +312,8 @@ def main(argv=None) -> None:
                         help="instead of the kernel sweep: the engine's throughput per variant (legacy, auto, fp8, "
                              "auto:N64/w4/s2/p8/min256)")
     parser.add_argument("--shape", default="qwen3-0.6b", help="with --engine")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few decode launches, the fp8 dot A/B and two prefill tiles (round-2 confirmation)")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = "cpu" if args.smoke else "cuda"
@@ -332,6 +337,10 @@ def main(argv=None) -> None:
     default_launch, variants = decode_variants()
     if args.smoke:
         variants = variants[:1]
+    if args.quick:
+        from hearth_llm.kernels.attention.triton_attention import DecodeLaunch
+        variants = [(f"new {_describe(launch)}", launch) for launch in
+                    (DecodeLaunch(64, 4, 3), DecodeLaunch(64, 4, 4), DecodeLaunch(32, 4, 3), DecodeLaunch(64, 8, 3))]
     best_tiles: dict[str, tuple[float, object]] = {}
     cases = decode_cases(args.smoke)
     # Every case's batch at once (~10 GB), so each variant compiles once and runs on all of them.
@@ -366,7 +375,7 @@ def main(argv=None) -> None:
     torch.cuda.empty_cache()
 
     # Split policy around the most common best tile, on the shapes it matters for.
-    if best_tiles and not out_of_time(0.45):
+    if best_tiles and not args.quick and not out_of_time(0.45):
         from collections import Counter
         tile = Counter((b[2].block_n, b[2].num_warps, b[2].num_stages, b[2].use_dot)
                        for b in best_tiles.values()).most_common(1)[0][0]
@@ -390,8 +399,10 @@ def main(argv=None) -> None:
     if not out_of_time(0.55):
         shape, label, contexts = cases[0]
         batch = paged_batch(shape, contexts, [1] * len(contexts), cache_dtype=torch.float8_e4m3fn)
-        fp8_launches = [("default", default_launch)] + [v for v in variants if v[1].block_n >= 64][:3]
-        fp8_launches += [v for v in variants if not v[1].use_dot][:2]
+        from hearth_llm.kernels.attention.triton_attention import DecodeLaunch
+        fp8_launches = [("default (dot in fp16)", default_launch),
+                        ("dot in bf16", dataclasses.replace(default_launch, fp8_dot_in_fp16=False))]
+        fp8_launches += [v for v in variants if v[1].block_n >= 64][:2]
         for name, launch in fp8_launches:
             if out_of_time(0.6):
                 break
@@ -409,6 +420,8 @@ def main(argv=None) -> None:
             batch = paged_batch(shape, contexts, query_lens or contexts)
             prefill_launches = [(64, 32, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2),
                                 (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 2)]
+            if args.quick:
+                prefill_launches = [(64, 32, 4, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2)]
             for block_m, block_n, warps, stages in prefill_launches[:1 if args.smoke else None]:
                 if out_of_time():
                     report("  (out of time: prefill variants skipped)")

@@ -99,7 +99,7 @@ def test_split_count_follows_batch_and_sm_count_not_context():
     device = torch.device("cpu")
     launch = triton_attention.DEFAULT_LAUNCH
     assert triton_attention.num_decode_splits(256, 8, 4096, device, launch) == 1
-    assert triton_attention.num_decode_splits(1, 8, 8192, device, launch) == launch.max_splits
+    assert triton_attention.num_decode_splits(1, 8, 8192, device, launch) == 32  # 8192 keys hold 32 pieces of 256
     assert triton_attention.num_decode_splits(1, 8, 300, device, launch) == 2  # 300 keys hold two 256-key pieces
     assert 1 < triton_attention.num_decode_splits(32, 8, 8192, device, launch) <= launch.max_splits
 
@@ -131,3 +131,13 @@ def test_kv_scales_are_refused_for_an_unquantized_cache_and_in_a_wrong_shape():
     fp8_batch = paged_batch([1], [20], cache_dtype=FP8)
     with pytest.raises(ValueError, match="kv_scales"):
         triton_attention.paged_attention(**fp8_batch, kv_scales=torch.ones(3, device=DEVICE))
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [([1, 1, 1], [300, 20, 90]), ([1, 7, 30], [40, 7, 61])])
+def test_fp8_cache_with_bf16_queries(query_lens, context_lens):
+    # On CUDA the dots run in fp16 (fp8 -> fp16 is one instruction per pair); bf16 tolerances.
+    batch = paged_batch(query_lens, context_lens, cache_dtype=FP8)
+    batch["query"] = batch["query"].bfloat16()
+    scales = torch.tensor([0.5, 2.0], device=DEVICE)
+    torch.testing.assert_close(triton_attention.paged_attention(**batch, kv_scales=scales).float(),
+                               expected(batch, kv_scales=scales).float(), atol=3e-2, rtol=2e-2)

@@ -17,10 +17,15 @@ from . import reference
 
 # Launch shapes, measured on an H200 with head_dim 128 (bf16): a prefill program takes
 # PREFILL_BLOCK_M rows of (query token, head of the GQA group) and walks keys PREFILL_BLOCK_N at a time.
-PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N = 32
+# (Llama-3-8B shape: M128/N64 ran a 2048-token chunk over 8192 keys at 212 TFLOP/s and 30 prompts
+# U[100,1024] at 125, against 131 and 100 for M64/N32; M128/N128 and 8 warps were slower.)
+PREFILL_BLOCK_M = 128
+PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
+# Heads wider than 128 keep the fp32 accumulator and the tiles in registers with smaller tiles.
+PREFILL_WIDE_BLOCK_M = 64
+PREFILL_WIDE_BLOCK_N = 16
 # Decode splits each sequence's keys into partitions (flash-decoding), so a handful of long
 # sequences still fill the GPU; a second kernel merges the partial softmaxes. It splits only as
 # far as it takes to reach about DECODE_TARGET_PROGRAMS programs (some 8 per SM), since every
@@ -107,6 +112,14 @@ def _attend_to_key_range(
 
 
 @triton.jit
+def _as_fp16(query):
+    """bf16 queries as fp16, for dots with an fp8 cache: e4m3 converts to fp16 in one packed
+    instruction per pair (to bf16 it takes several), and fp16 holds every e4m3 value and more of
+    the query's bits; saturated, as a bf16 query may exceed fp16's range."""
+    return tl.minimum(tl.maximum(query.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _find_sequence_of_query_tile(query_start_loc_ptr, tile_index, num_seqs, BLOCK_Q: tl.constexpr):
     """Binary search for the sequence owning a query tile.
 
@@ -137,10 +150,10 @@ def _prefill_attention_kernel(
     block_tables_stride_seq,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
+    num_queries_per_kv, block_size: tl.constexpr, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
     HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_KV_SCALES: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, FP8_DOT_IN_FP16: tl.constexpr,
 ):
     """One program: BLOCK_Q consecutive query tokens of one sequence, for all query heads that
     share one KV head (GQA), so every key tile loaded serves GROUP_SIZE heads at once."""
@@ -172,6 +185,8 @@ def _prefill_attention_kernel(
         + dims[None, :] * query_stride_dim,
         mask=row_mask, other=0.0,
     )
+    if FP8_DOT_IN_FP16:
+        query = _as_fp16(query)
 
     first_query_pos = context_len - query_len + tile_in_seq * BLOCK_Q
     last_query_pos = context_len - query_len + tl.minimum((tile_in_seq + 1) * BLOCK_Q, query_len) - 1
@@ -406,21 +421,21 @@ def paged_attention(
         # multiplies bf16 dot operands as their raw 16-bit patterns.
         DOT_IN_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and query.device.type == "cpu"),
     )
-    # D > 128 halves the key tile so the fp32 accumulator and the tiles stay in registers.
-    halve_for_wide_heads = 2 if common["BLOCK_D"] > 128 else 1
     if max_query_len == 1:
         decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                          max_context_len, kv_scales, common)
     else:
+        is_wide = common["BLOCK_D"] > 128
+        block_m = PREFILL_WIDE_BLOCK_M if is_wide else PREFILL_BLOCK_M
         group_size = next_power_of_2(num_queries_per_kv)
-        block_q = max(1, PREFILL_BLOCK_M // group_size)
+        block_q = max(1, block_m // group_size)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads)
         _prefill_attention_kernel[grid](
             out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
             kv_scales if kv_scales is not None else out, num_seqs,
             *out.stride(), *query.stride(), block_tables.stride(0), *key_cache.stride(), *value_cache.stride(),
-            BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=PREFILL_BLOCK_N // halve_for_wide_heads,
-            HAS_KV_SCALES=kv_scales is not None,
+            BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=PREFILL_WIDE_BLOCK_N if is_wide else PREFILL_BLOCK_N,
+            HAS_KV_SCALES=kv_scales is not None, FP8_DOT_IN_FP16=fp8_dot_in_fp16(query, key_cache),
             num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
         )
     return out
@@ -489,21 +504,26 @@ def _decode_partition_size(num_seqs: int, num_kv_heads: int, longest_span: int) 
 
 @dataclass(frozen=True, slots=True)
 class DecodeLaunch:
-    """How decode attention is launched (the defaults were picked on an H200, head_dim 128, bf16).
+    """How decode attention is launched (the defaults were picked on an H200, head_dim 128, bf16:
+    64-key tiles, 4 warps, 2 stages ran 256 sequences of U[200,2048] keys at 2.97 TB/s in CUDA
+    graphs, the old kernel 2.82-3.02; 128-key tiles, 8 warps or the no-dot form were slower; 32
+    splits of 256 keys keep one 8k sequence on 256 programs).
 
     ``programs_per_sm``: the split count aims at this many programs per SM over the batch;
     ``max_splits``: its cap (a power of two); ``min_split_tokens``: no piece of a context is shorter.
     ``use_dot``: scores and outputs by ``tl.dot`` (the group's heads padded to 16 rows), else by
-    broadcast multiply-and-sum over the group's real heads only.
+    broadcast multiply-and-sum over the group's real heads only. ``fp8_dot_in_fp16``: with an fp8
+    cache and bf16 queries, dot in fp16 (see ``_as_fp16``).
     """
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 8
-    max_splits: int = 16
+    max_splits: int = 32
     min_split_tokens: int = 256
     use_dot: bool = True
+    fp8_dot_in_fp16: bool = True
 
 
 DEFAULT_LAUNCH = DecodeLaunch()
@@ -581,11 +601,11 @@ def _split_decode_kernel(
     block_tables_stride_seq,
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
+    num_queries_per_kv, block_size: tl.constexpr, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
     num_splits, min_split_tiles,
     HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_KV_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, USE_DOT: tl.constexpr, FP8_DOT_IN_FP16: tl.constexpr,
 ):
     """One program: one piece of one sequence's keys, for the query heads of one KV head."""
     seq = tl.program_id(0)
@@ -615,6 +635,8 @@ def _split_decode_kernel(
         query_ptr + token * query_stride_token + head[:, None] * query_stride_head + dims[None, :] * query_stride_dim,
         mask=row_mask, other=0.0,
     )
+    if FP8_DOT_IN_FP16:
+        query = _as_fp16(query)
     score_scale = softmax_scale_log2
     value_scale = 1.0
     if HAS_KV_SCALES:  # dequantizing q.k by the key scale is scaling the scores; p.v by the value scale, the output
@@ -695,6 +717,12 @@ def _split_decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
+def fp8_dot_in_fp16(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernels dot in fp16: an fp8 cache read by bf16 queries on a GPU (the interpreter
+    keeps its fp32 dots)."""
+    return key_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16 and query.is_cuda
+
+
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
                       launch: DecodeLaunch | None = None) -> int:
     """Splits per (sequence, KV head): enough for ``launch.programs_per_sm`` programs per SM, a
@@ -745,6 +773,7 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         BLOCK_M=next_power_of_2(common["num_queries_per_kv"]) if not launch.use_dot
         else max(16, next_power_of_2(common["num_queries_per_kv"])),
         BLOCK_N=block_n, USE_DOT=launch.use_dot,
+        FP8_DOT_IN_FP16=launch.fp8_dot_in_fp16 and fp8_dot_in_fp16(query, key_cache),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **common,
     )
     if num_splits > 1:
