@@ -40,10 +40,11 @@ def test_spec_decode_counters_follow_each_engine(tiny_model_dirs, make_llm):
     first_counts = _engine_counts(first.stats())
     assert first_counts[0] > 0 and first_counts[2] == first_counts[1]  # the target drafting for itself: all kept
     assert [a - b for a, b in zip(_counters(path), before)] == first_counts
-    # a second engine serving the same model name adds its own counts to the shared counters
-    second = make_llm(path, dtype="float32", kv_cache_memory="4MiB",
-                      speculative={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1})
-    second.generate([span * 3 for span in random_prompts(1, [6], seed=4)], GREEDY, use_tqdm=False)
+    # a second engine serving the same model name adds its own (smaller) counts to the shared counters
+    # (another KV pool size: LLMs of the same config share one engine)
+    second = make_llm(path, dtype="float32", kv_cache_memory="8MiB", speculative=_self_draft(path))
+    second.generate(random_prompts(1, [6], seed=4), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                    use_tqdm=False)
     second_counts = _engine_counts(second.stats())
     assert second_counts[0] > 0
     assert [a - b for a, b in zip(_counters(path), before)] == [a + b for a, b in zip(first_counts, second_counts)]
