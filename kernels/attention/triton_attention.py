@@ -23,9 +23,12 @@ PREFILL_BLOCK_M = 128
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
-# Heads wider than 128 keep the fp32 accumulator and the tiles in registers with smaller tiles.
+# Heads wider than 128 keep the fp32 accumulator and the tiles in registers with smaller tiles, and
+# fp32 inputs (twice the bytes per tile in shared memory) keep the tiles measured before.
 PREFILL_WIDE_BLOCK_M = 64
 PREFILL_WIDE_BLOCK_N = 16
+PREFILL_FP32_BLOCK_M = 64
+PREFILL_FP32_BLOCK_N = 32
 # Decode splits each sequence's keys into partitions (flash-decoding), so a handful of long
 # sequences still fill the GPU; a second kernel merges the partial softmaxes. It splits only as
 # far as it takes to reach about DECODE_TARGET_PROGRAMS programs (some 8 per SM), since every
@@ -425,8 +428,7 @@ def paged_attention(
         decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                          max_context_len, kv_scales, common)
     else:
-        is_wide = common["BLOCK_D"] > 128
-        block_m = PREFILL_WIDE_BLOCK_M if is_wide else PREFILL_BLOCK_M
+        block_m, block_n = _prefill_tiles(common["BLOCK_D"], query.dtype)
         group_size = next_power_of_2(num_queries_per_kv)
         block_q = max(1, block_m // group_size)
         grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -434,7 +436,7 @@ def paged_attention(
             out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
             kv_scales if kv_scales is not None else out, num_seqs,
             *out.stride(), *query.stride(), block_tables.stride(0), *key_cache.stride(), *value_cache.stride(),
-            BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=PREFILL_WIDE_BLOCK_N if is_wide else PREFILL_BLOCK_N,
+            BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=block_n,
             HAS_KV_SCALES=kv_scales is not None, FP8_DOT_IN_FP16=fp8_dot_in_fp16(query, key_cache),
             num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
         )
@@ -715,6 +717,15 @@ def _split_decode_reduce_kernel(
     out = tl.sum(outs * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + query_start.to(tl.int64) * out_stride_token + head * out_stride_head + dims * out_stride_dim,
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+def _prefill_tiles(block_d: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(rows, keys) of a prefill program's tiles (module globals read per call, so a benchmark may set them)."""
+    if block_d > 128:
+        return PREFILL_WIDE_BLOCK_M, PREFILL_WIDE_BLOCK_N
+    if dtype == torch.float32:
+        return PREFILL_FP32_BLOCK_M, PREFILL_FP32_BLOCK_N
+    return PREFILL_BLOCK_M, PREFILL_BLOCK_N
 
 
 def fp8_dot_in_fp16(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
