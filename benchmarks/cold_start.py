@@ -82,6 +82,7 @@ def format_breakdown(runs: list[tuple[str, dict]]) -> str:
             lines.append(f"{label}: FAILED {run['error']}")
             continue
         details = [f"{key}={run[key]}" for key in ("weights_read", "triton_compile", "graph_sizes", "config_from_cache",
+                                                   "phases_not_timed",
                                                    "engine_import_loads_transformers", "dont_write_bytecode")
                    if key in run]
         if details:
@@ -177,6 +178,7 @@ class _Clock:
 
     def __init__(self, launched_at: float) -> None:
         self.phases: dict[str, float] = {}
+        self.missing: list[str] = []
         self.last = time.perf_counter()
         self.phases["python"] = time.time() - launched_at
 
@@ -186,8 +188,12 @@ class _Clock:
         self.last = now
 
     def timed(self, owner, attribute: str, name: str):
-        """Wrap ``owner.attribute`` so its calls end the phase before it and count as ``name``."""
-        original = getattr(owner, attribute)
+        """Wrap ``owner.attribute`` so its calls end the phase before it and count as ``name`` (an
+        attribute the engine no longer has is left out: its time stays in ``engine rest``)."""
+        original = getattr(owner, attribute, None)
+        if original is None:
+            self.missing.append(f"{getattr(owner, '__name__', owner)}.{attribute}")
+            return
 
         def wrapper(*args, **kwargs):
             self.mark("engine rest")
@@ -239,6 +245,8 @@ def child_main(options: dict) -> None:
         result["weights_read"] = read_log[-1]
     if compiles is not None:
         result["triton_compile"] = f"{compiles['count']} kernels, {compiles['seconds']:.2f} s"
+    if clock.missing:
+        result["phases_not_timed"] = clock.missing
     result["config_from_cache"] = type(llm.engine.hf_config).__module__.endswith("config_cache")
     result["dont_write_bytecode"] = bool(sys.flags.dont_write_bytecode)
     graphs = getattr(llm.engine.runner, "decode_graphs", None)
