@@ -14,6 +14,7 @@ BENCHMARKS = {  # NAME: (MODULE, what it measures)
     "spec": ("spec_decode", "batch-1 decode tok/s with and without speculative decoding (ngram, draft)"),
     "serving": ("serving", "the OpenAI server under streaming clients: TTFT/ITL/throughput against a peer"),
     "cold-start": ("cold_start", "a fresh process to its first token, phase by phase (imports, weights, graphs)"),
+    "gguf-cpu": ("gguf_cpu", "CPU: GGUF files (SmolLM2 Q4_1, 1B Q4_K_M/Q8_0) against llama.cpp on the same file"),
 }
 
 

@@ -1,0 +1,359 @@
+"""CPU speed on GGUF files against llama.cpp (llama-cpp-python) running the same file.
+
+    hearth-llm bench gguf-cpu [--models smollm2-q4_1,llama1b-q4_k_m,llama1b-q8_0] [--threads 1,2]
+                              [--llama-cpp-python /tmp/llamacpp-venv/bin/python] [--repeats 2]
+
+Every system runs in its own worker process (so its resident memory is its own), loaded from the same
+GGUF file, fed the same prompt token ids, greedy, with the same thread count. The parent sends each
+measure to every worker in turn, repeat by repeat (interleaved), because timings on a shared machine
+drift; the table keeps each system's best repeat and prints the load average before and after.
+
+Systems: ``hearth`` (the default path: GGUF blocks dequantized at load into the engine's CPU layout),
+``hearth gguf`` (``quantization="gguf"``: linear weights stay in the file's blocks) and ``llama.cpp``.
+
+1. single stream: decode tok/s over ``--decode-tokens`` new tokens after a 16-token prompt (prefill excluded);
+2. prefill: tok/s to the first token of a 500-token prompt (a new prompt each repeat: no prefix hit);
+3. 32 concurrent chats: aggregate tok/s, prefill included. Ours runs them as one batch; llama-cpp-python
+   has no batched generation, so llama.cpp runs ``--sequential-sample`` of them one after another
+   (sequential calls: without batching the rate does not depend on how many);
+4. resident memory (VmRSS) after load and a warm-up, against the file's size.
+
+Random-weight 1B files are written once (``benchmarks/gguf_files.py``) and cached in ``--work-dir``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MEASURES = ("single", "prefill", "concurrent")
+NUM_CONCURRENT = 32
+PREFILL_TOKENS = 500
+SINGLE_PROMPT_TOKENS = 16
+CHAT_PROMPT_TOKENS = (16, 48)
+MODELS = ("smollm2-q4_1", "llama1b-q4_k_m", "llama1b-q8_0")
+DEFAULT_LLAMA_CPP_PYTHON = "/tmp/llamacpp-venv/bin/python"
+LLAMA_CPP = "llama.cpp"
+
+
+# ---- the table: pure functions of the measured numbers (tests/test_bench_gguf_cpu.py) ----------------
+
+
+@dataclass
+class SystemResult:
+    """One worker's numbers: each measure's repeats (tok/s), its resident bytes and load seconds."""
+
+    rates: dict[str, list[float]] = field(default_factory=dict)
+    rss_bytes: int = 0
+    load_s: float = 0.0
+
+    def best(self, measure: str) -> float | None:
+        values = self.rates.get(measure) or []
+        return max(values) if values else None
+
+
+def ratio(ours: float | None, peer: float | None) -> float | None:
+    """``ours / peer``, None when either side is missing or the peer measured zero."""
+    if ours is None or peer is None or peer <= 0:
+        return None
+    return ours / peer
+
+
+def table_rows(results: dict[str, SystemResult], file_bytes: int) -> list[list[str]]:
+    """One row per system: best tok/s per measure with its ratio to llama.cpp, and RSS / file size.
+
+    >>> rows = table_rows({"llama.cpp": SystemResult({"single": [10.0]}, 100), "hearth": SystemResult({"single": [12.0]}, 110)}, 100)
+    >>> rows[1][1]
+    '12.0 (1.20x)'
+    """
+    peer = results.get(LLAMA_CPP)
+    rows = []
+    for name, result in results.items():
+        row = [name]
+        for measure in MEASURES:
+            value = result.best(measure)
+            share = ratio(value, peer.best(measure)) if peer is not None and name != LLAMA_CPP else None
+            row.append("-" if value is None else f"{value:.1f}" + ("" if share is None else f" ({share:.2f}x)"))
+        memory = result.rss_bytes / file_bytes if file_bytes else 0.0
+        row.append(f"{result.rss_bytes / 2**20:.0f} MiB ({memory:.2f}x file)")
+        row.append(f"{result.load_s:.1f}")
+        rows.append(row)
+    return rows
+
+
+HEADER = ["system", "decode tok/s", f"prefill {PREFILL_TOKENS} tok/s", f"{NUM_CONCURRENT} chats tok/s",
+          "RSS after load", "load s"]
+
+
+def format_table(title: str, rows: list[list[str]]) -> str:
+    """A markdown table under ``title``."""
+    lines = [f"### {title}", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---- prompts: the parent draws the token ids, every worker gets the same ones --------------------------
+
+
+def prompt_ids(seed: int, length: int, vocab_size: int) -> list[int]:
+    """``length`` token ids, fixed by ``seed``, away from the special tokens at the start of the vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(16, vocab_size) for _ in range(length)]
+
+
+def requests_for(measure: str, repeat: int, vocab_size: int, num_new_tokens: int) -> dict:
+    """The message a worker gets for one repeat of ``measure`` (prompts differ by repeat: no prefix hits)."""
+    seed = 1000 * MEASURES.index(measure) + repeat
+    if measure == "single":
+        return {"measure": measure, "prompt": prompt_ids(seed, SINGLE_PROMPT_TOKENS, vocab_size),
+                "num_new_tokens": num_new_tokens}
+    if measure == "prefill":
+        return {"measure": measure, "prompt": prompt_ids(seed, PREFILL_TOKENS, vocab_size)}
+    rng = random.Random(seed)
+    prompts = [prompt_ids(seed * 100 + i, rng.randint(*CHAT_PROMPT_TOKENS), vocab_size) for i in range(NUM_CONCURRENT)]
+    return {"measure": measure, "prompts": prompts, "num_new_tokens": num_new_tokens}
+
+
+# ---- workers ------------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _without_extra_buffer_types() -> None:
+    """llama.cpp repacks weights for AMX on a CPU that reports it; on this machine (Xeon, AMX listed in
+    /proc/cpuinfo) the first AMX matmul dies with SIGILL. ``use_extra_bufts=False`` (llama.cpp's
+    ``--no-extra-bufts``) keeps its AVX-512 kernels; Llama() has no argument for it, so its default
+    model params are patched."""
+    import llama_cpp.llama_cpp as api
+
+    defaults = api.llama_model_default_params
+
+    def without_extra_bufts():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    api.llama_model_default_params = without_extra_bufts
+
+
+class _LlamaCppWorker:
+    """llama-cpp-python on the file; its 32 chats run one after another (no batched generation API)."""
+
+    def __init__(self, model: str, num_threads: int, sequential_sample: int):
+        _without_extra_buffer_types()
+        from llama_cpp import Llama
+
+        self.llm = Llama(model, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=2048, n_batch=512,
+                         verbose=False)
+        self.vocab_size = self.llm.n_vocab()
+        self.sequential_sample = sequential_sample
+
+    def _token_times(self, prompt: list[int], num_new_tokens: int) -> list[float]:
+        self.llm.reset()
+        times = []
+        for _ in self.llm.generate(prompt, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == num_new_tokens:
+                break
+        return times
+
+    def single(self, prompt, num_new_tokens) -> float:
+        times = self._token_times(prompt, num_new_tokens)
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def prefill(self, prompt) -> float:
+        self.llm.reset()
+        started = time.perf_counter()
+        self.llm.eval(prompt)
+        return len(prompt) / (time.perf_counter() - started)
+
+    def concurrent(self, prompts, num_new_tokens) -> float:
+        started = time.perf_counter()
+        num_tokens = sum(len(self._token_times(p, num_new_tokens)) for p in prompts[:self.sequential_sample])
+        return num_tokens / (time.perf_counter() - started)
+
+
+class _HearthWorker:
+    """Our engine on the file; ``quantization`` None is the default path, "gguf" keeps the blocks."""
+
+    def __init__(self, model: str, num_threads: int, quantization: str | None):
+        from hearth_llm.engine import LLM, SamplingParams, get_engine
+
+        options = dict(num_threads=num_threads, adaptive_threads=False, quantization=quantization,
+                       show_progress=False, kv_cache_memory="512MiB")
+        self.llm = LLM(model, **options)
+        self.core = get_engine(model, **options)  # the engine llm drives, for its token stream
+        self.params = SamplingParams
+        self.vocab_size = self.llm.engine.vocab_size
+
+    def _greedy(self, num_new_tokens: int):
+        return self.params(temperature=0, max_tokens=num_new_tokens, ignore_eos=True)
+
+    def single(self, prompt, num_new_tokens) -> float:
+        times = []
+        for output in self.core.add_request(prompt, self._greedy(num_new_tokens)):
+            times.extend([time.perf_counter()] * len(output.delta_token_ids))
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def prefill(self, prompt) -> float:
+        started = time.perf_counter()
+        self.llm.generate([prompt], self._greedy(1), use_tqdm=False)
+        return len(prompt) / (time.perf_counter() - started)
+
+    def concurrent(self, prompts, num_new_tokens) -> float:
+        started = time.perf_counter()
+        outputs = self.llm.generate(prompts, self._greedy(num_new_tokens), use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - started)
+
+
+def worker_main(args) -> None:
+    """A worker: loads, warms up, says ``ready`` (vocab, RSS), then answers one JSON request per line."""
+    started, threads = time.perf_counter(), int(args.threads)
+    if args.worker == "llama":
+        worker = _LlamaCppWorker(args.model, threads, args.sequential_sample)
+    else:
+        worker = _HearthWorker(args.model, threads, args.quantization)
+    load_s = time.perf_counter() - started
+    worker.single(prompt_ids(7, 8, worker.vocab_size), 4)  # warm-up: first-call costs out of the numbers
+    print(json.dumps({"ready": True, "vocab_size": worker.vocab_size, "rss_bytes": _rss_bytes(),
+                      "load_s": load_s}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        measure = request.pop("measure")
+        print(json.dumps({"value": getattr(worker, measure)(**request)}), flush=True)
+
+
+class WorkerProcess:
+    """The parent's end of a worker: start it, read its ``ready`` line, send requests."""
+
+    def __init__(self, command: list[str], env: dict):
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker {self.process.args[:4]} exited with {self.process.wait()}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def ask(self, request: dict) -> float:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read()["value"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+# ---- the parent --------------------------------------------------------------------------------------
+
+
+def model_file(name: str, work_dir: Path, llama_cpp_python: str) -> Path:
+    """The GGUF file a ``--models`` name stands for (the 1B ones made on first use)."""
+    if name == "smollm2-q4_1":
+        from hearth_llm.engine.loader import default_model_path
+
+        return Path(default_model_path())
+    from .gguf_files import LLAMA_1B, quantized_llama
+
+    quant_types = {"llama1b-q4_k_m": "Q4_K_M", "llama1b-q8_0": "Q8_0"}
+    if name not in quant_types:
+        raise ValueError(f"--models: unknown model {name!r}; choose from {list(MODELS)}")
+    return quantized_llama(LLAMA_1B, quant_types[name], work_dir, llama_cpp_python)
+
+
+def worker_commands(path: Path, threads: int, args) -> dict[str, list[str]]:
+    this_file = str(Path(__file__).resolve())
+    common = ["--model", str(path), "--threads", str(threads), "--sequential-sample", str(args.sequential_sample)]
+    commands = {"hearth": [sys.executable, this_file, "--worker", "hearth", *common],
+                "hearth gguf": [sys.executable, this_file, "--worker", "hearth", "--quantization", "gguf", *common]}
+    if not args.skip_llama_cpp:
+        commands[LLAMA_CPP] = [args.llama_cpp_python, this_file, "--worker", "llama", *common]
+    return {name: command for name, command in commands.items() if name in args.systems or name == LLAMA_CPP}
+
+
+def _worker_env(threads: int) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+
+def run_one(name: str, path: Path, threads: int, args) -> dict[str, SystemResult]:
+    """Loads every system on ``path`` one after another (their RSS apart), then interleaves the measures."""
+    workers, results = {}, {}
+    try:
+        for system, command in worker_commands(path, threads, args).items():
+            workers[system] = WorkerProcess(command, _worker_env(threads))
+            ready = workers[system].ready
+            results[system] = SystemResult(rss_bytes=ready["rss_bytes"], load_s=ready["load_s"])
+        vocab_size = min(w.ready["vocab_size"] for w in workers.values())
+        num_new_tokens = args.decode_tokens if "smollm" in name else args.decode_tokens_1b
+        for measure in MEASURES:
+            for repeat in range(args.repeats):
+                request = requests_for(measure, repeat, vocab_size, num_new_tokens)
+                for system, worker in workers.items():
+                    results[system].rates.setdefault(measure, []).append(worker.ask(dict(request)))
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return results
+
+
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="hearth-llm bench gguf-cpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(MODELS)}")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (each system the same)")
+    parser.add_argument("--systems", default="hearth,hearth gguf", help="ours to run: 'hearth', 'hearth gguf'")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=64, help="new tokens per stream, SmolLM2")
+    parser.add_argument("--decode-tokens-1b", type=int, default=16, help="new tokens per stream, 1B files")
+    parser.add_argument("--sequential-sample", type=int, default=4, help="llama.cpp chats timed one by one")
+    parser.add_argument("--llama-cpp-python", default=DEFAULT_LLAMA_CPP_PYTHON,
+                        help="an interpreter with llama_cpp importable (its own venv)")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hearth-llm" / "bench-gguf")
+    parser.add_argument("--worker", choices=["hearth", "llama"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",")]
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    print(f"loadavg at start: {_loadavg()}", flush=True)
+    for name in args.models.split(","):
+        path = model_file(name.strip(), args.work_dir, args.llama_cpp_python)
+        for threads in (int(t) for t in args.threads.split(",")):
+            results = run_one(name, path, threads, args)
+            title = f"{name} ({path.name}, {path.stat().st_size / 2**20:.0f} MiB), {threads} thread(s), " \
+                    f"loadavg {_loadavg()}"
+            print(format_table(title, table_rows(results, path.stat().st_size)), flush=True)
+    print(f"llama.cpp's {NUM_CONCURRENT}-chat rate: {args.sequential_sample} sequential calls; ours: one batch. "
+          f"loadavg at end: {_loadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
