@@ -37,8 +37,9 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # first block's hash → (token ids, block hashes) of the latest request that began with that block:
-        # a burst over one prefix copies the prefix's hashes instead of hashing it again per request
+        # first block's hash → (token ids, block hashes) of the latest request holding blocks that began
+        # with that block: a burst over one prefix copies the prefix's hashes instead of hashing it again
+        # per request (an entry goes when its request frees its blocks, so it keeps no finished prompt alive)
         self._recent_prompts: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
 
     @property
@@ -123,6 +124,13 @@ class KVCacheManager:
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids.clear()
         self.num_cached_blocks.pop(request.request_id, None)
+        self._forget_recent_prompt(request)
+
+    def _forget_recent_prompt(self, request: Request) -> None:
+        if request.block_hashes:
+            entry = self._recent_prompts.get(request.block_hashes[0])
+            if entry is not None and entry[0] is request.token_ids:
+                del self._recent_prompts[request.block_hashes[0]]
 
     def _uncache_uncomputed_blocks(self, request: Request) -> None:
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
@@ -158,7 +166,7 @@ class KVCacheManager:
             self._recent_prompts.popitem(last=False)
 
 
-_MAX_RECENT_PROMPTS = 256
+_MAX_RECENT_PROMPTS = 256   # (a bound for requests that look a prefix up and never get blocks)
 
 
 def _num_common_blocks(tokens: list[int], other: list[int], num_blocks: int, block_size: int) -> int:

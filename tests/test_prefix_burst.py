@@ -216,3 +216,13 @@ def test_a_prompt_sharing_a_recent_prompts_blocks_gets_the_hashes_it_would_compu
             assert hashed(manager, f"b{index}", tokens, salt) == alone, (salt, index)
     manager = KVCacheManager(num_blocks=16, block_size=8)
     assert hashed(manager, "a", base, None)[0] != hashed(manager, "b", base, "tenant")[0]
+
+
+def test_a_freed_request_leaves_no_prompt_behind_for_hash_copies():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    request = make_request("a", range(12))
+    manager.find_cached_prefix(request)
+    assert manager.allocate_slots(request, 12)
+    assert len(manager._recent_prompts) == 1
+    manager.free(request)
+    assert not manager._recent_prompts
