@@ -12,8 +12,10 @@
    SmolLM2 drafting for itself, a sanity check of the draft path: acceptance about 100 %).
    Decode tokens/s count from the first token to the last (prefix caching is off so every run
    prefills alike); ``--clock cpu`` counts the engine thread's CPU time instead of wall time, for
-   a machine shared with other work (1 thread: the forward passes run on that thread). Outputs are checked token-equal to the plain run (in bfloat16 a verify step's
-   logits can round differently from a decode step's, so a near-tie may flip; float32 is exact).
+   a machine shared with other work (1 thread: the forward passes run on that thread). The
+   systems take turns run by run. Outputs are checked token-equal to the plain run (in bfloat16
+   a verify step's logits can round differently from a decode step's, so a near-tie may flip;
+   float32 is exact).
    The CPU thread count is fixed (``--adaptive-threads`` lets the governor choose: its choices
    change bfloat16 rounding from run to run, so even two plain runs can differ).
 2. The verification overhead: the cost of one step that verifies ``k`` proposals (forced: a
