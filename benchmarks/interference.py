@@ -1,6 +1,8 @@
-"""CPU interference: the engine's decode speed while the caller's own thread runs torch, for each
-place the engine core can run (``engine_core="thread"`` and ``"process"``), and the caller's torch
-speed while the engine decodes.
+"""CPU interference: engine decode speed while the caller's thread runs torch, in-thread vs child process.
+
+For each place the engine core can run (``engine_core="thread"`` and ``"process"``) it measures the
+engine's decode speed while the caller's own thread runs torch, and the caller's torch speed while
+the engine decodes.
 
     hearth-llm bench cpu --interference [--rounds 2] [--designs thread,process]
     python -m hearth_llm.benchmarks.interference ...
@@ -20,6 +22,14 @@ Each engine measure is single-stream decode (tok/s after the first token) and 32
 streams (aggregate tok/s, prefill included), on the bundled SmolLM2-135M Q4_1 GGUF with default
 settings. The table shows the median over rounds and the engine's figures relative to its own
 "alone" figures; the goal is "after" >= 0.9x alone with the main thread's matmuls not slower.
+
+Read it only from a quiet machine (the load average is printed before and after). On a busy one
+the comparison turns over: a libgomp team that spins (one team per process: the child engine,
+or the caller's torch in the process design) burns its time slice waiting at a barrier for a
+partner thread that another process holds off the core, while the short spins libgomp falls
+back to once a process holds two teams yield at once. Measured at load 9-10 on this 2-core Xeon:
+the caller's 512x512 fp32 matmuls ran at 50-70/s beside an idle child engine and at 190-280/s
+beside an idle in-thread one, on the same ~0.5 core of CPU time.
 """
 from __future__ import annotations
 

@@ -15,6 +15,11 @@ when this process goes away (its pipe closes).
 
 >>> llm = LLM("default", engine_core="process")
 >>> llm.generate("Hello")[0].outputs[0].text
+
+Not the default: ``LLM.engine`` is only a read-only :class:`~.messages.EngineView` here, LoRA and
+tensor parallelism need the in-thread core, and the first start pays the forkserver's imports.
+On the busy 2-core machine it was measured on (load 6-12, ``hearth-llm bench cpu --interference``)
+it did not beat the in-thread core: a spinning OpenMP team loses there (see that benchmark).
 """
 from __future__ import annotations
 
