@@ -13,10 +13,11 @@ Systems: ``hearth`` (the default path: GGUF blocks dequantized at load into the 
 
 1. single stream: decode tok/s over ``--decode-tokens`` new tokens after a 16-token prompt (prefill excluded);
 2. prefill: tok/s to the first token of a 500-token prompt (a new prompt each repeat: no prefix hit);
-3. 32 concurrent chats: aggregate tok/s, prefill included. Ours runs them as one batch; llama-cpp-python
+3. 32 concurrent chats of ``--chat-tokens`` new tokens: aggregate tok/s, prefill included. Ours runs them as one batch; llama-cpp-python
    has no batched generation, so llama.cpp runs ``--sequential-sample`` of them one after another
    (sequential calls: without batching the rate does not depend on how many);
-4. resident memory (VmRSS) after load and a warm-up, against the file's size.
+4. resident memory (VmRSS) after load and a warm-up, against the file's size: the whole process, and what
+   the load added to it (after the libraries were imported: torch alone is ~300 MiB).
 
 Random-weight 1B files are written once (``benchmarks/gguf_files.py``) and cached in ``--work-dir``.
 """
@@ -52,6 +53,7 @@ class SystemResult:
     rates: dict[str, list[float]] = field(default_factory=dict)
     rss_bytes: int = 0
     load_s: float = 0.0
+    rss_before_load: int = 0  # after importing the libraries (torch, llama_cpp), before the model
 
     def best(self, measure: str) -> float | None:
         values = self.rates.get(measure) or []
@@ -82,13 +84,15 @@ def table_rows(results: dict[str, SystemResult], file_bytes: int) -> list[list[s
             row.append("-" if value is None else f"{value:.1f}" + ("" if share is None else f" ({share:.2f}x)"))
         memory = result.rss_bytes / file_bytes if file_bytes else 0.0
         row.append(f"{result.rss_bytes / 2**20:.0f} MiB ({memory:.2f}x file)")
+        added = result.rss_bytes - result.rss_before_load
+        row.append(f"{added / 2**20:.0f} MiB ({added / file_bytes if file_bytes else 0.0:.2f}x file)")
         row.append(f"{result.load_s:.1f}")
         rows.append(row)
     return rows
 
 
 HEADER = ["system", "decode tok/s", f"prefill {PREFILL_TOKENS} tok/s", f"{NUM_CONCURRENT} chats tok/s",
-          "RSS after load", "load s"]
+          "RSS after load", "RSS added by the load", "load s"]
 
 
 def format_table(title: str, rows: list[list[str]]) -> str:
@@ -220,6 +224,11 @@ class _HearthWorker:
 
 def worker_main(args) -> None:
     """A worker: loads, warms up, says ``ready`` (vocab, RSS), then answers one JSON request per line."""
+    if args.worker == "llama":  # the libraries first: what loading the model adds is measured apart
+        import llama_cpp  # noqa: F401
+    else:
+        import hearth_llm.engine  # noqa: F401
+    rss_before_load = _rss_bytes()
     started, threads = time.perf_counter(), int(args.threads)
     if args.worker == "llama":
         worker = _LlamaCppWorker(args.model, threads, args.sequential_sample)
@@ -228,6 +237,7 @@ def worker_main(args) -> None:
     load_s = time.perf_counter() - started
     worker.single(prompt_ids(7, 8, worker.vocab_size), 4)  # warm-up: first-call costs out of the numbers
     print(json.dumps({"ready": True, "vocab_size": worker.vocab_size, "rss_bytes": _rss_bytes(),
+                      "rss_before_load": rss_before_load,
                       "load_s": load_s}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -298,14 +308,20 @@ def run_one(name: str, path: Path, threads: int, args) -> dict[str, SystemResult
         for system, command in worker_commands(path, threads, args).items():
             workers[system] = WorkerProcess(command, _worker_env(threads))
             ready = workers[system].ready
-            results[system] = SystemResult(rss_bytes=ready["rss_bytes"], load_s=ready["load_s"])
+            results[system] = SystemResult(rss_bytes=ready["rss_bytes"], load_s=ready["load_s"],
+                                           rss_before_load=ready["rss_before_load"])
         vocab_size = min(w.ready["vocab_size"] for w in workers.values())
-        num_new_tokens = args.decode_tokens if "smollm" in name else args.decode_tokens_1b
+        decode_tokens = args.decode_tokens if "smollm" in name else args.decode_tokens_1b
         for measure in MEASURES:
             for repeat in range(args.repeats):
+                num_new_tokens = args.chat_tokens if measure == "concurrent" else decode_tokens
                 request = requests_for(measure, repeat, vocab_size, num_new_tokens)
                 for system, worker in workers.items():
+                    started = time.perf_counter()
                     results[system].rates.setdefault(measure, []).append(worker.ask(dict(request)))
+                    print(f"  {name} t={threads} {measure} #{repeat} {system}: {results[system].rates[measure][-1]:.1f} "
+                          f"tok/s ({time.perf_counter() - started:.1f} s, loadavg {_loadavg()})", file=sys.stderr,
+                          flush=True)
     finally:
         for worker in workers.values():
             worker.close()
@@ -324,6 +340,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=64, help="new tokens per stream, SmolLM2")
     parser.add_argument("--decode-tokens-1b", type=int, default=16, help="new tokens per stream, 1B files")
+    parser.add_argument("--chat-tokens", type=int, default=16, help="new tokens per chat of the 32")
     parser.add_argument("--sequential-sample", type=int, default=4, help="llama.cpp chats timed one by one")
     parser.add_argument("--llama-cpp-python", default=DEFAULT_LLAMA_CPP_PYTHON,
                         help="an interpreter with llama_cpp importable (its own venv)")

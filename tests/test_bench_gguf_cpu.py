@@ -9,9 +9,11 @@ from hearth_llm.benchmarks.gguf_files import LLAMA_1B
 
 def _results():
     return {LLAMA_CPP: SystemResult({"single": [20.0, 25.0], "prefill": [100.0], "concurrent": [25.0]},
-                                    rss_bytes=110 * 2**20, load_s=0.4),
+                                    rss_bytes=110 * 2**20, load_s=0.4,
+                                    rss_before_load=10 * 2**20),
             "hearth": SystemResult({"single": [30.0, 20.0], "prefill": [300.0], "concurrent": [200.0]},
-                                   rss_bytes=400 * 2**20, load_s=2.0)}
+                                   rss_bytes=400 * 2**20, load_s=2.0,
+                                   rss_before_load=300 * 2**20)}
 
 
 def test_each_row_shows_the_best_repeat_and_its_ratio_to_llama_cpp():
@@ -22,13 +24,13 @@ def test_each_row_shows_the_best_repeat_and_its_ratio_to_llama_cpp():
 
 def test_memory_is_resident_bytes_over_the_file_size():
     rows = dict((row[0], row) for row in table_rows(_results(), file_bytes=100 * 2**20))
-    assert rows["hearth"][4] == "400 MiB (4.00x file)"
-    assert rows[LLAMA_CPP][4] == "110 MiB (1.10x file)"
+    assert rows["hearth"][4:6] == ["400 MiB (4.00x file)", "100 MiB (1.00x file)"]
+    assert rows[LLAMA_CPP][4:6] == ["110 MiB (1.10x file)", "100 MiB (1.00x file)"]
 
 
 def test_without_llama_cpp_there_are_no_ratios_and_missing_measures_show_a_dash():
     rows = table_rows({"hearth": SystemResult({"single": [12.5]}, rss_bytes=2**20)}, file_bytes=2**20)
-    assert rows == [["hearth", "12.5", "-", "-", "1 MiB (1.00x file)", "0.0"]]
+    assert rows == [["hearth", "12.5", "-", "-", "1 MiB (1.00x file)", "1 MiB (1.00x file)", "0.0"]]
     assert ratio(1.0, None) is None and ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
 
 
