@@ -41,6 +41,9 @@ CHAT_PROMPT_TOKENS = (16, 48)
 MODELS = ("smollm2-q4_1", "llama1b-q4_k_m", "llama1b-q8_0")
 DEFAULT_LLAMA_CPP_PYTHON = "/tmp/llamacpp-venv/bin/python"
 LLAMA_CPP = "llama.cpp"
+# Our KV pool: enough for the 32 chats and the 500-token prompt (SmolLM2 ~23 KiB/token, the 1B ~32 KiB),
+# about what llama.cpp's n_ctx=2048 f16 cache takes, so "RSS added by the load" compares weights to weights.
+KV_CACHE_MEMORY = "64MiB"
 
 
 # ---- the table: pure functions of the measured numbers (tests/test_bench_gguf_cpu.py) ----------------
@@ -196,7 +199,7 @@ class _HearthWorker:
         from hearth_llm.engine import LLM, SamplingParams, get_engine
 
         options = dict(num_threads=num_threads, adaptive_threads=False, quantization=quantization,
-                       show_progress=False, kv_cache_memory="512MiB")
+                       show_progress=False, kv_cache_memory=KV_CACHE_MEMORY)
         self.llm = LLM(model, **options)
         self.core = get_engine(model, **options)  # the engine llm drives, for its token stream
         self.params = SamplingParams
