@@ -29,6 +29,9 @@ PREFILL_WIDE_BLOCK_M = 64
 PREFILL_WIDE_BLOCK_N = 16
 PREFILL_FP32_BLOCK_M = 64
 PREFILL_FP32_BLOCK_N = 32
+# The decode kernel before the split-K rewrite (DECODE_* below, _decode_attention_kernel,
+# _decode_reduce_kernel, _decode_attention) is not called by paged_attention: it stays only as the
+# baseline of benchmarks/attention_kernels.py's H200 A/B and goes once that is recorded.
 # Decode splits each sequence's keys into partitions (flash-decoding), so a handful of long
 # sequences still fill the GPU; a second kernel merges the partial softmaxes. It splits only as
 # far as it takes to reach about DECODE_TARGET_PROGRAMS programs (some 8 per SM), since every
