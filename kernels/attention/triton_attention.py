@@ -17,10 +17,10 @@ from . import reference
 
 # Launch shapes, measured on an H200 with head_dim 128 (bf16): a prefill program takes
 # PREFILL_BLOCK_M rows of (query token, head of the GQA group) and walks keys PREFILL_BLOCK_N at a time.
-# (Llama-3-8B shape: M128/N64 ran a 2048-token chunk over 8192 keys at 212 TFLOP/s and 30 prompts
-# U[100,1024] at 125, against 131 and 100 for M64/N32; M128/N128 and 8 warps were slower.)
+# (H200, Llama-3-8B shape, round 2: M128/N32 ran a 2048-token chunk over 8192 keys at 250 TFLOP/s
+# and 30 prompts U[100,1024] at 172, against 185 and 136 for M64/N32 and 178 and 107 for M128/N64.)
 PREFILL_BLOCK_M = 128
-PREFILL_BLOCK_N = 64
+PREFILL_BLOCK_N = 32
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 # Heads wider than 128 keep the fp32 accumulator and the tiles in registers with smaller tiles, and
@@ -510,9 +510,10 @@ def _decode_partition_size(num_seqs: int, num_kv_heads: int, longest_span: int) 
 @dataclass(frozen=True, slots=True)
 class DecodeLaunch:
     """How decode attention is launched (the defaults were picked on an H200, head_dim 128, bf16:
-    64-key tiles, 4 warps, 2 stages ran 256 sequences of U[200,2048] keys at 2.97 TB/s in CUDA
-    graphs, the old kernel 2.82-3.02; 128-key tiles, 8 warps or the no-dot form were slower; 32
-    splits of 256 keys keep one 8k sequence on 256 programs).
+    64-key tiles, 4 warps, 3 stages ran 256 sequences of U[200,2048] keys at 3.68 TB/s in CUDA
+    graphs (Qwen3-0.6B shape; 2 stages 3.48, the old kernel 2.81-3.00); 128-key tiles, 8 warps or
+    the no-dot form were slower; 32 splits of 256 keys keep one 8k sequence on 256 programs).
+    Caches of 4-byte elements run 2 stages (the 3-stage tiles were measured in bf16 only).
 
     ``programs_per_sm``: the split count aims at this many programs per SM over the batch;
     ``max_splits``: its cap (a power of two); ``min_split_tokens``: no piece of a context is shorter.
@@ -523,7 +524,7 @@ class DecodeLaunch:
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     programs_per_sm: int = 8
     max_splits: int = 32
     min_split_tokens: int = 256
@@ -788,7 +789,7 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         else max(16, next_power_of_2(common["num_queries_per_kv"])),
         BLOCK_N=block_n, USE_DOT=launch.use_dot,
         FP8_DOT_IN_FP16=launch.fp8_dot_in_fp16 and fp8_dot_in_fp16(query, key_cache),
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **common,
+        num_warps=launch.num_warps, num_stages=launch.num_stages if key_cache.element_size() <= 2 else 2, **common,
     )
     if num_splits > 1:
         _split_decode_reduce_kernel[(num_seqs, num_heads)](
