@@ -139,16 +139,6 @@ def run_decode(batch: PagedBatch, launch, graph_max_context_len: int | None = No
         max_len, None, common, launch), len(batch.caches))
 
 
-def run_legacy_decode(batch: PagedBatch, graph_max_context_len: int | None = None) -> float:
-    from hearth_llm.kernels.attention import triton_attention as ta
-    out = torch.empty_like(batch.query)
-    common = _common(batch, batch.query.shape[-1] ** -0.5)
-    max_len = graph_max_context_len or batch.max_context_len
-    return time_per_call_us(lambda layer: ta._decode_attention(
-        out, batch.query, *batch.caches[layer], batch.block_tables, batch.context_lens, batch.query_start_loc,
-        max_len, None, ta.DECODE_BLOCK_N, common), len(batch.caches))
-
-
 def run_prefill(batch: PagedBatch, block_m: int, block_n: int, warps: int, stages: int) -> float:
     from hearth_llm.kernels.attention import triton_attention as ta
     saved = ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES
@@ -238,9 +228,8 @@ def check_fp8_writes(report) -> None:
 
 def engine_throughput(shape: str, variants: list[str], report, num_seqs: int = 256) -> None:
     """The benchmark workload (``num_seqs`` sequences, prompt and output U[100,1024]) through the
-    engine once per variant: ``legacy`` (the decode kernel before the split-K rewrite), ``auto``
-    (the current kernels, bf16 cache), ``fp8`` (an e4m3 cache); ``auto:N64/w4/s2/p8/min256[/nodot]``
-    runs the current kernel with that decode launch."""
+    engine once per variant: ``auto`` (bf16 cache), ``fp8`` (an e4m3 cache); ``auto:N64/w4/s2/p8/min256[/nodot]``
+    runs the decode kernel with that launch."""
     import gc
 
     from hearth_llm.engine.config import EngineConfig
@@ -251,41 +240,26 @@ def engine_throughput(shape: str, variants: list[str], report, num_seqs: int = 2
     from .workloads import workload
     _, checkpoint = random_checkpoint(shape, torch.bfloat16, DEVICE)
     requests = workload(num_seqs) if DEVICE == "cuda" else workload(num_seqs, low=10, high=40)
-    current, default_launch = ta.decode_attention, ta.DEFAULT_LAUNCH
-    prefill_tiles = ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N
+    default_launch = ta.DEFAULT_LAUNCH
     for variant in variants:
         kv_dtype, _, launch = variant.partition(":")
-        if kv_dtype == "legacy":  # the kernels as they were: the old decode kernel and prefill tiles
-            ta.decode_attention = _legacy_decode_as_current
-            ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = 64, 32
-        elif launch:
+        if launch:
             ta.DEFAULT_LAUNCH = _parse_launch(launch)
         try:
             config = EngineConfig(model=checkpoint.source, dtype="bfloat16", device=DEVICE, max_num_seqs=256,
                                   max_num_batched_tokens=16384, kv_cache_memory="40GiB" if DEVICE == "cuda" else "64MiB",
                                   max_model_len=4096,
-                                  show_progress=False, kv_cache_dtype="auto" if kv_dtype == "legacy" else kv_dtype)
+                                  show_progress=False, kv_cache_dtype=kv_dtype)
             engine = LLMEngine(config, checkpoint=checkpoint)
             result = run_ours(engine, requests)
             report(f"engine {shape} {variant}: {result['tok_per_s']:.0f} tok/s, {result['seconds']:.2f} s, "
                    f"steps {result['steps']}, p50 step {result['step_ms_p50']:.2f} ms, blocks {engine.runner.num_blocks}")
         finally:
-            ta.decode_attention, ta.DEFAULT_LAUNCH = current, default_launch
-            ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = prefill_tiles
+            ta.DEFAULT_LAUNCH = default_launch
             engine = None
             gc.collect()
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-
-
-def _legacy_decode_as_current(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                              max_context_len, kv_scales, common, launch=None):
-    from hearth_llm.kernels.attention import triton_attention as ta
-    assert kv_scales is None, "the legacy decode kernel reads no fp8 cache"
-    sliding_window = common["sliding_window"] if common["HAS_SLIDING_WINDOW"] else None
-    block_n = ta.DECODE_BLOCK_N // (2 if common["BLOCK_D"] > 128 else 1)
-    ta._decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                         max_context_len, sliding_window, block_n, common)
 
 
 def _parse_launch(text: str):
@@ -309,7 +283,7 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny cases on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--engine", nargs="+", metavar="VARIANT",
-                        help="instead of the kernel sweep: the engine's throughput per variant (legacy, auto, fp8, "
+                        help="instead of the kernel sweep: the engine's throughput per variant (auto, fp8, "
                              "auto:N64/w4/s2/p8/min256)")
     parser.add_argument("--shape", default="qwen3-0.6b", help="with --engine")
     parser.add_argument("--quick", action="store_true",
@@ -345,15 +319,8 @@ def main(argv=None) -> None:
     cases = decode_cases(args.smoke)
     # Every case's batch at once (~10 GB), so each variant compiles once and runs on all of them.
     batches = [paged_batch(shape, contexts, [1] * len(contexts)) for shape, _, contexts in cases]
-    legacy_us = []
-    for (shape, label, _), batch in zip(cases, batches):
-        legacy = run_legacy_decode(batch)
-        legacy_us.append(legacy)
-        line = f"decode {shape} {label}: legacy {legacy:.1f}us {_gbs(batch, legacy):.0f}GB/s"
-        if batch.max_context_len <= 4096:
-            legacy_graph = run_legacy_decode(batch, graph_max_context_len=4096)
-            line += f" | legacy(max_len 4096, as in graphs) {legacy_graph:.1f}us {_gbs(batch, legacy_graph):.0f}GB/s"
-        report(line)
+    baseline_us = [run_decode(batch, default_launch, 4096 if batch.max_context_len <= 4096 else None)
+                   for batch in batches]
     results: dict[int, list] = {index: [] for index in range(len(cases))}
     for name, launch in [("new default " + _describe(default_launch), default_launch)] + variants:
         if out_of_time(0.42):
@@ -363,14 +330,14 @@ def main(argv=None) -> None:
         for index, ((shape, label, _), batch) in enumerate(zip(cases, batches)):
             us = run_decode(batch, launch, graph_max_context_len=4096 if batch.max_context_len <= 4096 else None)
             results[index].append((us, name, launch))
-            cells.append(f"{label}/{shape}: {us:.1f}us {_gbs(batch, us):.0f}GB/s {legacy_us[index] / us:.2f}x")
+            cells.append(f"{label}/{shape}: {us:.1f}us {_gbs(batch, us):.0f}GB/s {baseline_us[index] / us:.2f}x the default")
         report(f"{name} | " + " | ".join(cells))
     for index, ((shape, label, _), batch) in enumerate(zip(cases, batches)):
         if results[index]:
             best = min(results[index], key=lambda r: r[0])
             best_tiles[label + shape] = best
             report(f"BEST decode {shape} {label}: {best[1]} {best[0]:.1f}us {_gbs(batch, best[0]):.0f}GB/s "
-                   f"({legacy_us[index] / best[0]:.2f}x legacy)")
+                   f"({baseline_us[index] / best[0]:.2f}x the default)")
     del batches
     torch.cuda.empty_cache()
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch  # noqa: F401  (the doctest)
 
 from .activation.triton_activation import gelu, gelu_and_mul, silu_and_mul
-from .attention.triton_attention import (DECODE_BLOCK_N, DECODE_MIN_PARTITION_SIZE, DECODE_NUM_STAGES,
-                                         DECODE_NUM_WARPS, DECODE_TARGET_PROGRAMS, PREFILL_BLOCK_M,
-                                         PREFILL_BLOCK_N, PREFILL_NUM_STAGES, PREFILL_NUM_WARPS, paged_attention)
+from .attention.triton_attention import (DECODE_MIN_PARTITION_SIZE, DEFAULT_LAUNCH, PREFILL_BLOCK_M,
+                                         PREFILL_BLOCK_N, PREFILL_NUM_STAGES, PREFILL_NUM_WARPS, DecodeLaunch,
+                                         paged_attention)
 from .attention_inputs.triton_attention_inputs import qk_norm_rope_and_cache, supports_fused_rotary
 from .kv_cache.triton_kv_cache import write_kv_cache
 from .norm.triton_norm import layer_norm, rms_norm

@@ -29,21 +29,6 @@ PREFILL_WIDE_BLOCK_M = 64
 PREFILL_WIDE_BLOCK_N = 16
 PREFILL_FP32_BLOCK_M = 64
 PREFILL_FP32_BLOCK_N = 32
-# The decode kernel before the split-K rewrite (DECODE_* below, _decode_attention_kernel,
-# _decode_reduce_kernel, _decode_attention) is not called by paged_attention: it stays only as the
-# baseline of benchmarks/attention_kernels.py's H200 A/B and goes once that is recorded.
-# Decode splits each sequence's keys into partitions (flash-decoding), so a handful of long
-# sequences still fill the GPU; a second kernel merges the partial softmaxes. It splits only as
-# far as it takes to reach about DECODE_TARGET_PROGRAMS programs (some 8 per SM), since every
-# partition adds partial results to write and merge: a batch of 128 sequences of 8 KV heads
-# runs unsplit. (On an H200 with the Qwen3-0.6B shape, targets of 4096 and 16384 were no faster
-# than 2048, which still merged two partitions, one of them empty, at 200 sequences.)
-DECODE_TARGET_PROGRAMS = 1024
-DECODE_MIN_PARTITION_SIZE = 256
-DECODE_BLOCK_N = 64
-DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 2
-
 
 
 @triton.jit
@@ -249,130 +234,6 @@ def _prefill_attention_kernel(
     )
 
 
-@triton.jit
-def _decode_attention_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_heads, num_partitions,
-    out_stride_token, out_stride_head, out_stride_dim,
-    query_stride_token, query_stride_head, query_stride_dim,
-    block_tables_stride_seq,
-    key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
-    value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    num_queries_per_kv, block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
-    partition_size,
-    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, IS_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-):
-    """One program: one partition of one sequence's keys, for the query heads of one KV head.
-
-    With IS_SPLIT it writes the partition's normalized output and its softmax max and sum for
-    the reduce kernel; otherwise (one partition covers every context) the final output.
-    """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    partition = tl.program_id(2)
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    if query_len != 1:  # an empty (padding) sequence
-        return
-    context_len = tl.load(context_lens_ptr + seq)
-    first_key = 0
-    if HAS_SLIDING_WINDOW:
-        first_key = tl.maximum(context_len - sliding_window, 0)
-    # Partitions count from the window's first key, so a window needs no more of them than it spans.
-    key_start = first_key + partition * partition_size
-    key_end = tl.minimum(key_start + partition_size, context_len)
-    if IS_SPLIT:
-        if key_start >= context_len:
-            return
-
-    rows = tl.arange(0, BLOCK_M)
-    is_real_row = rows < num_queries_per_kv
-    head = kv_head * num_queries_per_kv + rows
-    dims = tl.arange(0, BLOCK_D)
-    row_mask = is_real_row[:, None] & (dims[None, :] < head_dim)
-    token = query_start.to(tl.int64)
-    query = tl.load(
-        query_ptr + token * query_stride_token + head[:, None] * query_stride_head + dims[None, :] * query_stride_dim,
-        mask=row_mask, other=0.0,
-    )
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # The single query sits at the last position, so [key_start, key_end) is exactly what it may see.
-    acc, row_max, row_sum = _attend_to_key_range(
-        acc, row_max, row_sum, query, rows, key_start, key_end,
-        key_cache_ptr, value_cache_ptr, block_tables_ptr + seq.to(tl.int64) * block_tables_stride_seq, kv_head,
-        block_size, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
-        key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
-        value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-        MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
-        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
-    )
-    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-    if IS_SPLIT:
-        stat_index = (seq.to(tl.int64) * num_heads + head) * num_partitions + partition
-        tl.store(partial_max_ptr + stat_index, row_max, mask=is_real_row)
-        tl.store(partial_sum_ptr + stat_index, row_sum, mask=is_real_row)
-        tl.store(partial_out_ptr + stat_index[:, None] * BLOCK_D + dims[None, :], out, mask=row_mask)
-    else:
-        tl.store(
-            out_ptr + token * out_stride_token + head[:, None] * out_stride_head + dims[None, :] * out_stride_dim,
-            out.to(out_ptr.dtype.element_ty), mask=row_mask,
-        )
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_heads, num_partitions, partition_size, head_dim, sliding_window,
-    out_stride_token, out_stride_head, out_stride_dim,
-    HAS_SLIDING_WINDOW: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Merges one (sequence, head)'s partition outputs: each weighs sum * 2^(max - global max)."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    if query_len != 1:
-        return
-    context_len = tl.load(context_lens_ptr + seq)
-    first_key = 0
-    if HAS_SLIDING_WINDOW:
-        first_key = tl.maximum(context_len - sliding_window, 0)
-    # Only these partitions were written; later ones hold stale memory.
-    num_used_partitions = tl.cdiv(context_len - first_key, partition_size)
-    stat_base = (seq.to(tl.int64) * num_heads + head) * num_partitions
-
-    running_max = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-    for first in range(0, num_used_partitions, BLOCK_P):
-        partitions = first + tl.arange(0, BLOCK_P)
-        maxes = tl.load(partial_max_ptr + stat_base + partitions, mask=partitions < num_used_partitions,
-                        other=float("-inf"))
-        running_max = tl.maximum(running_max, maxes)
-    global_max = tl.max(running_max, 0)
-
-    dims = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for first in range(0, num_used_partitions, BLOCK_P):
-        partitions = first + tl.arange(0, BLOCK_P)
-        is_used = partitions < num_used_partitions
-        maxes = tl.load(partial_max_ptr + stat_base + partitions, mask=is_used, other=float("-inf"))
-        sums = tl.load(partial_sum_ptr + stat_base + partitions, mask=is_used, other=0.0)
-        weights = tl.where(is_used, sums * tl.exp2(maxes - global_max), 0.0)
-        outs = tl.load(partial_out_ptr + (stat_base + partitions)[:, None] * BLOCK_D + dims[None, :],
-                       mask=is_used[:, None], other=0.0)
-        acc += tl.sum(outs * weights[:, None], 0)
-        total += weights
-    total_sum = tl.sum(total, 0)
-    out = acc / tl.where(total_sum == 0.0, 1.0, total_sum)
-    tl.store(out_ptr + query_start.to(tl.int64) * out_stride_token + head * out_stride_head + dims * out_stride_dim,
-             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
-
-
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -446,48 +307,6 @@ def paged_attention(
     return out
 
 
-def _decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                      max_context_len, sliding_window, block_n, common):
-    num_heads = query.shape[1]
-    num_seqs, num_kv_heads = context_lens.shape[0], key_cache.shape[2]
-    longest_span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
-    partition_size = _decode_partition_size(num_seqs, num_kv_heads, longest_span)
-    num_partitions = max(1, triton.cdiv(longest_span, partition_size))
-    is_split = num_partitions > 1
-    block_d = common["BLOCK_D"]
-    if is_split:
-        partial_out = torch.empty(num_seqs, num_heads, num_partitions, block_d, dtype=torch.float32,
-                                  device=query.device)
-        partial_max = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=query.device)
-        partial_sum = torch.empty_like(partial_max)
-    else:  # never read: the kernel writes the output directly
-        partial_out = partial_max = partial_sum = out
-    _decode_attention_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        out, partial_out, partial_max, partial_sum,
-        query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-        num_heads, num_partitions,
-        *out.stride(), *query.stride(), block_tables.stride(0), *key_cache.stride(), *value_cache.stride(),
-        partition_size=partition_size, IS_SPLIT=is_split,
-        # tl.dot needs at least 16 rows; the heads of one group are padded up to that.
-        BLOCK_M=max(16, next_power_of_2(common["num_queries_per_kv"])), BLOCK_N=block_n,
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **common,
-    )
-    if is_split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, partial_out, partial_max, partial_sum, context_lens, query_start_loc,
-            num_heads, num_partitions, partition_size, common["head_dim"], common["sliding_window"],
-            *out.stride(), HAS_SLIDING_WINDOW=common["HAS_SLIDING_WINDOW"],
-            BLOCK_P=16, BLOCK_D=block_d, num_warps=4,
-        )
-
-
-def _decode_partition_size(num_seqs: int, num_kv_heads: int, longest_span: int) -> int:
-    """Keys per decode partition: a power of two (few distinct values), at least
-    DECODE_MIN_PARTITION_SIZE, and small enough for about DECODE_TARGET_PROGRAMS programs."""
-    num_partitions_wanted = triton.cdiv(DECODE_TARGET_PROGRAMS, num_seqs * num_kv_heads)
-    return max(DECODE_MIN_PARTITION_SIZE, next_power_of_2(triton.cdiv(longest_span, num_partitions_wanted)))
-
-
 # ------------------------------------------------------------------------------------------
 # Decode (one query token per sequence)
 # ------------------------------------------------------------------------------------------
@@ -533,6 +352,8 @@ class DecodeLaunch:
 
 
 DEFAULT_LAUNCH = DecodeLaunch()
+# The shortest piece of a split context (tests build contexts around it).
+DECODE_MIN_PARTITION_SIZE = DEFAULT_LAUNCH.min_split_tokens
 _SM_COUNTS: dict[int, int] = {}
 # Where there is no CUDA device (the Triton interpreter): an H200's count.
 _FALLBACK_SM_COUNT = 132
