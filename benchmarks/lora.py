@@ -129,14 +129,16 @@ def main(argv=None) -> None:
     parser.add_argument("--adapter-counts", type=int, nargs="+", default=(1, 4, 8), help="adapters per run")
     parser.add_argument("--no-base-only", action="store_true", help="skip the LoRA engine serving base requests")
     parser.add_argument("--profile", help="a file for a torch.profiler table of 20 steps of the last adapter run")
-    parser.add_argument("--no-overlap", action="store_true", help="run the LoRA shrink on the main stream")
+    parser.add_argument("--no-overlap", action="store_true", help="run the LoRA shrink on the main stream (the default)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="run the LoRA shrink on a side stream beside the base projection (not GPU-verified yet)")
     parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    if args.no_overlap:
+    if args.no_overlap or args.overlap:
         from hearth_llm.engine.models.lora_linear import LoRAStep
 
-        LoRAStep.overlaps_shrink = False
+        LoRAStep.overlaps_shrink = args.overlap and not args.no_overlap
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
 
