@@ -40,9 +40,13 @@ def _attend_to_key_range(
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
     MASK_BY_QUERY_POSITION: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     """Online-softmax accumulation of ``query`` rows over cache positions [key_start, key_end).
+
+    With USE_DOT the scores and outputs are ``tl.dot`` products (at least 16 rows); without it,
+    broadcast multiply-and-sum on CUDA cores, for a decode group of 2 or 4 heads that would fill
+    1/8 or 1/4 of a 16-row dot (``query`` then fp32).
 
     Scores are kept in the log2 domain (scaled by scale * log2(e)) so exp2 replaces exp; a soft
     cap c makes them ``c * tanh(scale * q.k / c)``, with ``soft_cap_log2`` = c * log2(e).
@@ -63,7 +67,9 @@ def _attend_to_key_range(
             + kv_head * key_cache_stride_head + dims[None, :] * key_cache_stride_dim,
             mask=load_mask, other=0.0,
         ).to(query.dtype)
-        if DOT_IN_FP32:
+        if not USE_DOT:
+            scores = tl.sum(query[:, None, :] * key[None, :, :], 2)  # [M, N]
+        elif DOT_IN_FP32:
             scores = tl.dot(query.to(tl.float32), tl.trans(key.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(query, tl.trans(key))
@@ -93,7 +99,9 @@ def _attend_to_key_range(
             + kv_head * value_cache_stride_head + dims[None, :] * value_cache_stride_dim,
             mask=load_mask, other=0.0,
         ).to(query.dtype)
-        if DOT_IN_FP32:
+        if not USE_DOT:
+            acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * value[None, :, :], 1)
+        elif DOT_IN_FP32:
             probs_of_dot_dtype = probs.to(query.dtype).to(tl.float32)
             acc = acc * rescale[:, None] + tl.dot(probs_of_dot_dtype, value.to(tl.float32), input_precision="ieee")
         else:
@@ -207,7 +215,7 @@ def _prefill_attention_kernel(
             key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
             value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
             MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=True,
-            HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+            HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=True,
         )
     acc, row_max, row_sum = _attend_to_key_range(
         acc, row_max, row_sum, query, query_pos, all_start, all_end,
@@ -216,7 +224,7 @@ def _prefill_attention_kernel(
         key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
-        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=True,
     )
     acc, row_max, row_sum = _attend_to_key_range(
         acc, row_max, row_sum, query, query_pos, all_end, key_end,
@@ -225,7 +233,7 @@ def _prefill_attention_kernel(
         key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=HAS_SLIDING_WINDOW,
-        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
+        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=True,
     )
     out = acc * (value_scale / tl.where(row_sum == 0.0, 1.0, row_sum))[:, None]
     tl.store(
@@ -360,52 +368,6 @@ _FALLBACK_SM_COUNT = 132
 
 
 @triton.jit
-def _attend_without_dot(
-    acc, row_max, row_sum, query, key_start, key_end,
-    key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-    block_size, head_dim, softmax_scale_log2, soft_cap_log2,
-    key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
-    value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-    HAS_SOFT_CAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """``_attend_to_key_range`` for one query position, on CUDA cores: a group of
-    2 or 4 heads would fill 1/8 or 1/4 of a 16-row ``tl.dot``. ``query`` is ``[G, D]`` fp32."""
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    for tile_start in range(key_start, key_end, BLOCK_N):
-        key_pos = tile_start + tl.arange(0, BLOCK_N)
-        is_key_in_range = key_pos < key_end
-        block = tl.load(block_table_ptr + key_pos // block_size, mask=is_key_in_range, other=0).to(tl.int64)
-        slot_in_block = key_pos % block_size
-        load_mask = is_key_in_range[:, None] & dim_mask[None, :]
-        key = tl.load(
-            key_cache_ptr + block[:, None] * key_cache_stride_block + slot_in_block[:, None] * key_cache_stride_slot
-            + kv_head * key_cache_stride_head + dims[None, :] * key_cache_stride_dim,
-            mask=load_mask, other=0.0,
-        ).to(tl.float32)
-        value = tl.load(
-            value_cache_ptr + block[:, None] * value_cache_stride_block
-            + slot_in_block[:, None] * value_cache_stride_slot
-            + kv_head * value_cache_stride_head + dims[None, :] * value_cache_stride_dim,
-            mask=load_mask, other=0.0,
-        ).to(tl.float32)
-        scores = tl.sum(query[:, None, :] * key[None, :, :], 2)  # [G, N]
-        if HAS_SOFT_CAP:
-            scores = tanh(scores * (softmax_scale_log2 / soft_cap_log2)) * soft_cap_log2
-        else:
-            scores = scores * softmax_scale_log2
-        scores = tl.where(is_key_in_range[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.exp2(scores - safe_max[:, None])
-        rescale = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * value[None, :, :], 1)
-        row_max = new_max
-    return acc, row_max, row_sum
-
-
-@triton.jit
 def _used_splits(context_len, first_key, num_splits, BLOCK_N: tl.constexpr, min_split_tiles):
     """Pieces this sequence's keys are cut into, and the tiles each piece takes."""
     num_tiles = tl.maximum(tl.cdiv(context_len - first_key, BLOCK_N), 1)
@@ -474,25 +436,17 @@ def _split_decode_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     # The single query sits at the last position, so [key_start, key_end) is exactly what it may see.
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * block_tables_stride_seq
-    if USE_DOT:
-        acc, row_max, row_sum = _attend_to_key_range(
-            acc, row_max, row_sum, query, rows, key_start, key_end,
-            key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-            block_size, head_dim, score_scale, soft_cap_log2, sliding_window,
-            key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
-            value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-            MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
-            HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32,
-        )
-    else:
-        acc, row_max, row_sum = _attend_without_dot(
-            acc, row_max, row_sum, query.to(tl.float32), key_start, key_end,
-            key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-            block_size, head_dim, score_scale, soft_cap_log2,
-            key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
-            value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
-            HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        )
+    if not USE_DOT:
+        query = query.to(tl.float32)
+    acc, row_max, row_sum = _attend_to_key_range(
+        acc, row_max, row_sum, query, rows, key_start, key_end,
+        key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
+        block_size, head_dim, score_scale, soft_cap_log2, sliding_window,
+        key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head, key_cache_stride_dim,
+        value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
+        MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
+        HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=USE_DOT,
+    )
     out = acc * (value_scale / tl.where(row_sum == 0.0, 1.0, row_sum))[:, None]
     if used > 1:
         stat_index = (seq.to(tl.int64) * num_heads + head) * num_splits + split
