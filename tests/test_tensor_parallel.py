@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import LlamaConfig, Olmo2Config, Qwen3Config
 
 from hearth_llm.engine import LLM, EngineDeadError, SamplingParams
 from hearth_llm.engine.memory.weights import weights_bytes
@@ -131,11 +131,11 @@ def test_unsplittable_settings_are_refused_by_name_before_workers_start(model_di
         LLM(str(model_dirs["qwen3"]), **CPU, **kwargs)
 
 
-def test_moe_model_is_refused_by_module_name(tmp_path):
-    config = Qwen3MoeConfig(**TINY_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                            architectures=["Qwen3MoeForCausalLM"])
-    path = save_tiny_model(config, tmp_path / "moe")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Qwen3MoeForCausalLM"):
+def test_olmo2_is_refused_by_name_before_workers_start(tmp_path):
+    # MoE models split now (tests/test_tensor_parallel_moe.py); OLMo 2's q/k norms over all heads do not.
+    config = Olmo2Config(**TINY_COMMON, architectures=["Olmo2ForCausalLM"])
+    path = save_tiny_model(config, tmp_path / "olmo2")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Olmo2ForCausalLM: its q/k"):
         LLM(str(path), **CPU, tensor_parallel_size=2)
 
 

@@ -18,10 +18,17 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.linear import ColumnLinear, LinearBase, QKVLinear, TensorParallel
+from ..models.moe import FusedMoE
 
 # Modules whose tensors every rank may hold whole (replicated) without changing the math: norms and
 # rotary tables; the embedding and the LM head (split by vocabulary rows when loaded: models/vocab_parallel).
 _REPLICATED_MODULES = ("RMSNorm", "LayerNorm", "GemmaRMSNorm", "RotaryEmbedding", "Embedding", "Linear")
+
+
+# Modules whose math needs every rank's heads at once, which no split here provides (yet): why, by class name.
+_UNSPLIT_MODULES = {
+    "Olmo2Attention": "its q/k RMSNorms normalize over all heads together (they would need an all-gather)",
+}
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,
@@ -47,8 +54,8 @@ def check_tensor_parallel(arch, model: nn.Module, size: int) -> None:
     """``ValueError`` naming the field when ``model`` (built on the meta device) cannot be split
     over ``size`` ranks: heads, key/value heads and the MLP width must divide evenly (key/value
     heads may instead be fewer than the ranks and divide them: each rank then keeps a copy of
-    its query heads' one), and every module holding tensors must be a split-aware linear layer
-    or one that is safe to replicate (MoE experts are neither yet)."""
+    its query heads' one), the experts' intermediate width too, and every module holding tensors
+    must be a split-aware layer (linear, MoE experts) or one that is safe to replicate."""
     if size == 1:
         return
     heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
@@ -58,8 +65,16 @@ def check_tensor_parallel(arch, model: nn.Module, size: int) -> None:
         raise ValueError(f"tensor_parallel_size={size} must divide num_key_value_heads={kv_heads} "
                          f"(or be a multiple of it: key/value heads are then replicated)")
     for name, module in model.named_modules():
+        why = _UNSPLIT_MODULES.get(type(module).__name__)
+        if why is not None:
+            raise ValueError(f"tensor_parallel_size={size} is not supported for {type(model).__name__}: {why} "
+                             f"({name!r})")
         if isinstance(module, LinearBase):
             _check_linear(name, module, size)
+        elif isinstance(module, FusedMoE):
+            if module.intermediate_size % size:
+                raise ValueError(f"tensor_parallel_size={size} must divide the experts' intermediate size "
+                                 f"{module.intermediate_size} of {name!r} (moe_intermediate_size)")
         elif any(True for _ in module.parameters(recurse=False)) and type(module).__name__ not in _REPLICATED_MODULES:
             raise ValueError(f"tensor_parallel_size={size} is not supported for {type(model).__name__}: its module "
                              f"{name!r} ({type(module).__name__}) has no tensor-parallel split here")

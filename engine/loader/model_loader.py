@@ -22,6 +22,7 @@ from ..models import model_class_for
 from ..models.arch import ArchConfig
 from ..models.gguf_linear_method import GGUF_INT4, GGUFInt4LinearMethod
 from ..models.linear import LinearBase, TensorParallel, configure_linears
+from ..models.moe import shard_experts
 from ..models.vocab_parallel import shard_vocabulary
 from ..models.quant import QuantizationPlan, check_quantization, dense_layer_method, quantized_layer_method
 from .checkpoint import LoadedCheckpoint
@@ -43,6 +44,7 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
     configure_linears(model, _method_chooser(model, plan.weight_formats, device, dtype, plan), parallel=parallel)
     if parallel is not None:
         shard_vocabulary(model, parallel)  # embedding and LM head by vocabulary rows
+        shard_experts(model, parallel)     # each expert's intermediate columns
     if shapes is not None:
         model.check_checkpoint(plan.checkpoint_shapes(shapes), checkpoint.source)
     try:

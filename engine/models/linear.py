@@ -317,9 +317,12 @@ class QKVLinear(ColumnLinear):
 
 class RowLinear(LinearBase):
     """Input columns split across ranks; each rank's partial product is summed by an all-reduce
-    and the bias added once."""
+    and the bias added once. ``reduce_results = False`` leaves the partial sum (bias on rank 0
+    only) to the caller's own all-reduce: an MoE block reduces its shared expert with its routed
+    experts in one."""
 
     splits_input = True
+    reduce_results = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, prefix: str = "") -> None:
         super().__init__(input_size, [output_size], bias, prefix)
@@ -328,7 +331,7 @@ class RowLinear(LinearBase):
         routine = self.routine  # bound only in a single process
         if routine is not None:
             return routine(x)
-        if self.parallel.size == 1:
+        if self.parallel.size == 1 or not self.reduce_results:  # ranks other than 0 hold a zero bias
             return self.method.apply(self, x, self.bias)
         out = self.method.apply(self, x, None)
         self.parallel.all_reduce(out)

@@ -11,6 +11,13 @@
 * :class:`MoeDecoderLayer` / :class:`MoeDecoderModel`: the Llama-shaped decoder whose feed-forward
   block is sparse on the layers the config says (``mlp_only_layers``, ``decoder_sparse_step``).
 
+Tensor parallelism (:func:`shard_experts`, as vLLM's ``FusedMoE``): every rank keeps every expert
+and the router whole, but only its ``intermediate_size / N`` slice of each expert: gate and up
+rows (column-parallel), the matching down columns (row-parallel). Each rank's experts then give
+a partial sum of the block's output; the shared expert's down projection skips its own
+all-reduce, and one all-reduce per block sums routed plus shared (the sigmoid gate scales each
+token, so it distributes over the sum: exact).
+
 >>> moe = FusedMoE(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, renormalize=True)
 >>> moe.w13_weight.weight_loader(moe.w13_weight, torch.ones(8, 16), "up", 3)  # rows 8..15 of expert 3
 >>> moe(torch.randn(5, 16), router_logits=torch.randn(5, 4)).shape
@@ -18,6 +25,7 @@ torch.Size([5, 16])
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,7 +37,7 @@ from hearth_llm.kernels import moe as moe_kernels
 
 from .arch import ArchConfig
 from .decoder import DecoderLayer, DecoderModel, refuse_if
-from .linear import ReplicatedLinear
+from .linear import SINGLE_PROCESS, ReplicatedLinear, RowLinear, TensorParallel
 from .linear_method import dense_value
 from .mlp import GatedMLP
 
@@ -51,9 +59,31 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.prefix = prefix
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.parallel = SINGLE_PROCESS
+        self._create()
+
+    # --- tensor parallelism ---------------------------------------------------------------------
+
+    @property
+    def intermediate_size_per_rank(self) -> int:
+        return self.intermediate_size // self.parallel.size
+
+    def configure(self, parallel: TensorParallel) -> None:
+        """Hold only ``parallel``'s slice of every expert; before loading (the tensors are
+        re-created empty, on the device of the current ones)."""
+        if self.intermediate_size % parallel.size:
+            raise ValueError(f"tensor_parallel_size={parallel.size} must divide the experts' intermediate size "
+                             f"{self.intermediate_size} (moe_intermediate_size) of {self.prefix!r}")
+        self.parallel = parallel
+        self._create()
+
+    def _create(self) -> None:
+        device = self.w13_weight.device if "w13_weight" in self._parameters else None
+        width = self.intermediate_size_per_rank
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.w13_weight = nn.Parameter(torch.empty(self.num_experts, 2 * width, self.hidden_size),
+                                           requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, width), requires_grad=False)
         self._attach_loaders()
 
     # --- loading ------------------------------------------------------------------------------
@@ -80,6 +110,15 @@ class FusedMoE(nn.Module):
         """The slice of ``param`` a shard fills (all of it for None)."""
         if shard is None:
             return param.data
+        self._check_shard(param, shard)
+        experts = param.data if shard.expert is None else param.data[shard.expert]
+        if shard.kind == "down":
+            return experts
+        width = self.intermediate_size_per_rank
+        rows = slice(0, width) if shard.kind == "gate" else slice(width, None)
+        return experts[..., rows, :]
+
+    def _check_shard(self, param: nn.Parameter, shard: ExpertShard) -> None:
         is_w13 = param is self.w13_weight
         if (shard.kind == "down") == is_w13 or shard.kind not in ("gate", "up", "down"):
             name = "w13_weight" if is_w13 else "w2_weight"
@@ -87,25 +126,43 @@ class FusedMoE(nn.Module):
         if shard.expert is not None and not 0 <= shard.expert < self.num_experts:
             raise ValueError(f"{self.prefix}: expert {shard.expert} is out of range: the config has "
                              f"num_experts={self.num_experts}")
-        experts = param.data if shard.expert is None else param.data[shard.expert]
-        if shard.kind == "down":
-            return experts
-        rows = slice(0, self.intermediate_size) if shard.kind == "gate" else slice(self.intermediate_size, None)
-        return experts[..., rows, :]
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id=None) -> tuple[int, ...]:
-        return tuple(self._target(param, _as_shard(shard_id)).shape)
+        """The shape the checkpoint stores a shard in: the whole experts, whatever this rank keeps."""
+        shard = _as_shard(shard_id)
+        hidden, width = self.hidden_size, self.intermediate_size
+        if shard is None:
+            return ((self.num_experts, 2 * width, hidden) if param is self.w13_weight
+                    else (self.num_experts, hidden, width))
+        self._check_shard(param, shard)
+        shape = (hidden, width) if shard.kind == "down" else (width, hidden)
+        return shape if shard.expert is not None else (self.num_experts, *shape)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None, expert_id: int | None = None) -> None:
         """Copy ``loaded_weight`` into its slice: ``shard_id`` ``"gate"``/``"up"``/``"down"`` of expert
         ``expert_id`` (or of all experts, stacked, when ``expert_id`` is None), an
-        :class:`ExpertShard`, or None for the whole stacked parameter."""
+        :class:`ExpertShard`, or None for the whole stacked parameter. Under tensor parallelism
+        only this rank's columns of the intermediate width are kept (see the module docstring)."""
         shard = ExpertShard(shard_id, expert_id) if isinstance(shard_id, str) else _as_shard(shard_id)
-        target = self._target(param, shard)
-        if tuple(loaded_weight.shape) != tuple(target.shape):
+        expected = self.checkpoint_shape(param, shard)
+        if tuple(loaded_weight.shape) != tuple(expected):
             raise ValueError(f"{self.prefix} ({shard}) has shape {tuple(loaded_weight.shape)}, the config makes it "
-                             f"{tuple(target.shape)}")
-        target.copy_(dense_value(loaded_weight, param.dtype))
+                             f"{tuple(expected)}")
+        self._target(param, shard).copy_(self._rank_slice(param, shard, dense_value(loaded_weight, param.dtype)))
+
+    def _rank_slice(self, param: nn.Parameter, shard: ExpertShard | None, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole checkpoint value: gate/up rows, down columns (dequantized
+        first, so a GGUF block never has to be cut)."""
+        if self.parallel.size == 1:
+            return value
+        width = self.intermediate_size_per_rank
+        start = self.parallel.rank * width
+        if param is self.w2_weight:
+            return value.narrow(-1, start, width)
+        if shard is None:  # [E, 2 I, H]: gate rows then up rows, each cut
+            gate, up = value.split(self.intermediate_size, dim=-2)
+            return torch.cat((gate.narrow(-2, start, width), up.narrow(-2, start, width)), dim=-2)
+        return value.narrow(-2, start, width)
 
     # --- running -------------------------------------------------------------------------------
 
@@ -115,7 +172,8 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}")
+                f"intermediate={self.intermediate_size_per_rank}/{self.intermediate_size}, "
+                f"renormalize={self.renormalize}")
 
 
 def _as_shard(shard_id) -> ExpertShard | None:
@@ -141,11 +199,33 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
+    parallel = SINGLE_PROCESS  # set by shard_experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, router_logits=self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.parallel.size > 1:  # routed and shared partial sums, reduced once
+            self.parallel.all_reduce(out)
         return out
+
+
+def shard_experts(model: nn.Module, parallel: TensorParallel) -> None:
+    """Give every MoE block of ``model`` (built on meta, before loading) ``parallel``'s slice:
+    each expert's intermediate columns, and one all-reduce per block (the shared expert's down
+    projection leaves its partial sum to it). ``ValueError`` naming the layer when the ranks do
+    not divide the experts' width."""
+    if parallel.size == 1:
+        return
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.configure(parallel)
+        elif isinstance(module, SparseMoeBlock):
+            module.parallel = parallel
+            if module.shared_expert is not None:
+                down = module.shared_expert.down_proj
+                assert isinstance(down, RowLinear), type(down)
+                down.reduce_results = False
 
 
 @dataclass(slots=True)
@@ -346,4 +426,5 @@ def checked_mlp_only_layers(config) -> list[int]:
 
 
 __all__ = ["GGUF_EXPERT_TENSOR_NAMES", "GGUF_SHARED_EXPERT_TENSOR_NAMES", "ExpertShard", "FusedMoE", "MoeArch", "MoeDecoderLayer", "MoeDecoderModel", "SparseMoeBlock",
-           "checked_mlp_only_layers", "checked_sparse_step", "config_num_experts", "gguf_moe_config_fields", "sparse_layer_pattern"]
+           "checked_mlp_only_layers", "checked_sparse_step", "config_num_experts", "gguf_moe_config_fields", "shard_experts",
+           "sparse_layer_pattern"]
