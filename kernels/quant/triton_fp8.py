@@ -22,6 +22,12 @@ from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 # 16.8, but gate_up 59.3 vs 49.4 and down 56.9 vs 50.9; at 4-8 rows the GEMV falls to ~200-390 GB/s.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_WEIGHTS = 1 << 25
+# The fused GEMV (bf16 x and the e4m3 weight in, one launch) takes steps of up to this many rows,
+# every layer size.
+FUSED_MAX_ROWS = 1
+FUSED_BLOCK_N = 16
+FUSED_BLOCK_K = 256
+FUSED_NUM_WARPS = 4
 
 
 @triton.jit
@@ -68,6 +74,76 @@ def _fp8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, num_rows_
              mask=(m[:, None] < num_rows_x) & (n[None, :] < num_rows))
 
 
+@triton.jit
+def _fp8_fused_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                           FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The W8A8 product of ``fp8.fp8_linear_reference`` for up to ``M_PAD`` rows of the
+    high-precision ``x``, the activation quantization fused in: every program takes each row's
+    ``amax`` over all of ``K`` itself (``x`` is a few KiB, read from L2), then per step quantizes its
+    ``[M_PAD, BLOCK_K]`` slice exactly as ``_quantize_rows_kernel`` does and multiplies the codes by
+    the streamed ``[BLOCK_N, BLOCK_K]`` e4m3 tile in float32, the next tile's load issued before the
+    current one's math. Products accumulate element-wise and are reduced once at the end."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_PAD)
+    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None].to(tl.int64) * stride_x                 # [MP, 1]
+    w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w                 # [BN, 1]
+    k0 = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + k0
+        if EVEN_K:
+            v = tl.load(x_rows + k[None, :])
+        else:
+            v = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=1), FP8_MAX_C), MIN_SCALE_C)     # [MP]
+    scale_b = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32) + scale[:, None]
+    acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if EVEN_K:
+        w_next = tl.load(w_rows + k0[None, :])
+    else:
+        w_next = tl.load(w_rows + k0[None, :], mask=k0[None, :] < K, other=0.0)
+    for start in range(0, K, BLOCK_K):
+        k = start + k0
+        w = w_next
+        if EVEN_K:
+            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=(k + BLOCK_K)[None, :] < K, other=0.0)
+            v = tl.load(x_rows + k[None, :]).to(tl.float32)
+        else:
+            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=(k + BLOCK_K)[None, :] < K, other=0.0)
+            v = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(v, scale_b), -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty).to(tl.float32)
+        acc += q[:, None, :] * w.to(tl.float32)[None, :, :]
+    w_scale = tl.load(ws_ptr + n, mask=n < N, other=0.0)
+    out = tl.sum(acc, axis=2) * scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_out + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def fused_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
+    """``fp8.fp8_linear_reference(x, ...)`` for a few rows of CUDA ``x`` in one launch (the
+    quantization fused, see ``_fp8_fused_gemv_kernel``); the result in ``x``'s dtype."""
+    x = x.contiguous()
+    m, k = x.shape
+    num_rows = weight_fp8.shape[0]
+    out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n = block_n or FUSED_BLOCK_N
+    block_k = min(block_k or FUSED_BLOCK_K, triton.next_power_of_2(k))
+    _fp8_fused_gemv_kernel[(triton.cdiv(num_rows, block_n),)](
+        x, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out, m, num_rows, k,
+        x.stride(0), weight_fp8.stride(0), out.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, num_warps=num_warps or FUSED_NUM_WARPS)
+    return out
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 [M, K], float32 scales [M])`` of a CUDA ``x`` ``[M, K]``; as ``fp8.quantize_rows``."""
     x = x.contiguous()
@@ -81,12 +157,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, *, gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+               bias: torch.Tensor | None = None, *, gemv_max_rows: int = GEMV_MAX_ROWS,
+               fused_max_rows: int = FUSED_MAX_ROWS) -> torch.Tensor:
     """``x @ W.T + bias`` for CUDA ``x`` ``[M, K]`` and the e4m3 ``weight_fp8`` ``[N, K]`` with
     float32 ``weight_scale`` ``[N]``; the result in ``x``'s dtype (see the module docstring)."""
     if x.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
         raise ValueError(f"x must be [M, {weight_fp8.shape[1]}] for this FP8 weight, got {tuple(x.shape)}")
     m = x.shape[0]
+    if 0 < m <= fused_max_rows:
+        return fused_gemv(x, weight_fp8, weight_scale, bias)
     x_fp8, x_scale = quantize_rows(x)
     if m > gemv_max_rows or weight_fp8.numel() > GEMV_MAX_WEIGHTS:
         out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale[:, None],

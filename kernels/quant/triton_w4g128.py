@@ -19,7 +19,10 @@ import triton.language as tl
 GROUP = 128
 GROUP_WORDS = 17  # 68 bytes
 GEMV_MAX_ROWS = 4
-DEQUANT_MIN_ROWS = 16
+# GEMV tiling (H200 sweep, Llama-3-8B layers, M=1; see benchmarks in the module docstring).
+GEMV_BLOCK_N = 8
+GEMV_GROUPS_PER_ITER = 8
+GEMV_NUM_WARPS = 4
 
 
 @triton.jit
@@ -36,64 +39,72 @@ def _group_tiles(rows32, g, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, num_groups, stride_xm, stride_w32, stride_om,
-                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr):
-    """``GROUPS_PER_ITER`` groups per iteration as ``[BLOCK_N, 16 * GROUPS_PER_ITER, 4]`` code bytes
-    against ``x`` loaded in the same ``[word, byte]`` layout (no reshapes); per group
-    ``s * (sum(q * x) - z * sum(x))``."""
-    m = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past the end read the last row; their results are not stored.
-    rows32 = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w32
-    slot = tl.arange(0, 16 * GROUPS_PER_ITER)           # word slots: group slot // 16, word slot % 16
-    byte = tl.arange(0, 4)
-    x_row = x_ptr + m * stride_xm
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for g0 in range(0, num_groups, GROUPS_PER_ITER):
-        group = g0 + slot // 16
-        valid = group < num_groups
-        word = rows32[:, None] + group[None, :] * 17
-        header = tl.load(word, mask=valid[None, :], other=0)                                    # [BN, S]
-        codes = tl.load(word + 1 + (slot % 16)[None, :], mask=valid[None, :], other=0)
-        codes = (codes[:, :, None] >> (byte * 8)[None, None, :]) & 0xFF                         # [BN, S, 4]
-        column = group[:, None] * 128 + (slot % 16)[:, None] * 4 + byte[None, :]                # [S, 4]
-        x_lo = tl.load(x_row + column, mask=valid[:, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(x_row + column + 64, mask=valid[:, None], other=0.0).to(tl.float32)
-        dots = tl.sum((codes & 0xF).to(tl.float32) * x_lo[None, :, :] + (codes >> 4).to(tl.float32) * x_hi[None, :, :],
-                      axis=2)                                                                   # [BN, S]
-        x_sums = tl.sum(x_lo + x_hi, axis=1)                                                    # [S]
-        scale = (header & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        zero = ((header >> 16) & 0xFF).to(tl.float32)
-        acc += tl.sum(scale * (dots - zero * x_sums[None, :]), axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+def _nibbles_minus(half, zero, P: tl.constexpr):
+    """Float32 ``q - zero`` of nibble ``P`` (0..3) of the low 16 bits of ``half``, without an
+    int->float conversion (1/4-rate on Hopper): OR the masked nibble into the mantissa of a float
+    whose unit is bit ``4 P`` (exponent ``23 - 4 P``), giving ``2^(23 - 4P) + q`` exactly, and
+    subtract ``2^(23 - 4P) + zero`` (``zero`` is a float32 broadcast, exact for 0..255)."""
+    MAGIC: tl.constexpr = (150 - 4 * P) << 23
+    f = ((half & (0xF << (4 * P))) | MAGIC).to(tl.float32, bitcast=True)
+    return f - zero
 
 
 @triton.jit
-def _w4g128_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, stride_xm, stride_w32, stride_om,
-                        HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows32 = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w32
-    x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None].to(tl.int64) * stride_xm
-    half = tl.arange(0, 64)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, num_groups):
-        w_lo, w_hi = _group_tiles(rows32, g, BLOCK_N)
-        x_lo = tl.load(x_rows + g * 128 + half)
-        x_hi = tl.load(x_rows + g * 128 + 64 + half)
-        if IEEE_FP32:
-            acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
-            acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
-        else:
-            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
-            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, groups_per_split, stride_xm, stride_w32,
+                        stride_om, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUPS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr):
+    """All ``M`` rows of ``x`` against ``BLOCK_N`` weight rows, ``GROUPS_PER_ITER`` groups a step, as
+    ``[BLOCK_N, GROUPS_PER_ITER, 16]`` code words (each word's 8 nibbles decoded in place, see
+    ``_nibbles_minus``) against the ``x`` values those nibbles multiply; per word
+    ``scale * sum((q - zero) * x)`` accumulates element-wise and is reduced once at the end.
+    ``SPLIT_K > 1``: program axis 1 takes ``groups_per_split`` groups and adds into float32 ``out``."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    # Rows past the end read the last row (no load mask); their results are not stored.
+    rows32 = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w32                    # [BN]
+    rm = tl.arange(0, M_PAD)
+    x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64) * stride_xm                     # [MP]
+    gi = tl.arange(0, GROUPS_PER_ITER)
+    j = tl.arange(0, 16)
+    acc = tl.zeros((M_PAD, BLOCK_N, GROUPS_PER_ITER, 16), dtype=tl.float32)
+    g_start = split * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    for g0 in range(g_start, g_end, GROUPS_PER_ITER):
+        group = g0 + gi                                                                  # [GPI]
+        valid = group < g_end
+        word = rows32[:, None] + group[None, :] * 17                                     # [BN, GPI]
+        header = tl.load(word, mask=valid[None, :], other=0)
+        words = tl.load(word[:, :, None] + 1 + j[None, None, :], mask=valid[None, :, None], other=0)  # [BN, GPI, 16]
+        scale = (header & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # 0 where masked
+        zero = ((header >> 16) & 0xFF).to(tl.float32)
+        # Word j of a group holds bytes 4j..4j+3: byte b is column 4j + b (low nibble) and 4j + b + 64.
+        xcol = x_rows[:, None, None] + (group * 128)[None, :, None] + 4 * j[None, None, :]  # [MP, GPI, 16]
+        xm = valid[None, :, None] & (rm < M)[:, None, None]
+        lo = words
+        hi = words >> 16
+        z0 = (zero + 8388608.0)[:, :, None]
+        z1 = (zero + 524288.0)[:, :, None]
+        z2 = (zero + 32768.0)[:, :, None]
+        z3 = (zero + 2048.0)[:, :, None]
+        d = _nibbles_minus(lo, z0, 0)[None] * tl.load(xcol, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d += _nibbles_minus(lo, z1, 1)[None] * tl.load(xcol + 64, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d += _nibbles_minus(lo, z2, 2)[None] * tl.load(xcol + 1, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d += _nibbles_minus(lo, z3, 3)[None] * tl.load(xcol + 65, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d += _nibbles_minus(hi, z0, 0)[None] * tl.load(xcol + 2, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d += _nibbles_minus(hi, z1, 1)[None] * tl.load(xcol + 66, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d += _nibbles_minus(hi, z2, 2)[None] * tl.load(xcol + 3, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d += _nibbles_minus(hi, z3, 3)[None] * tl.load(xcol + 67, mask=xm, other=0.0).to(tl.float32)[:, None]
+        acc += scale[None, :, :, None] * d
+    result = tl.sum(tl.sum(acc, axis=3), axis=2)                                          # [MP, BN]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if split == 0:
+            result += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K == 1:
+        tl.store(out, result.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, result, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -122,32 +133,31 @@ def dequantize(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  gemv_max_rows: int = GEMV_MAX_ROWS, block_n: int | None = None, groups_per_iter: int = 4,
-                  num_warps: int = 2) -> torch.Tensor:
+                  gemv_max_rows: int = GEMV_MAX_ROWS, block_n: int | None = None, groups_per_iter: int | None = None,
+                  num_warps: int | None = None, split_k: int = 1) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` and ``W`` as uint8 ``W4G128`` rows ``data``
-    ``[N, K / 128 * 68]``; the result in ``x``'s dtype."""
+    ``[N, K / 128 * 68]``; the result in ``x``'s dtype. Up to ``gemv_max_rows`` rows take the GEMV
+    (the keywords after it tune it), more rows dequantize into a scratch weight for cuBLAS."""
     num_rows, row_bytes = data.shape
     num_groups = row_bytes // (GROUP_WORDS * 4)
     if x.dim() != 2 or x.shape[1] != num_groups * GROUP or row_bytes % (GROUP_WORDS * 4):
         raise ValueError(f"x must be [M, {num_groups * GROUP}] for this W4G128 weight, got {tuple(x.shape)}")
+    m = x.shape[0]
+    if m > gemv_max_rows:
+        return torch.nn.functional.linear(x, dequantize(data, x.dtype), bias)
     x = x.contiguous()
     words = data.contiguous().view(torch.int32)                                     # [N, G * 17]
-    m = x.shape[0]
     out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bias_arg = bias if bias is not None else out
-    if m <= gemv_max_rows:
-        block_n = block_n or 8  # H200, M=1, Llama-3-8B layers: 8 rows x 4 groups x 2 warps beat 16x2x4 by 3-10%
-        _w4g128_gemv_kernel[(m, triton.cdiv(num_rows, block_n))](
-            x, words, bias_arg, out, num_rows, num_groups, x.stride(0), words.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, GROUPS_PER_ITER=groups_per_iter, num_warps=num_warps)
-        return out
-    if m >= DEQUANT_MIN_ROWS and x.dtype != torch.float32:
-        return torch.nn.functional.linear(x, dequantize(data, x.dtype), bias)
-    block_m = 16 if m <= 16 else 64
-    block_n = block_n or 64
-    _w4g128_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(num_rows, block_n))](
-        x, words, bias_arg, out, m, num_rows, num_groups, x.stride(0), words.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, IEEE_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n)
-    return out
+    m_pad = triton.next_power_of_2(m)
+    block_n = block_n or GEMV_BLOCK_N
+    groups_per_iter = groups_per_iter or GEMV_GROUPS_PER_ITER
+    groups_per_split = triton.cdiv(triton.cdiv(num_groups, split_k), groups_per_iter) * groups_per_iter
+    split_k = triton.cdiv(num_groups, groups_per_split)
+    target = out if split_k == 1 else torch.zeros(m, num_rows, dtype=torch.float32, device=x.device)
+    _w4g128_gemv_kernel[(triton.cdiv(num_rows, block_n), split_k)](
+        x, words, bias if bias is not None else out, target, m, num_rows, num_groups, groups_per_split, x.stride(0),
+        words.stride(0), target.stride(0), HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n,
+        GROUPS_PER_ITER=groups_per_iter, SPLIT_K=split_k, num_warps=num_warps or GEMV_NUM_WARPS)
+    return out if split_k == 1 else target.to(x.dtype)

@@ -1,0 +1,186 @@
+"""GPU micro-benchmark of the issue-16 linear kernels at Llama-3-8B layer shapes, against bf16 cuBLAS.
+
+Each timing is one CUDA graph of calls that cycle through enough copies of the weight to exceed the
+L2 cache (a decode step reads every layer's weight once, so a single weight replayed from L2 would
+flatter the small layers), divided by the number of calls. GB/s counts the weight's bytes only.
+
+    python -m hearth_llm.benchmarks.quant_kernels --part w4 --rows 1 4 16
+    python -m hearth_llm.benchmarks.quant_kernels --part fp8 --rows 1 4
+    python -m hearth_llm.benchmarks.quant_kernels --part check     # GPU correctness, PASS/FAIL lines
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+WORKING_SET = 256 << 20  # bytes of weight copies per timing: well above the H200's 50 MiB L2
+
+
+def graphed_us(calls, replays: int = 10) -> float:
+    """Microseconds per call of ``calls`` (zero-argument functions), captured once into a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:2]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / replays / len(calls)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, min(64, math.ceil(WORKING_SET / nbytes)))
+
+
+def w4_data(n: int, k: int, copies: int) -> list[torch.Tensor]:
+    """Random ``W4G128`` rows built on the GPU: random code bytes, then each group's 4-byte header
+    (float16 scale, zero point 0..15, a pad byte) written over its first bytes."""
+    groups = torch.randint(0, 256, (n, k // 128, 68), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(n, k // 128, device="cuda") * 0.01 + 0.001).half()
+    groups[..., 0:2] = scales.reshape(-1).view(torch.uint8).reshape(n, k // 128, 2)
+    groups[..., 2] = torch.randint(0, 16, (n, k // 128), dtype=torch.uint8, device="cuda")
+    groups[..., 3] = 0
+    data = groups.reshape(n, -1)
+    return [data] + [data.clone() for _ in range(copies - 1)]
+
+
+def bf16_us(n: int, k: int, m: int) -> float:
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return graphed_us([lambda w=w: F.linear(x, w) for w in weights])
+
+
+def bench_w4(rows, configs) -> None:
+    from hearth_llm.kernels.quant import triton_w4g128
+
+    totals: dict = {}
+    for name, (n, k) in SHAPES.items():
+        datas = w4_data(n, k, copies_for(n * k // 2))
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base = bf16_us(n, k, m)
+            cells = [f"bf16 {base:.1f} us ({n * k * 2 / base / 1e3:.0f} GB/s)"]
+            totals[(m, "bf16")] = totals.get((m, "bf16"), 0) + base
+            for config in (configs if m == 1 else configs[:2] if m <= 8 else [None]):
+                if config is None:
+                    fn, label = (lambda d: triton_w4g128.w4g128_linear(x, d, gemv_max_rows=0)), "dequant+cuBLAS"
+                else:
+                    bn, gpi, warps, split = config
+                    fn = (lambda d, c=config: triton_w4g128.w4g128_linear(
+                        x, d, gemv_max_rows=64, block_n=c[0], groups_per_iter=c[1], num_warps=c[2], split_k=c[3]))
+                    label = f"BN{bn}/G{gpi}/W{warps}/S{split}"
+                us = graphed_us([lambda d=d: fn(d) for d in datas])
+                totals[(m, label)] = totals.get((m, label), 0) + us
+                cells.append(f"{label} {us:.1f} us ({datas[0].numel() / us / 1e3:.0f} GB/s)")
+            print(f"W4 M={m:<3} {name:7} " + " | ".join(cells), flush=True)
+    for m in rows:
+        print(f"W4 layer sum M={m}: " + " | ".join(f"{label} {v:.1f} us" for (mm, label), v in totals.items()
+                                                   if mm == m), flush=True)
+
+
+def bench_fp8(rows, configs) -> None:
+    from hearth_llm.kernels.quant import fp8, triton_fp8
+
+    totals: dict = {}
+    for name, (n, k) in SHAPES.items():
+        wq, ws = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+        copies = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies_for(n * k) - 1)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base = bf16_us(n, k, m)
+            results = {"bf16": base}
+            results["quant+scaled_mm"] = graphed_us(
+                [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, fused_max_rows=0) for c in copies])
+            if m == 1:
+                results["current"] = graphed_us(
+                    [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=1, fused_max_rows=0) for c in copies])
+            if m <= 8:
+                for bn, bk, warps in (configs if m == 1 else configs[:2]):
+                    results[f"fused BN{bn}/K{bk}/W{warps}"] = graphed_us(
+                        [lambda c=c: triton_fp8.fused_gemv(x, c[0], c[1], block_n=bn, block_k=bk, num_warps=warps)
+                         for c in copies])
+            for label, us in results.items():
+                totals[(m, label)] = totals.get((m, label), 0) + us
+            print(f"FP8 M={m:<3} {name:7} " + " | ".join(
+                f"{label} {us:.1f} us ({n * k * (2 if label == 'bf16' else 1) / us / 1e3:.0f} GB/s)"
+                for label, us in results.items()), flush=True)
+    for m in rows:
+        print(f"FP8 layer sum M={m}: " + " | ".join(f"{label} {v:.1f} us" for (mm, label), v in totals.items()
+                                                    if mm == m), flush=True)
+
+
+def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
+          fp8_shapes=((4096, 4096), (1000, 14336), (6144, 4096))) -> bool:
+    """The new GEMVs against their float32 references at 8B sizes; prints one PASS/FAIL line each."""
+    from hearth_llm.kernels.quant import fp8, gguf_reference, triton_fp8, triton_w4g128
+
+    ok = True
+    torch.manual_seed(0)
+    # (rows, split_k, dtype): each a compile, so few; 20 rows take the dequantize + matmul path.
+    cases = [(1, 1, torch.bfloat16), (4, 1, torch.bfloat16), (1, 3, torch.bfloat16), (1, 1, torch.float32),
+             (3, 1, torch.float32), (20, 1, torch.float32), (20, 1, torch.bfloat16)]
+    for (n, k), (m, split, dtype) in itertools.product(w4_shapes, cases):
+        codes = torch.randint(0, 16, (n, k)); scales = (torch.rand(n, k // 128) * 0.01).half()
+        zeros = torch.randint(0, 16, (n, k // 128))
+        data = gguf_reference.pack_w4g128(codes, scales, zeros).to(device)
+        x, bias = torch.randn(m, k, device=device).to(dtype), torch.randn(n, device=device).to(dtype)
+        expected = gguf_reference.gguf_linear(x.float().cpu(), data.cpu(), "W4G128", bias.float().cpu()).to(device)
+        out = triton_w4g128.w4g128_linear(x, data, bias, split_k=split)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+        good = err <= tol and out.dtype == dtype
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} w4 N={n} K={k} M={m} split={split} {dtype}: rel err {err:.2e}", flush=True)
+    for (n, k), m in itertools.product(fp8_shapes, [1, 2, 4]):
+        generator = torch.Generator(device).manual_seed(m)
+        wq, ws = fp8.quantize_rows(torch.randn(n, k, device=device, generator=generator) * 0.02)
+        x = torch.randn(m, k, device=device, generator=generator).bfloat16()
+        bias = torch.randn(n, device=device, generator=generator).bfloat16()
+        # Same codes as the one-launch quantizer (both divide with div_rn), so equal up to summation order.
+        codes, xs = triton_fp8.quantize_rows(x) if device == "cuda" else fp8.quantize_rows(x)
+        exact = ((codes.float() @ wq.float().t()) * xs[:, None] * ws[None, :] + bias.float())
+        out = triton_fp8.fused_gemv(x, wq, ws, bias)
+        err = ((out.float() - exact).abs().max() / exact.abs().max()).item()
+        good = err <= 8e-3 and out.dtype == torch.bfloat16  # bf16 output rounding
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} fp8 fused gemv N={n} K={k} M={m}: rel err vs quantizer codes {err:.2e}",
+              flush=True)
+    return ok
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["w4", "fp8", "check"], required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--configs", nargs="*", default=None,
+                        help="w4: BN,GPI,WARPS,SPLIT; fp8: BN,BK,WARPS (comma-separated), several")
+    args = parser.parse_args(argv)
+    if args.part == "check":
+        print("check " + ("PASS" if check() else "FAIL"), flush=True)
+        return
+    configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or [])]
+    if args.part == "w4":
+        bench_w4(args.rows, configs or [(8, 8, 4, 1)])
+    else:
+        bench_fp8(args.rows, configs or [(16, 256, 4)])
+
+
+if __name__ == "__main__":
+    main()
