@@ -82,10 +82,11 @@ def bench_w4(rows, configs) -> None:
                 if config is None:
                     fn, label = (lambda d: triton_w4g128.w4g128_linear(x, d, gemv_max_rows=0)), "dequant+cuBLAS"
                 else:
-                    bn, gpi, warps, split = config
-                    fn = (lambda d, c=config: triton_w4g128.w4g128_linear(
-                        x, d, gemv_max_rows=64, block_n=c[0], groups_per_iter=c[1], num_warps=c[2], split_k=c[3]))
-                    label = f"BN{bn}/G{gpi}/W{warps}/S{split}"
+                    bn, gpi, warps, split, prefetch = (tuple(config) + (1,))[:5]
+                    fn = (lambda d, c=(bn, gpi, warps, split, prefetch): triton_w4g128.w4g128_linear(
+                        x, d, gemv_max_rows=64, block_n=c[0], groups_per_iter=c[1], num_warps=c[2], split_k=c[3],
+                        prefetch=bool(c[4])))
+                    label = f"BN{bn}/G{gpi}/W{warps}/S{split}" + ("" if prefetch else "/noPF")
                 us = graphed_us([lambda d=d: fn(d) for d in datas])
                 totals[(m, label)] = totals.get((m, label), 0) + us
                 cells.append(f"{label} {us:.1f} us ({datas[0].numel() / us / 1e3:.0f} GB/s)")
@@ -170,14 +171,14 @@ def main(argv=None) -> None:
     parser.add_argument("--part", choices=["w4", "fp8", "check"], required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="*", default=None,
-                        help="w4: BN,GPI,WARPS,SPLIT; fp8: BN,BK,WARPS (comma-separated), several")
+                        help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH]; fp8: BN,BK,WARPS (comma-separated), several")
     args = parser.parse_args(argv)
     if args.part == "check":
         print("check " + ("PASS" if check() else "FAIL"), flush=True)
         return
     configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or [])]
     if args.part == "w4":
-        bench_w4(args.rows, configs or [(8, 8, 4, 1)])
+        bench_w4(args.rows, configs or [(8, 8, 4, 1, 1)])
     else:
         bench_fp8(args.rows, configs or [(16, 256, 4)])
 

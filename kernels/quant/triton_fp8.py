@@ -77,42 +77,37 @@ def _fp8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, num_rows_
 @triton.jit
 def _fp8_fused_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
                            FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           AMAX_BLOCK: tl.constexpr):
     """The W8A8 product of ``fp8.fp8_linear_reference`` for up to ``M_PAD`` rows of the
     high-precision ``x``, the activation quantization fused in: every program takes each row's
-    ``amax`` over all of ``K`` itself (``x`` is a few KiB, read from L2), then per step quantizes its
-    ``[M_PAD, BLOCK_K]`` slice exactly as ``_quantize_rows_kernel`` does and multiplies the codes by
-    the streamed ``[BLOCK_N, BLOCK_K]`` e4m3 tile in float32, the next tile's load issued before the
-    current one's math. Products accumulate element-wise and are reduced once at the end."""
+    ``amax`` over all of ``K`` itself (``x`` is a few KiB, read from L2, while the first weight tile
+    is already on its way), then per step quantizes its ``[M_PAD, BLOCK_K]`` slice exactly as
+    ``_quantize_rows_kernel`` does (``div_rn``, clamp, round-to-nearest-even cast) and multiplies the
+    codes by the streamed ``[BLOCK_N, BLOCK_K]`` e4m3 tile in float32; the next tile's load is issued
+    before the current one's math. Products accumulate element-wise and are reduced once at the end."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_PAD)
     x_rows = x_ptr + tl.minimum(m, M - 1)[:, None].to(tl.int64) * stride_x                 # [MP, 1]
+    # Rows past N read the last row (no load mask); their results are not stored.
     w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w                 # [BN, 1]
     k0 = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        k = start + k0
-        if EVEN_K:
-            v = tl.load(x_rows + k[None, :])
-        else:
-            v = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+    w_next = tl.load(w_rows + k0[None, :], mask=k0[None, :] < K, other=0.0)
+    ka = tl.arange(0, AMAX_BLOCK)
+    amax = tl.zeros((M_PAD, AMAX_BLOCK), dtype=tl.float32)
+    for start in range(0, K, AMAX_BLOCK):
+        v = tl.load(x_rows + (start + ka)[None, :], mask=(start + ka)[None, :] < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
     scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=1), FP8_MAX_C), MIN_SCALE_C)     # [MP]
     scale_b = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32) + scale[:, None]
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if EVEN_K:
-        w_next = tl.load(w_rows + k0[None, :])
-    else:
-        w_next = tl.load(w_rows + k0[None, :], mask=k0[None, :] < K, other=0.0)
+    v_next = tl.load(x_rows + k0[None, :], mask=k0[None, :] < K, other=0.0)
     for start in range(0, K, BLOCK_K):
-        k = start + k0
         w = w_next
-        if EVEN_K:
-            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=(k + BLOCK_K)[None, :] < K, other=0.0)
-            v = tl.load(x_rows + k[None, :]).to(tl.float32)
-        else:
-            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=(k + BLOCK_K)[None, :] < K, other=0.0)
-            v = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0).to(tl.float32)
+        v = v_next.to(tl.float32)
+        k = start + BLOCK_K + k0
+        w_next = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+        v_next = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
         q = tl.clamp(tl.math.div_rn(v, scale_b), -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty).to(tl.float32)
         acc += q[:, None, :] * w.to(tl.float32)[None, :, :]
     w_scale = tl.load(ws_ptr + n, mask=n < N, other=0.0)
@@ -140,7 +135,7 @@ def fused_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
         x, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out, m, num_rows, k,
         x.stride(0), weight_fp8.stride(0), out.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, num_warps=num_warps or FUSED_NUM_WARPS)
+        AMAX_BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=num_warps or FUSED_NUM_WARPS)
     return out
 
 

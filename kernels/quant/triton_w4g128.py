@@ -23,6 +23,7 @@ GEMV_MAX_ROWS = 4
 GEMV_BLOCK_N = 8
 GEMV_GROUPS_PER_ITER = 8
 GEMV_NUM_WARPS = 4
+GEMV_PREFETCH = True
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def _nibbles_minus(half, zero, P: tl.constexpr):
 @triton.jit
 def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, groups_per_split, stride_xm, stride_w32,
                         stride_om, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                        GROUPS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr):
+                        GROUPS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr):
     """All ``M`` rows of ``x`` against ``BLOCK_N`` weight rows, ``GROUPS_PER_ITER`` groups a step, as
     ``[BLOCK_N, GROUPS_PER_ITER, 16]`` code words (each word's 8 nibbles decoded in place, see
     ``_nibbles_minus``) against the ``x`` values those nibbles multiply; per word
@@ -69,12 +70,27 @@ def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, group
     acc = tl.zeros((M_PAD, BLOCK_N, GROUPS_PER_ITER, 16), dtype=tl.float32)
     g_start = split * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    # The next step's words are loaded before this step's math (PREFETCH), so each program keeps
+    # two steps of weight bytes in flight.
+    group = g_start + gi
+    word = rows32[:, None] + group[None, :] * 17
+    header_next = tl.load(word, mask=(group < g_end)[None, :], other=0)
+    words_next = tl.load(word[:, :, None] + 1 + j[None, None, :], mask=(group < g_end)[None, :, None], other=0)
     for g0 in range(g_start, g_end, GROUPS_PER_ITER):
         group = g0 + gi                                                                  # [GPI]
         valid = group < g_end
-        word = rows32[:, None] + group[None, :] * 17                                     # [BN, GPI]
-        header = tl.load(word, mask=valid[None, :], other=0)
-        words = tl.load(word[:, :, None] + 1 + j[None, None, :], mask=valid[None, :, None], other=0)  # [BN, GPI, 16]
+        if PREFETCH:
+            header = header_next
+            words = words_next
+            after = group + GROUPS_PER_ITER
+            word = rows32[:, None] + after[None, :] * 17
+            header_next = tl.load(word, mask=(after < g_end)[None, :], other=0)
+            words_next = tl.load(word[:, :, None] + 1 + j[None, None, :], mask=(after < g_end)[None, :, None],
+                                 other=0)
+        else:
+            word = rows32[:, None] + group[None, :] * 17                                 # [BN, GPI]
+            header = tl.load(word, mask=valid[None, :], other=0)
+            words = tl.load(word[:, :, None] + 1 + j[None, None, :], mask=valid[None, :, None], other=0)
         scale = (header & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # 0 where masked
         zero = ((header >> 16) & 0xFF).to(tl.float32)
         # Word j of a group holds bytes 4j..4j+3: byte b is column 4j + b (low nibble) and 4j + b + 64.
@@ -134,7 +150,7 @@ def dequantize(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None = None, *,
                   gemv_max_rows: int = GEMV_MAX_ROWS, block_n: int | None = None, groups_per_iter: int | None = None,
-                  num_warps: int | None = None, split_k: int = 1) -> torch.Tensor:
+                  num_warps: int | None = None, split_k: int = 1, prefetch: bool | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` and ``W`` as uint8 ``W4G128`` rows ``data``
     ``[N, K / 128 * 68]``; the result in ``x``'s dtype. Up to ``gemv_max_rows`` rows take the GEMV
     (the keywords after it tune it), more rows dequantize into a scratch weight for cuBLAS."""
@@ -159,5 +175,6 @@ def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None
     _w4g128_gemv_kernel[(triton.cdiv(num_rows, block_n), split_k)](
         x, words, bias if bias is not None else out, target, m, num_rows, num_groups, groups_per_split, x.stride(0),
         words.stride(0), target.stride(0), HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n,
-        GROUPS_PER_ITER=groups_per_iter, SPLIT_K=split_k, num_warps=num_warps or GEMV_NUM_WARPS)
+        GROUPS_PER_ITER=groups_per_iter, SPLIT_K=split_k, PREFETCH=GEMV_PREFETCH if prefetch is None else prefetch,
+        num_warps=num_warps or GEMV_NUM_WARPS)
     return out if split_k == 1 else target.to(x.dtype)
