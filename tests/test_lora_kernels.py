@@ -318,3 +318,48 @@ def test_triton_kernels_compile_for_hopper_within_its_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(shared) == 8 and max(shared.values()) <= 232448, shared  # the H200's 227 KiB per block
+
+
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+def test_stacked_shrink_layer_path_matches_the_separate_update(kernel, monkeypatch):
+    """A dense layer with every slot's A stacked under its weight: one GEMM gives the base output and
+    each slot's rank-space rows, the expand (reading each token's own slot's columns) adds the update;
+    with a bias, base tokens get the base projection, and a forward the step did not plan gets the base."""
+    from hearth_llm.engine.models import lora_linear
+    if kernel == "triton":
+        triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
+        monkeypatch.setattr(lora_linear, "expand_planned", triton_lora.expand_planned)  # (on the CPU too)
+    device = torch.device(DEVICE)
+    layer = QKVLinear(hidden_size=16, head_dim=16, num_heads=4, num_kv_heads=2, bias=True)  # q 64, k 32, v 32
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(128, 16, generator=generator))
+        layer.bias.copy_(torch.randn(128, generator=generator))
+    layer.to(device)
+    step = LoRAStep(capacity=32, device=device, planned=True)
+    step.allocate(num_slots=3, max_ranks_per_layer=3 * 4)
+    method = LoRALinearMethod(layer.method, layer, num_slots=3, max_rank=4, step=step, dtype=torch.float32,
+                              device=device)
+    assert method.stack_a_under_weight(layer)
+    layer.method = method
+    shards = {slot: [ShardLoRA(block, row_start, torch.randn(rank, 16, generator=generator),
+                               torch.randn(rank, size, generator=generator))
+                     for block, row_start, size in ((0, 0, 64), (2, 96, 32))] for slot, rank in ((0, 4), (2, 3))}
+    for slot, slot_shards in shards.items():
+        method.load_slot(slot, slot_shards)
+    assert torch.equal(method.stacked_weight[128 + 2 * 12:128 + 2 * 12 + 3], shards[2][0].a.to(device))
+    x = torch.randn(9, 16, generator=generator).to(device)
+    base = torch.nn.functional.linear(x, layer.weight, layer.bias).cpu()
+    slot_of_seq, counts = [2, -1, 0, 2], [3, 2, 3, 1]
+    step.begin_sequences(slot_of_seq, counts)
+    out = layer(x).cpu()
+    step.end()
+    assert out.stride(0) == 128 + 3 * 12  # a view of the GEMM's base columns
+    expected = base.clone()
+    x = x.cpu()
+    for row, slot in enumerate(np.repeat(slot_of_seq, counts)):
+        for shard, (start, end) in zip(shards.get(slot, ()), ((0, 64), (96, 128))):
+            expected[row, start:end] += (x[row] @ shard.a.T) @ shard.b_scaled
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(out[3:5], base[3:5], rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer(x.to(device)).cpu(), base)  # after end(): the weight alone

@@ -22,12 +22,13 @@ import contextlib
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hearth_llm.kernels.lora import (LoRAPlan, add_lora, add_lora_planned, expand_planned, scratch_numel,
                                      shrink_planned)
 
 from .linear import linear_layers
-from .linear_method import LinearMethod
+from .linear_method import DenseLinearMethod, LinearMethod
 
 
 class LoRAStep:
@@ -45,6 +46,9 @@ class LoRAStep:
     # CUDA: the shrink on a side stream beside the base projection. Off by default: the engine path with it
     # has not passed a GPU test yet (its H200 engine tests ran past their time slot); benchmarks/lora.py can turn it on.
     overlaps_shrink = False
+    # CUDA, plain dense layers: every slot's A stacked under the base weight, so the base GEMM computes the shrink too
+    # and a LoRA step adds one expand launch per projection (see LoRALinearMethod.stack_a_under_weight).
+    stacks_shrink = True
 
     def __init__(self, capacity: int, device: torch.device, planned: bool | None = None) -> None:
         self.capacity = capacity
@@ -110,6 +114,10 @@ class LoRAStep:
         finally:
             self.has_adapters, self.is_capturing = False, False
 
+    def covers(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is this step's (planned) forward: the runner's tokens, or a graph being captured."""
+        return self.plan is not None and (x.shape[0] == self.num_tokens or self.is_capturing)
+
     def can_overlap(self, x: torch.Tensor) -> bool:
         """Whether this forward's layers run their shrink on the side stream (CUDA, the runner's pass)."""
         return (self.side_stream is not None and self.overlaps_shrink and x.is_cuda
@@ -169,6 +177,46 @@ class LoRALinearMethod(LinearMethod):
         # block only for the columns it covers.
         self.slice_bounds = np.cumsum([0] + [layer.shard_rows(shard)[1] for shard in layer.shard_ids]).tolist()
         self.slice_starts = torch.tensor(self.slice_bounds, dtype=torch.int32, device=device)
+        self.stacked_weight: torch.Tensor | None = None  # [out + S * ranks, in]: the weight, then every slot's A
+        self.stacked_bias: torch.Tensor | None = None
+
+    def stack_a_under_weight(self, layer) -> bool:
+        """Keep every slot's A as extra rows under a plain dense base weight (one tensor; the layer's
+        weight and ``lora_a`` become views of it), so a LoRA step's base GEMM also yields each token's
+        rank-space rows for every slot, ``x @ A[s].T``, as extra output columns: the expand is then the
+        only LoRA launch (decode steps are bound by launches, and the separate shrink was a latency-bound
+        kernel on long prefills). Costs ``S * ranks`` more rows in the GEMM of a LoRA step (a few
+        percent; base-only steps use the weight alone). Returns whether it did (not for quantized or
+        CPU-packed weights, a dtype other than the slots', or a sharded layer)."""
+        weight = getattr(layer, "weight", None)
+        if (type(self.base) is not DenseLinearMethod or getattr(layer, "cpu_weight", None) is not None
+                or not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != self.lora_a.dtype
+                or weight.device != self.lora_a.device or layer.parallel.size != 1):
+            return False
+        num_slots, num_ranks, in_features = self.lora_a.shape
+        out_features = weight.shape[0]
+        stacked = torch.empty(out_features + num_slots * num_ranks, in_features, dtype=weight.dtype,
+                              device=weight.device)
+        stacked[:out_features].copy_(weight)
+        stacked[out_features:].copy_(self.lora_a.reshape(-1, in_features))
+        weight.data = stacked[:out_features]
+        self.lora_a = stacked[out_features:].view(num_slots, num_ranks, in_features)
+        self.stacked_weight = stacked
+        bias = getattr(layer, "bias", None)
+        if bias is not None:
+            self.stacked_bias = torch.cat([bias.detach(), bias.new_zeros(num_slots * num_ranks)])
+        return True
+
+    def _apply_stacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """One GEMM for the base output and every slot's shrink, then the expand into the base columns
+        in place. Returns a view (rows strided by the extra columns); the consumers of a projection's
+        output (the fused attention-input, activation and norm kernels, torch ops) take row strides."""
+        full = F.linear(x, self.stacked_weight, None if bias is None else self.stacked_bias)
+        out_features = self.lora_b.shape[-1]
+        y = full[:, :out_features]
+        expand_planned(y, full[:, out_features:], self.step.plan, self.lora_b, self.slice_starts, self.max_rank,
+                       slot_stride=self.lora_a.shape[1])
+        return y
 
     def create_weights(self, layer) -> None:
         self.base.create_weights(layer)
@@ -187,6 +235,9 @@ class LoRALinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         step = self.step
+        if (step.has_adapters and self.stacked_weight is not None and x.dim() == 2 and step.covers(x)
+                and (bias is None or self.stacked_bias is not None)):
+            return self._apply_stacked(x, bias)
         if step.has_adapters and step.can_overlap(x):
             return step.apply_overlapped(layer, x, bias, self)
         y = self.base.apply(layer, x, bias)
@@ -244,6 +295,8 @@ def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict
         if device.type == "cpu":
             dtype = torch.float32  # the CPU path multiplies in float32 (see LoRALinearMethod.apply)
         method = LoRALinearMethod(layer.method, layer, num_slots, max_rank, step, dtype, device)
+        if step.stacks_shrink and step.is_planned and device.type == "cuda":
+            method.stack_a_under_weight(layer)
         layer.method = method
         layer.routine = method.forward_routine(layer) if layer.parallel.size == 1 else None
         wrapped[name] = method

@@ -70,6 +70,9 @@ def shrink_planned(x: torch.Tensor, plan: LoRAPlan, lora_a: torch.Tensor, scratc
 
 
 def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b: torch.Tensor,
-                   slice_starts: torch.Tensor, slice_rank: int) -> torch.Tensor:
-    """CUDA: the expand half, ``y[t] += shrunk[t] @ lora_b[s]`` for the plan's tokens; returns ``y``."""
-    return _triton_module().expand_planned(y, shrunk, plan, lora_b, slice_starts, slice_rank)
+                   slice_starts: torch.Tensor, slice_rank: int, slot_stride: int = 0) -> torch.Tensor:
+    """The expand half, ``y[t] += shrunk[t] @ lora_b[s]`` for the plan's tokens; returns ``y``.
+    ``slot_stride``: see :func:`.triton_lora.expand_planned` (shrunk rows of every slot's ranks)."""
+    if y.is_cuda and _triton_module() is not None:
+        return _triton_module().expand_planned(y, shrunk, plan, lora_b, slice_starts, slice_rank, slot_stride)
+    return reference.expand(y, shrunk, reference.token_slots_of(plan, y.shape[0]), lora_b, slot_stride)

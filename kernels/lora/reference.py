@@ -40,6 +40,26 @@ def add_lora_per_token(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tens
     return y
 
 
+def expand(y: torch.Tensor, shrunk: torch.Tensor, token_slots: torch.Tensor, lora_b: torch.Tensor,
+           slot_stride: int = 0) -> torch.Tensor:
+    """``y[t] += shrunk[t, s * slot_stride:][:R] @ lora_b[s]`` for ``s = token_slots[t] >= 0`` (the
+    expand half alone; ``slot_stride`` as in ``triton_lora.expand_planned``); returns ``y``."""
+    rank = lora_b.shape[1]
+    rows = torch.nonzero(token_slots >= 0).flatten()
+    if len(rows) == 0:
+        return y
+    slots = token_slots[rows].long()
+    if slot_stride:  # shrunk's row holds every slot's ranks: gather each token's own
+        columns = slots[:, None] * slot_stride + torch.arange(rank, device=slots.device)
+        full = torch.as_strided(shrunk, (shrunk.shape[0], int(columns.max()) + 1), shrunk.stride())
+        own = full[rows[:, None], columns]
+    else:
+        own = shrunk[rows, :rank]
+    delta = torch.bmm(own.unsqueeze(1).to(lora_b.dtype), lora_b[slots]).squeeze(1)
+    y[rows] += delta.to(y.dtype)
+    return y
+
+
 def token_slots_of(plan, num_tokens: int) -> torch.Tensor:
     """Each token's slot (``-1``: base) from a :class:`~.plan.LoRAPlan`, for the reference path."""
     slots = torch.full((num_tokens,), -1, dtype=torch.long, device=plan.tiles.device)

@@ -120,17 +120,18 @@ def _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, i
     return tl.dot(s.to(b.dtype), b, acc)
 
 
-@triton.jit(do_not_specialize=["N", "R"])
+@triton.jit(do_not_specialize=["N", "R", "stride_pslot"])
 def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_ptr, N, R,
-                   stride_ps, stride_pt, stride_bs, stride_br, stride_yt, NUM_SPLITS: tl.constexpr,
+                   stride_ps, stride_pt, stride_pslot, stride_bs, stride_br, stride_yt, NUM_SPLITS: tl.constexpr,
                    SLICE_RANK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_RANK_BLOCK: tl.constexpr,
                    DOT_IN_FP32: tl.constexpr):
     slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M)
     if slot >= 0:
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
+        slot_part_ptr = part_ptr + slot * stride_pslot  # 0, or where this slot's ranks sit in a row of every slot's
         if ONE_RANK_BLOCK:  # the usual case: the tile's ranks summed once, for every column block
-            ranks, s, piece_start, piece_end = _rank_block(part_ptr, slice_starts_ptr, tokens, is_row, 0, R,
+            ranks, s, piece_start, piece_end = _rank_block(slot_part_ptr, slice_starts_ptr, tokens, is_row, 0, R,
                                                            stride_ps, stride_pt, NUM_SPLITS, SLICE_RANK, BLOCK_M,
                                                            BLOCK_R)
         # Each program takes every num_programs(1)-th column block: decode steps have few tiles, and
@@ -145,7 +146,7 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
                                  BLOCK_N, DOT_IN_FP32)
             else:
                 for r_start in range(0, R, BLOCK_R):
-                    ranks, s, piece_start, piece_end = _rank_block(part_ptr, slice_starts_ptr, tokens, is_row,
+                    ranks, s, piece_start, piece_end = _rank_block(slot_part_ptr, slice_starts_ptr, tokens, is_row,
                                                                    r_start, R, stride_ps, stride_pt, NUM_SPLITS,
                                                                    SLICE_RANK, BLOCK_M, BLOCK_R)
                     acc = _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col,
@@ -218,10 +219,15 @@ def shrink_planned(x: torch.Tensor, plan: LoRAPlan, lora_a: torch.Tensor, scratc
 
 
 def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b: torch.Tensor,
-                   slice_starts: torch.Tensor, slice_rank: int) -> torch.Tensor:
-    """The second half: ``y[t] += shrunk[t] @ lora_b[s]`` for the plan's tokens, in one launch."""
-    num_tokens, rank = shrunk.shape
-    num_slots, _, out_features = lora_b.shape
+                   slice_starts: torch.Tensor, slice_rank: int, slot_stride: int = 0) -> torch.Tensor:
+    """The second half: ``y[t] += shrunk[t] @ lora_b[s]`` for the plan's tokens, in one launch.
+
+    ``slot_stride`` 0: ``shrunk`` ``[T, R]`` holds each token's own slot's ranks. Else ``shrunk`` is
+    the first ``R`` columns of rows holding every slot's ranks, slot ``s``'s ``slot_stride * s``
+    columns further on (the base GEMM's extra output columns when A is stacked under its weight).
+    Either may be a strided view (unit stride along a row), as may ``y``."""
+    num_tokens = shrunk.shape[0]
+    num_slots, rank, out_features = lora_b.shape
     block_m = block_m_for(num_tokens)
     num_tiles = max_tiles_for(num_tokens, num_slots)
     dot_in_fp32 = y.dtype == torch.float32
@@ -232,7 +238,7 @@ def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b
     one_rank_block = block_m * next_power_of_2(rank) <= _MAX_ONE_RANK_BLOCK
     _expand_kernel[(num_tiles, num_col_blocks)](
         shrunk, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank,
-        0, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        0, shrunk.stride(0), slot_stride, lora_b.stride(0), lora_b.stride(1), y.stride(0),
         NUM_SPLITS=1, SLICE_RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
         ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32)
