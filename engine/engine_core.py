@@ -12,7 +12,6 @@ wakes when the next request arrives.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -22,8 +21,9 @@ from dataclasses import dataclass, replace
 
 from .chat.prompt import ChatPrompt
 from .config import EngineConfig
+from .core_front import CoreFront, check_requests, check_timeout, error_like
 from .errors import EngineClosedError, EngineDeadError, EngineOverloadedError, RequestFailedError
-from .input_processor import BatchRejectedError, RequestInput, request_input
+from .input_processor import BatchRejectedError, RequestInput
 from .llm_engine import LLMEngine
 from .loader import load_checkpoint
 from .memory.holders import EngineMemory, plan_load
@@ -67,7 +67,7 @@ class _Wake:
     error: BaseException | None = None
 
 
-class EngineCore:
+class EngineCore(CoreFront):
     """One model's :class:`LLMEngine` on its own thread, shared by every handle on the same
     model and config. Thread-safe: any thread or event loop may add, read and abort requests.
 
@@ -167,7 +167,7 @@ class EngineCore:
         pinned host memory; level 2 drops both (waking reloads the checkpoint). The next request,
         or :meth:`wake_up`, wakes it. Not loaded yet: nothing to do."""
         check_sleep_level(level)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         with self._lock:
             self._raise_if_stopped()
             if self._thread is None:
@@ -176,7 +176,7 @@ class EngineCore:
 
     def wake_up(self, timeout: float | None = None) -> None:
         """Wake a sleeping engine now (a request would too); loads it if it never was."""
-        _check_timeout(timeout)
+        check_timeout(timeout)
         self.start()
         self._wait_for(_Wake(threading.Event()), timeout)
 
@@ -208,20 +208,6 @@ class EngineCore:
         if command.error is not None:
             raise command.error
 
-    def attach(self) -> None:
-        """Count one more handle that keeps this engine running."""
-        with self._lock:
-            self._raise_if_stopped()
-            self._num_handles += 1
-
-    def detach(self) -> None:
-        """Release a handle; the last one closes the engine."""
-        with self._lock:
-            self._num_handles = max(0, self._num_handles - 1)
-            is_last = self._num_handles == 0
-        if is_last:
-            self.close()
-
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop the engine: pending requests raise :class:`EngineClosedError`; the thread is joined."""
         with self._lock:
@@ -237,21 +223,7 @@ class EngineCore:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: str | list[int] | ChatPrompt,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        timeout: float | None = None,
-        lora_request=None,
-    ) -> RequestStream:
-        """Queue a request; returns its stream at once. Invalid sampling parameters raise here,
-        invalid prompts when the stream is read. Raises :class:`EngineOverloadedError` when
-        ``max_waiting_requests`` sequences are already waiting."""
-        return self.add_requests([prompt], [sampling_params], [request_id], [priority], cache_salt, timeout,
-                                 lora_requests=[lora_request])[0]
+    # add_request(prompt, ...), add_requests with one prompt: CoreFront's
 
     def add_requests(
         self,
@@ -265,19 +237,9 @@ class EngineCore:
     ) -> list[RequestStream]:
         """Queue several requests as one: the engine admits all of them before its next step, or,
         if one prompt is invalid, none (every stream then raises that prompt's error)."""
-        count = len(prompts)
-        request_ids = list(request_ids) if request_ids is not None else [None] * count
-        priorities = list(priorities) if priorities is not None else [0] * count
-        if not (len(sampling_params) == len(request_ids) == len(priorities) == count):
-            raise ValueError(f"add_requests got {count} prompts but {len(sampling_params)} sampling_params, "
-                             f"{len(request_ids)} request_ids and {len(priorities)} priorities")
-        _check_timeout(timeout)
-        lora_requests = list(lora_requests) if lora_requests is not None else [None] * count
-        if len(lora_requests) != count:
-            raise ValueError(f"add_requests got {count} prompts but {len(lora_requests)} lora_requests")
-        adds = [self._new_add(prompt, params, request_id, priority, cache_salt, timeout, lora)
-                for prompt, params, request_id, priority, lora in zip(prompts, sampling_params, request_ids,
-                                                                      priorities, lora_requests)]
+        checked = check_requests(prompts, sampling_params, request_ids, priorities, cache_salt, timeout,
+                                 lora_requests)
+        adds = [_AddRequest(self._make_stream(c.request_id, timeout), c) for c in checked]
         num_sequences = sum(add.input.sampling_params.n for add in adds)
         with self._lock:
             self._raise_if_stopped()
@@ -291,15 +253,6 @@ class EngineCore:
             self._has_work.notify()
             self._start_locked()
         return [add.stream for add in adds]
-
-    def _new_add(self, prompt, params, request_id, priority, cache_salt, timeout, lora_request=None) -> _AddRequest:
-        checked = request_input(prompt, params, request_id, priority, cache_salt, lora_request)
-        return _AddRequest(self._make_stream(checked.request_id, timeout), checked)
-
-    def _make_stream(self, request_id: str, timeout: float | None) -> RequestStream:
-        """The stream a request's outputs go to (a child-process core sends them over its pipe instead)."""
-        return RequestStream(request_id, timeout, abort=self._abort_stream, is_engine_alive=self._is_thread_alive,
-                             model=str(self.config.model))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) before the next step; unknown or finished ids are ignored."""
@@ -329,12 +282,6 @@ class EngineCore:
             self._commands.append(command)
             self._has_work.notify()
 
-    def _raise_if_stopped(self) -> None:
-        if self._stop_error is not None:
-            raise _error_like(self._stop_error)
-        if self._is_closing:
-            raise EngineClosedError("the engine was closed")
-
     def _start_locked(self) -> None:
         if self._thread is None:
             name = f"hearth-engine-{os.path.basename(str(self.config.model))}"
@@ -343,6 +290,9 @@ class EngineCore:
 
     def _is_thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def _is_serving(self) -> bool:  # what a request's stream asks before it waits on
+        return self._is_thread_alive()
 
     # ---- the engine thread -----------------------------------------------------------------
 
@@ -555,11 +505,11 @@ class EngineCore:
         streams += [add.stream for command in commands if isinstance(command, _AddRequests) for add in command.adds]
         self._streams.clear()
         for stream in streams:
-            stream.put(_error_like(error))
+            stream.put(error_like(error))
         waiters = [c for c in commands + self._pending_sleeps if isinstance(c, (_Sleep, _Wake)) and c.done]
         self._pending_sleeps = []
         for waiter in waiters:
-            waiter.error = _error_like(error)
+            waiter.error = error_like(error)
             waiter.done.set()
         self._engine = None  # let the weights and the KV cache go
         with self._step_lock:  # not while another engine's load is shrinking this one
@@ -586,16 +536,6 @@ def _copy_error(error: BaseException) -> BaseException:
     return copy
 
 
-def _error_like(error: EngineDeadError) -> EngineDeadError:
-    """A fresh copy per raise site, so tracebacks do not pile up on one shared instance."""
-    copy = type(error)(*error.args)
-    copy.__cause__ = error.__cause__
-    return copy
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-            or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+# the names this module had before they moved to .core_front
+_error_like = error_like
+_check_timeout = check_timeout
