@@ -534,8 +534,3 @@ def _copy_error(error: BaseException) -> BaseException:
         copy = RuntimeError(str(error))
     copy.__cause__ = error
     return copy
-
-
-# the names this module had before they moved to .core_front
-_error_like = error_like
-_check_timeout = check_timeout

@@ -27,17 +27,14 @@ import itertools
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from multiprocessing import connection
 
 from ..config import EngineConfig, parse_seconds
-from ..engine_core import _check_timeout, _error_like
+from ..core_front import CoreFront, check_requests, check_timeout, deliver, error_like, is_last_item
 from ..errors import EngineClosedError, EngineDeadError
 from ..executor.multiproc import _main_module_hidden, _process_context
-from ..input_processor import request_input
 from ..memory.sleep import check_sleep_level
-from ..outputs import StreamOutput
 from ..streams import RequestStream
 from .child import core_process_main
 from .messages import (AbortRequest, AddRequests, Call, Close, CloseStream, EngineView, Output, Reply, Started,
@@ -57,7 +54,7 @@ class _PendingCall:
     error: BaseException | None = None
 
 
-class ProcessEngineCore:
+class ProcessEngineCore(CoreFront):
     """One model's engine in a child process, behind :class:`EngineCore`'s methods: ``get_engine``
     returns one for ``engine_core="process"``; handles use it as they use the in-thread core.
 
@@ -142,7 +139,7 @@ class ProcessEngineCore:
     def sleep(self, level: int = 1, timeout: float | None = None) -> None:
         """As :meth:`EngineCore.sleep`, in the child."""
         check_sleep_level(level)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         with self._lock:
             self._raise_if_stopped()
             if self._process is None:
@@ -151,7 +148,7 @@ class ProcessEngineCore:
         self._call("sleep", (level, timeout))
 
     def wake_up(self, timeout: float | None = None) -> None:
-        _check_timeout(timeout)
+        check_timeout(timeout)
         self.wait_until_started()
         self._call("wake_up", (timeout,))
 
@@ -166,18 +163,6 @@ class ProcessEngineCore:
                                       sleep_level=self.config.sleep_level if sleep_level is None else sleep_level)
                 return
         self._call("set_keep_alive", (seconds, sleep_level))
-
-    def attach(self) -> None:
-        with self._lock:
-            self._raise_if_stopped()
-            self._num_handles += 1
-
-    def detach(self) -> None:
-        with self._lock:
-            self._num_handles = max(0, self._num_handles - 1)
-            is_last = self._num_handles == 0
-        if is_last:
-            self.close()
 
     def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
         """Stop the engine process: pending requests raise :class:`EngineClosedError`; it is reaped."""
@@ -199,27 +184,11 @@ class ProcessEngineCore:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def add_request(self, prompt, sampling_params=None, request_id=None, priority: int = 0, cache_salt=None,
-                    timeout: float | None = None, lora_request=None) -> RequestStream:
-        """As :meth:`EngineCore.add_request`."""
-        return self.add_requests([prompt], [sampling_params], [request_id], [priority], cache_salt, timeout,
-                                 lora_requests=[lora_request])[0]
-
     def add_requests(self, prompts, sampling_params, request_ids=None, priorities=None, cache_salt=None,
                      timeout: float | None = None, lora_requests=None) -> list[RequestStream]:
         """As :meth:`EngineCore.add_requests`: checked here, queued in the child as one batch."""
-        count = len(prompts)
-        request_ids = list(request_ids) if request_ids is not None else [None] * count
-        priorities = list(priorities) if priorities is not None else [0] * count
-        lora_requests = list(lora_requests) if lora_requests is not None else [None] * count
-        if not (len(sampling_params) == len(request_ids) == len(priorities) == len(lora_requests) == count):
-            raise ValueError(f"add_requests got {count} prompts but {len(sampling_params)} sampling_params, "
-                             f"{len(request_ids)} request_ids, {len(priorities)} priorities and "
-                             f"{len(lora_requests)} lora_requests")
-        _check_timeout(timeout)
-        checked = [request_input(prompt, params, request_id, priority, cache_salt, lora)
-                   for prompt, params, request_id, priority, lora in zip(prompts, sampling_params, request_ids,
-                                                                         priorities, lora_requests)]
+        checked = check_requests(prompts, sampling_params, request_ids, priorities, cache_salt, timeout,
+                                 lora_requests)
         self.start()
         streams = {stream.stream_id: stream for stream in (self._new_stream(c.request_id, timeout) for c in checked)}
         with self._lock:
@@ -238,8 +207,7 @@ class ProcessEngineCore:
         return list(streams.values())
 
     def _new_stream(self, request_id: str, timeout: float | None) -> RequestStream:
-        stream = RequestStream(request_id, timeout, abort=self._close_stream, is_engine_alive=self._is_alive,
-                               model=str(self.config.model))
+        stream = self._make_stream(request_id, timeout)
         stream.stream_id = next(self._ids)  # the child's name for it
         return stream
 
@@ -296,19 +264,13 @@ class ProcessEngineCore:
             raise pending.error
         return pending.value
 
-    def _close_stream(self, stream: RequestStream) -> None:
+    def _abort_stream(self, stream: RequestStream) -> None:
         stream_id = getattr(stream, "stream_id", None)
         if stream_id is not None and not self.is_stopped:
             self._send(CloseStream(stream_id))
 
-    def _is_alive(self) -> bool:
+    def _is_serving(self) -> bool:
         return self._process is not None and self._process.is_alive() and self._stop_error is None
-
-    def _raise_if_stopped(self) -> None:
-        if self._stop_error is not None:
-            raise _error_like(self._stop_error)
-        if self._is_closing:
-            raise EngineClosedError("the engine was closed")
 
     # ---- the reader thread -------------------------------------------------------------------
 
@@ -355,11 +317,10 @@ class ProcessEngineCore:
             self._started.set()
 
     def _deliver(self, stream_id: int, item) -> None:
-        is_last = isinstance(item, BaseException) or (isinstance(item, StreamOutput) and item.finished)
         with self._lock:
-            stream = self._streams.pop(stream_id, None) if is_last else self._streams.get(stream_id)
-        if stream is not None and not stream.put(item) and not is_last:
-            self._close_stream(stream)  # its reader's event loop is gone
+            stream = self._streams.pop(stream_id, None) if is_last_item(item) else self._streams.get(stream_id)
+        if stream is not None:
+            deliver(stream, item, self._abort_stream)
 
     def _stop(self, error: EngineDeadError) -> None:
         """Fail every pending request and call with ``error``; later calls raise it too."""
@@ -369,9 +330,9 @@ class ProcessEngineCore:
             streams, self._streams = list(self._streams.values()), {}
             calls, self._calls = list(self._calls.values()), {}
         for stream in streams:
-            stream.put(_error_like(error))
+            stream.put(error_like(error))
         for pending in calls:
-            pending.error = _error_like(error)
+            pending.error = error_like(error)
             pending.done.set()
         self._started.set()
         if self._on_stop is not None:
