@@ -34,8 +34,10 @@ import torch
 from torch import nn
 
 from ..distributed import check_tensor_parallel
+from ..distributed.quantized_split import check_quantized_split, refuse_unsplit_quantization
 from ..errors import EngineDeadError
 from ..models import model_class_for
+from ..models.quant import check_quantization
 from .step_message import step_message
 from .worker import CaptureGraphs, RunStep, Shutdown, WorkerSpec, worker_main
 
@@ -66,9 +68,13 @@ class MultiprocExecutor:
         _refuse_unsplit_settings(config, checkpoint, size)
         model_class = model_class_for(checkpoint.config)
         self.arch = model_class.arch_from_hf_config(checkpoint.config)
+        refuse_unsplit_quantization(config.quantization, checkpoint.config, size)
+        plan = check_quantization(config.quantization, checkpoint.config, checkpoint.weight_formats,
+                                  checkpoint.weight_shapes(), config.torch_device)
         with torch.device("meta"):
             meta_model = model_class(self.arch)
         check_tensor_parallel(self.arch, meta_model, size)  # before any process starts
+        check_quantized_split(meta_model, plan, size)
         self.model = _DriverModel(meta_model)
         self.device, self.dtype, self.block_size = config.torch_device, config.torch_dtype, config.block_size
         self.size = size
@@ -139,17 +145,19 @@ class MultiprocExecutor:
             status, payload = worker.conn.recv()
         except (EOFError, OSError):
             self._die(f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) died during {what}")
+        if status == "refused":  # a ValueError while loading (a setting this split cannot take): say it as one
+            self._die(f"tensor-parallel rank {worker.rank}: {payload}", ValueError)
         if status == "error":
             self._die(f"tensor-parallel rank {worker.rank} failed during {what}:\n{payload}")
         return payload
 
-    def _die(self, reason: str):
+    def _die(self, reason: str, error_type: type[Exception] = EngineDeadError):
         self.is_dead = True
         for worker in self._workers:  # at once: the survivors may be stuck in a collective
             if worker.process.is_alive():
                 worker.process.kill()
         self.close()
-        raise EngineDeadError(reason)
+        raise error_type(reason)
 
 
 class _DriverModel(nn.Module):
@@ -167,9 +175,6 @@ def _refuse_unsplit_settings(config, checkpoint, size: int) -> None:
                          "to reach the workers)")
     if config.enable_lora:
         raise ValueError(f"tensor_parallel_size={size} cannot be combined with enable_lora=True yet")
-    if config.quantization is not None or checkpoint.weight_formats:
-        what = f"quantization={config.quantization!r}" if config.quantization else "a quantized checkpoint"
-        raise ValueError(f"tensor_parallel_size={size} supports unquantized checkpoints only; got {what}")
     if getattr(checkpoint, "_state_dict", None) is not None:
         # each worker streams its shards from config.model; weights built in memory cannot reach it
         raise ValueError(f"tensor_parallel_size={size} needs a checkpoint on disk (model=...), not weights in memory")
@@ -183,7 +188,8 @@ def _worker_spec(config, size: int) -> WorkerSpec:
     return WorkerSpec(model=config.model, dtype=config.torch_dtype, device=str(config.torch_device),
                       block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
                       max_num_batched_tokens=config.max_num_batched_tokens, allow_pickle=config.allow_pickle,
-                      trust_remote_code=config.trust_remote_code, num_threads=max(1, config.num_threads // size))
+                      trust_remote_code=config.trust_remote_code, num_threads=max(1, config.num_threads // size),
+                      quantization=config.quantization)
 
 
 def _start_workers(spec: WorkerSpec, size: int, init_method: str, backend: str) -> list[_Worker]:

@@ -33,6 +33,7 @@ class WorkerSpec:
     allow_pickle: bool
     trust_remote_code: bool
     num_threads: int
+    quantization: str | None = None
 
     def device_for(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -63,6 +64,9 @@ def worker_main(rank: int, size: int, init_method: str, backend: str, spec: Work
     try:
         runner = _load(rank, size, init_method, backend, spec)
         conn.send(("ok", (runner.num_blocks, runner.bytes_per_block, weights_bytes(runner.model))))
+    except ValueError as error:  # a refusal (a layer this split cannot cut): the driver raises it as one
+        _send_quietly(conn, ("refused", str(error)))
+        return
     except BaseException:  # noqa: BLE001 - the driver reports it
         _send_quietly(conn, ("error", traceback.format_exc()))
         return
@@ -81,7 +85,8 @@ def _load(rank: int, size: int, init_method: str, backend: str, spec: WorkerSpec
         torch.cuda.set_device(device)
     parallel = init_tensor_parallel(rank, size, init_method, backend)
     checkpoint = load_checkpoint(spec.model, spec.dtype, allow_pickle=spec.allow_pickle,
-                                 trust_remote_code=spec.trust_remote_code, progress=False)
+                                 trust_remote_code=spec.trust_remote_code, progress=False,
+                                 quantization=spec.quantization)
     return ModelRunner(checkpoint, device, spec.dtype, spec.block_size, spec.kv_cache_memory,
                        max_num_batched_tokens=spec.max_num_batched_tokens, parallel=parallel)
 

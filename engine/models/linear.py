@@ -350,6 +350,8 @@ def configure_linears(model: nn.Module, choose_method: Callable[[str, LinearBase
     >>> configure_linears(model, lambda name, layer: Int4Method() if name.endswith("mlp.down_proj") else None)
     """
     for name, layer in linear_layers(model):
+        if parallel is not None:  # first: a method's supports(layer) judges this rank's sizes
+            layer.configure(parallel=parallel)
         method = choose_method(name, layer) if choose_method is not None else None
-        if method is not None or parallel is not None:
-            layer.configure(method, parallel)
+        if method is not None:
+            layer.configure(method)

@@ -1,0 +1,182 @@
+"""Tensor parallelism with quantized weights on the CPU (two gloo ranks, fp32 activations).
+
+* A tiny Llama GGUF holding all eight llama.cpp block types: TP=2 run from its blocks
+  (``quantization="gguf"``) and TP=2 dequantized at load give the greedy tokens (and close
+  log-probabilities) of TP=1, each rank holding half the blocks. Row-parallel layers are split
+  on block boundaries; a boundary inside a K-quant super-block is refused by layer name.
+* AWQ and GPTQ checkpoints (W4G128 blocks, split on 128-groups) token-equal to HF on the
+  dequantized model.
+* FP8 and GPTQ act-order are refused by name before any worker starts.
+"""
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from hearth_llm.engine import LLM, SamplingParams
+from hearth_llm.engine.memory.weights import weights_bytes
+from hearth_llm.kernels.quant import gguf_reference
+
+from conftest import TINY_COMMON, TINY_VOCAB, hf_greedy, random_prompts
+from gguf_writer import write_shape_fields, write_tiny_tokenizer
+from model_equality import save_tiny_model
+from test_quant_awq_gptq import AWQ_CONFIG, GPTQ_CONFIG, LINEARS, awq_pack, dequantized, gptq_pack, quantize_groups
+from test_quant_gguf import random_blocks
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+CPU = dict(device="cpu", dtype="float32", show_progress=False)
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+GGUF_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# (q, k, v, o, gate, up, down) per layer: all eight types; row-parallel o (128 columns per rank) in
+# 32-value blocks, down (256 per rank) also in a K-quant; layer 0's qkv mixes Q4_K and Q6_K.
+SPLITTABLE = [("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_K"),
+              ("Q5_0", "Q5_0", "Q5_1", "Q4_1", "Q6_K", "Q6_K", "Q6_K")]
+# o_proj in Q5_K: 128 columns per rank is half a 256-value super-block.
+CUT_INSIDE_A_BLOCK = [("Q4_K", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "Q4_1", "Q8_0")] * 2
+
+
+def _shape(name: str) -> tuple[int, int]:
+    kv_rows = KV_HEADS * HIDDEN // HEADS
+    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv_rows, HIDDEN), "attn_v": (kv_rows, HIDDEN),
+            "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN),
+            "ffn_down": (HIDDEN, INTERMEDIATE)}[name]
+
+
+def _blocks(quant_type: str, shape, seed: int) -> np.ndarray:
+    if quant_type.endswith("_K"):  # gguf-py has no K-quant quantizer: hand-built blocks
+        scale = {"Q4_K": 4e-4, "Q5_K": 2e-4, "Q6_K": 1e-4}[quant_type]
+        return random_blocks(quant_type, *shape, seed=seed, scale=scale).numpy()
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.15
+    return gguf_reference.quantize(weight, quant_type).numpy()
+
+
+def write_gguf(path, layer_types) -> str:
+    writer = gguf.GGUFWriter(path, "llama")
+    write_shape_fields(writer, dict(max_position_embeddings=256, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                    num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                    num_key_value_heads=KV_HEADS, vocab_size=TINY_VOCAB))
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    write_tiny_tokenizer(writer)
+    generator = torch.Generator().manual_seed(0)
+    writer.add_tensor("token_embd.weight", torch.randn(TINY_VOCAB, HIDDEN, generator=generator).numpy())
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.add_tensor("output.weight", _blocks("Q8_0", (TINY_VOCAB, HIDDEN), seed=99),
+                      raw_dtype=GGMLQuantizationType.Q8_0)
+    for layer, types in enumerate(layer_types):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        for index, (name, quant_type) in enumerate(zip(GGUF_NAMES, types)):
+            writer.add_tensor(f"blk.{layer}.{name}.weight", _blocks(quant_type, _shape(name), seed=10 * layer + index),
+                              raw_dtype=GGMLQuantizationType[quant_type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+# Batches of >= 3 rows in every step: the CPU block kernels' tiled path, which cuts nothing by row
+# count (1-2 row steps take numba's GEMV, whose per-process JIT compile would cost ~15 s per rank here).
+PROMPTS = random_prompts(4, [5, 17, 1, 9], seed=21)
+
+
+def _run(path, **kwargs):
+    """Tokens, log-probs and each rank's weight bytes."""
+    with LLM(path, **CPU, **kwargs) as llm:
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        runner = llm.engine.runner
+        rank_bytes = getattr(runner, "rank_weights_bytes", None) or [weights_bytes(runner.model)]
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    logprobs = [[step[t].logprob for t, step in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+                for out in outputs]
+    return tokens, logprobs, rank_bytes
+
+
+@pytest.fixture(scope="module")
+def splittable_gguf(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("tp_gguf") / "splittable.gguf", SPLITTABLE)
+
+
+@pytest.mark.parametrize("quantization", ["gguf", None])  # kept as blocks / dequantized at load
+def test_tp2_gguf_equals_tp1_for_every_block_type(splittable_gguf, quantization):
+    tokens, logprobs, (single_bytes,) = _run(splittable_gguf, quantization=quantization)
+    tp_tokens, tp_logprobs, rank_bytes = _run(splittable_gguf, quantization=quantization, tensor_parallel_size=2)
+    assert tp_tokens == tokens
+    np.testing.assert_allclose(np.concatenate(tp_logprobs), np.concatenate(logprobs), atol=1e-4)
+    assert len(rank_bytes) == 2 and max(rank_bytes) < 0.6 * single_bytes  # each rank: half the blocks
+
+
+def test_a_rank_boundary_inside_a_k_quant_block_is_refused_by_layer_name(tmp_path):
+    path = write_gguf(tmp_path / "cut.gguf", CUT_INSIDE_A_BLOCK)
+    with pytest.raises(ValueError, match=r"'layers.0.self_attn.o_proj' inside its Q5_K blocks: each rank's 128 of "
+                                         r"its 256 input columns must be whole blocks of 256"):
+        LLM(path, **CPU, quantization="gguf", tensor_parallel_size=2)
+
+
+# --- AWQ / GPTQ ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def int4_dirs(tmp_path_factory):
+    """{"dense": the dequantized model, "awq": ..., "gptq": ...}: hidden 256, so each rank's o_proj
+    input (128) and down_proj input (256) are whole 128-groups."""
+    root = tmp_path_factory.mktemp("tp_int4")
+    config = LlamaConfig(**{**TINY_COMMON, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE},
+                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    source = save_tiny_model(config, root / "source", std=0.05)
+    tensors = load_file(source / "model.safetensors")
+    dense, packed = dict(tensors), {"awq": dict(tensors), "gptq": dict(tensors)}
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        prefix = name[:-len(".weight")]
+        parts = quantize_groups(tensors[name])
+        dense[name] = dequantized(*parts)
+        for method, pack in (("awq", awq_pack), ("gptq", gptq_pack)):
+            del packed[method][name]
+            packed[method].update({f"{prefix}.{part}": value for part, value in pack(*parts).items()})
+    dirs = {}
+    for method, method_tensors in [("dense", dense)] + list(packed.items()):
+        path = root / method
+        path.mkdir()
+        for file in source.iterdir():
+            if file.name != "model.safetensors":
+                (path / file.name).write_bytes(file.read_bytes())
+        save_file(method_tensors, path / "model.safetensors")
+        if method != "dense":
+            hf_config = json.loads((path / "config.json").read_text())
+            hf_config["quantization_config"] = AWQ_CONFIG if method == "awq" else GPTQ_CONFIG
+            (path / "config.json").write_text(json.dumps(hf_config))
+        dirs[method] = path
+    return dirs
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_tp2_int4_checkpoint_matches_hf_on_the_dequantized_model(int4_dirs, method):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(int4_dirs[method]), tensor_parallel_size=2, **CPU) as llm:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(int4_dirs["dense"], prompt, 8)
+
+
+def test_gptq_act_order_is_refused_by_name(int4_dirs, tmp_path):
+    path = tmp_path / "gptq_act_order"
+    path.mkdir()
+    for file in int4_dirs["gptq"].iterdir():
+        (path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"desc_act=True\) cannot be split"):
+        LLM(str(path), tensor_parallel_size=2, **CPU)
+
+
+def test_fp8_is_refused_by_name_on_any_machine(int4_dirs):
+    with pytest.raises(ValueError, match="quantization='fp8' cannot be combined with tensor_parallel_size=2"):
+        LLM(str(int4_dirs["dense"]), tensor_parallel_size=2, quantization="fp8", **CPU)
