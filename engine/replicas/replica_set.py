@@ -29,8 +29,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from ..config import EngineConfig
+from ..core_front import CoreFront, check_requests, deliver, is_last_item
 from ..errors import EngineClosedError, EngineDeadError, EngineOverloadedError
-from ..input_processor import BatchRejectedError, InputProcessor, RequestInput, request_input
+from ..input_processor import BatchRejectedError, InputProcessor, RequestInput
 from ..outputs import StreamOutput
 from ..streams import RequestStream
 from . import ray_cluster
@@ -70,7 +71,7 @@ class _Replica:
     pending: dict[str, _Pending] = field(default_factory=dict)
 
 
-class ReplicaSet:
+class ReplicaSet(CoreFront):
     """``options.replicas`` engines of one model, each a Ray actor; requests are routed by
     prefix-cache affinity with least-outstanding fallback (:mod:`.router`).
 
@@ -161,18 +162,6 @@ class ReplicaSet:
             pending = self._pending.get(str(request_id))
             return pending.route.replica if pending is not None and pending.route is not None else None
 
-    def attach(self) -> None:
-        with self._lock:
-            self._raise_if_stopped()
-            self._num_handles += 1
-
-    def detach(self) -> None:
-        with self._lock:
-            self._num_handles = max(0, self._num_handles - 1)
-            is_last = self._num_handles == 0
-        if is_last:
-            self.close()
-
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop every replica; pending requests raise :class:`EngineClosedError`."""
         with self._lock:
@@ -196,30 +185,11 @@ class ReplicaSet:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, prompt, sampling_params=None, request_id=None, priority: int = 0, cache_salt=None,
-                    timeout=None, lora_request=None) -> RequestStream:
-        """As :meth:`EngineCore.add_request`: the stream at once; invalid sampling parameters raise
-        here, invalid prompts when the stream is read."""
-        return self.add_requests([prompt], [sampling_params], [request_id], [priority], cache_salt, timeout,
-                                 lora_requests=[lora_request])[0]
-
     def add_requests(self, prompts, sampling_params, request_ids=None, priorities=None, cache_salt=None,
                      timeout=None, lora_requests=None) -> list[RequestStream]:
         """As :meth:`EngineCore.add_requests`: all prompts admitted, or (one invalid) none."""
-        count = len(prompts)
-        request_ids = list(request_ids) if request_ids is not None else [None] * count
-        priorities = list(priorities) if priorities is not None else [0] * count
-        lora_requests = list(lora_requests) if lora_requests is not None else [None] * count
-        if not (len(sampling_params) == len(request_ids) == len(priorities) == len(lora_requests) == count):
-            raise ValueError(f"add_requests got {count} prompts but {len(sampling_params)} sampling_params, "
-                             f"{len(request_ids)} request_ids, {len(priorities)} priorities and "
-                             f"{len(lora_requests)} lora_requests")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        inputs = [request_input(*args) for args in zip(prompts, sampling_params, request_ids, priorities,
-                                                      [cache_salt] * count, lora_requests)]
-        pendings = [_Pending(checked, self._new_stream(checked.request_id, timeout)) for checked in inputs]
+        inputs = check_requests(prompts, sampling_params, request_ids, priorities, cache_salt, timeout, lora_requests)
+        pendings = [_Pending(checked, self._make_stream(checked.request_id, timeout)) for checked in inputs]
         with self._lock:
             self._raise_if_stopped()
             self._check_overload(sum(p.input.sampling_params.n for p in pendings))
@@ -271,10 +241,6 @@ class ReplicaSet:
 
     # ---- caller side helpers -----------------------------------------------------------------
 
-    def _new_stream(self, request_id: str, timeout: float | None) -> RequestStream:
-        return RequestStream(request_id, timeout, abort=self._abort_stream, is_engine_alive=self._is_serving,
-                             model=str(self.config.model))
-
     def _check_overload(self, num_sequences: int) -> None:
         # Each replica bounds its own waiting queue; this bound keeps the driver's backlog (requests
         # not yet answered) within the same total before anything crosses the network.
@@ -313,14 +279,6 @@ class ReplicaSet:
 
     def _is_serving(self) -> bool:
         return not self.is_stopped and self._loop_thread is not None and self._loop_thread.is_alive()
-
-    def _raise_if_stopped(self) -> None:
-        if self._stop_error is not None:
-            copy = type(self._stop_error)(*self._stop_error.args)
-            copy.__cause__ = self._stop_error.__cause__
-            raise copy
-        if self._is_closing:
-            raise EngineClosedError("the engine was closed")
 
     def _start_locked(self) -> None:
         if self._loop is not None:
@@ -477,15 +435,14 @@ class ReplicaSet:
         pending = replica.pending.get(request_id)
         if pending is None:
             return  # finished already (its abort's last output, after an error)
-        is_last = isinstance(item, BaseException) or item.finished
-        if is_last:
+        if is_last_item(item):
             self._finish(pending, item)
             if isinstance(item, EngineDeadError) and not isinstance(item, EngineClosedError) and not self._is_closing:
                 # the engine loop inside the actor died, the actor lives on: end the actor, so its
                 # other requests fail now and Ray restarts it (max_restarts) or it stays dead
                 ray_cluster.import_ray().kill(replica.handle.actor, no_restart=False)
-        elif not pending.stream.put(item):
-            self._abort_pending(pending)  # its reader's event loop is gone
+        else:
+            deliver(pending.stream, item, self._abort_stream)  # aborts it when its reader's event loop is gone
 
     def _finish(self, pending: _Pending, item) -> None:
         """The request's last output or error: forget it everywhere, then hand it over."""
