@@ -132,6 +132,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-overlap", action="store_true", help="run the LoRA shrink on the main stream (the default)")
     parser.add_argument("--overlap", action="store_true",
                         help="run the LoRA shrink on a side stream beside the base projection (not GPU-verified yet)")
+    parser.add_argument("--no-stack", action="store_true",
+                        help="a separate shrink kernel, not every slot's A stacked under the dense base weight")
     parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -139,6 +141,10 @@ def main(argv=None) -> None:
         from hearth_llm.engine.models.lora_linear import LoRAStep
 
         LoRAStep.overlaps_shrink = args.overlap and not args.no_overlap
+    if args.no_stack:
+        from hearth_llm.engine.models.lora_linear import LoRAStep
+
+        LoRAStep.stacks_shrink = False
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
 

@@ -288,7 +288,7 @@ for dtype in ("*fp32", "*bf16"):
               "BLOCK_K": 32 if fp32 else 64, "DOT_IN_FP32": fp32}),
             (k._expand_kernel, {"part_ptr": "*fp32", "b_ptr": dtype, "tiles_ptr": "*i32", "tokens_ptr": "*i32",
                                 "y_ptr": dtype, "slice_starts_ptr": "*i32"},
-             ["N", "R", "stride_ps", "stride_pt", "stride_bs", "stride_br", "stride_yt"],
+             ["N", "R", "stride_ps", "stride_pt", "stride_pslot", "stride_bs", "stride_br", "stride_yt"],
              {"NUM_SPLITS": 32 if one_block else 1, "SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 256 if one_block else 64,
               "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32}),
         ]
