@@ -109,7 +109,8 @@ def main(argv=None) -> None:
     paths = write_random_adapters(LLAMA3_8B, adapters_dir, 8, args.rank)
     results["adapter_write_s"] = round(time.perf_counter() - started, 1)
     # Keywords: newer vLLM moved lora_path before lora_int_id.
-    loras = [LoRARequest(lora_name=f"adapter{i}", lora_int_id=i + 1, lora_path=str(path)) for i, path in enumerate(paths)]
+    loras = [LoRARequest(lora_name=f"adapter{i}", lora_int_id=i + 1, lora_path=str(path))
+             for i, path in enumerate(paths)]
 
     started = time.perf_counter()
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
