@@ -17,11 +17,11 @@ import types
 from collections import deque
 from dataclasses import replace
 
+from ..core_front import is_last_item
 from ..engine_core import EngineCore
 from ..errors import EngineDeadError
 from ..outputs import StreamOutput
-from .messages import (AbortRequest, AddRequests, Call, Close, CloseStream, EngineView, Output, Reply, Started,
-                       StartFailed, Stopped)
+from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Reply, Started, Stopped
 
 # Calls that wait for the engine (sleep finishes the running requests first): each gets a thread,
 # so aborts and adds keep flowing meanwhile.
@@ -40,7 +40,7 @@ class _Link:
         """False when the parent is gone. Exceptions are checked to come back out of pickle whole."""
         if isinstance(message, Output) and isinstance(message.item, BaseException):
             message = Output(message.stream_id, picklable_error(message.item))
-        elif isinstance(message, (Reply, StartFailed, Stopped)) and getattr(message, "error", None) is not None:
+        elif isinstance(message, (Reply, Started, Stopped)) and message.error is not None:
             message.error = picklable_error(message.error)
         try:
             with self._lock:
@@ -72,7 +72,7 @@ class _PipeStream:
         self._on_done = on_done
 
     def put(self, item: StreamOutput | BaseException) -> bool:
-        if isinstance(item, BaseException) or item.finished:
+        if is_last_item(item):
             self._on_done(self)
         return self._link.send(Output(self.stream_id, item))
 
@@ -146,7 +146,7 @@ def _report_start(core: ChildEngineCore, link: _Link) -> None:
     try:
         core.wait_until_started()
     except BaseException as error:  # noqa: BLE001 - the parent's wait_until_started raises it
-        link.send(StartFailed(error))
+        link.send(Started(error=error))
         return
     try:
         engine = core.engine
@@ -155,8 +155,8 @@ def _report_start(core: ChildEngineCore, link: _Link) -> None:
                           eos_token_ids=frozenset(engine.eos_token_ids), dtype=engine.runner.dtype, pid=os.getpid())
         pickle.dumps(view)
     except Exception as error:  # noqa: BLE001 - say so rather than leave the parent waiting
-        link.send(StartFailed(RuntimeError(f"the engine process could not describe its engine: "
-                                           f"{type(error).__name__}: {error}")))
+        link.send(Started(error=RuntimeError(f"the engine process could not describe its engine: "
+                                             f"{type(error).__name__}: {error}")))
         core.close()
         return
     link.send(Started(view, core.model_info, core.stats()))
@@ -174,10 +174,11 @@ def _picklable_config(hf_config):
 def _handle(core: ChildEngineCore, link: _Link, message) -> None:
     if isinstance(message, AddRequests):
         _answer(link, message.call_id, lambda: core.add_for_parent(message))
-    elif isinstance(message, AbortRequest):
-        core.abort(message.request_id)
-    elif isinstance(message, CloseStream):
-        core.close_stream(message.stream_id)
+    elif isinstance(message, Abort):
+        if message.stream_id is None:
+            core.abort(message.request_id)
+        else:
+            core.close_stream(message.stream_id)
     elif isinstance(message, Call) and message.method in _CALLS:
         run = (lambda: core.is_sleeping) if message.method == "is_sleeping" else \
             (lambda: getattr(core, message.method)(*message.args))

@@ -37,8 +37,7 @@ from ..executor.multiproc import _main_module_hidden, _process_context
 from ..memory.sleep import check_sleep_level
 from ..streams import RequestStream
 from .child import core_process_main
-from .messages import (AbortRequest, AddRequests, Call, Close, CloseStream, EngineView, Output, Reply, Started,
-                       StartFailed, Stopped)
+from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Reply, Started, Stopped
 
 logger = logging.getLogger("hearth_llm")
 
@@ -214,7 +213,7 @@ class ProcessEngineCore(CoreFront):
     def abort(self, request_id: str) -> None:
         """Abort a request (all its samples) before the child's next step; unknown ids are ignored."""
         if self._process is not None and not self.is_stopped:
-            self._send(AbortRequest(str(request_id)))
+            self._send(Abort(request_id=str(request_id)))
 
     def stats(self) -> dict:
         """The child engine's counters (as :meth:`EngineCore.stats`); the last ones seen once it stopped."""
@@ -267,7 +266,7 @@ class ProcessEngineCore(CoreFront):
     def _abort_stream(self, stream: RequestStream) -> None:
         stream_id = getattr(stream, "stream_id", None)
         if stream_id is not None and not self.is_stopped:
-            self._send(CloseStream(stream_id))
+            self._send(Abort(stream_id=stream_id))
 
     def _is_serving(self) -> bool:
         return self._process is not None and self._process.is_alive() and self._stop_error is None
@@ -310,10 +309,10 @@ class ProcessEngineCore(CoreFront):
                 pending.value, pending.error = message.value, message.error
                 pending.done.set()
         elif isinstance(message, Started):
-            self._view, self._model_info, self._stats = message.view, message.model_info, message.stats
-            self._started.set()
-        elif isinstance(message, StartFailed):
-            self._startup_error = message.error
+            if message.error is not None:
+                self._startup_error = message.error
+            else:
+                self._view, self._model_info, self._stats = message.view, message.model_info, message.stats
             self._started.set()
 
     def _deliver(self, stream_id: int, item) -> None:

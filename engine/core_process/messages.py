@@ -1,8 +1,8 @@
 """What the parent and the child-process engine core say to each other over their pipe.
 
-Parent → child: :class:`AddRequests`, :class:`AbortRequest`, :class:`CloseStream`, :class:`Call`,
-:class:`Close`. Child → parent: :class:`Started` (or :class:`StartFailed`), one :class:`Output` per
-stream item, a :class:`Reply` per call, and :class:`Stopped` when its engine stops. Every message
+Parent → child: :class:`AddRequests`, :class:`Abort`, :class:`Call`, :class:`Close`. Child →
+parent: :class:`Started` (loaded, or the load's error), one :class:`Output` per stream item, a
+:class:`Reply` per call, and :class:`Stopped` when its engine stops. Every message
 is a small picklable dataclass; token outputs are the engine's own ``StreamOutput`` objects.
 """
 from __future__ import annotations
@@ -31,15 +31,12 @@ class AddRequests:
 
 
 @dataclass(slots=True)
-class AbortRequest:
-    request_id: str
+class Abort:
+    """Abort a request by its id (``LLM.abort``), or the request of the parent's stream
+    ``stream_id`` (its reader stopped early) if that stream still owns it."""
 
-
-@dataclass(slots=True)
-class CloseStream:
-    """The parent's reader stopped early: abort the request if this stream still owns it."""
-
-    stream_id: int
+    request_id: str | None = None
+    stream_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -79,14 +76,12 @@ class EngineView:
 
 @dataclass(slots=True)
 class Started:
-    view: EngineView
-    model_info: ModelInfo
-    stats: dict
+    """The child's engine has loaded (its view, model facts and first counters), or failed to (``error``)."""
 
-
-@dataclass(slots=True)
-class StartFailed:
-    error: BaseException
+    view: EngineView | None = None
+    model_info: ModelInfo | None = None
+    stats: dict | None = None
+    error: BaseException | None = None
 
 
 @dataclass(slots=True)
