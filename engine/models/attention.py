@@ -81,10 +81,13 @@ class Attention(nn.Module):
         return self._kv_scales
 
     def forward(self, positions, hidden, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        num_tokens = hidden.shape[0]
+        return self.attend(positions, self.qkv_proj(hidden), kv_cache, meta)
+
+    def attend(self, positions, qkv, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        """The layer from its projected ``qkv`` on (a caller may have fused the projection with the norm before it)."""
+        num_tokens = qkv.shape[0]
         qkv_proj, rotary = self.qkv_proj, self.rotary  # each a module lookup: once per step
         num_heads, num_kv_heads = qkv_proj.num_heads_per_rank, qkv_proj.num_kv_heads_per_rank
-        qkv = qkv_proj(hidden)
         key_cache, value_cache = kv_cache
         has_qk_norm = self.q_norm is not None
         kv_scales = self.kv_scales_for(key_cache)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from . import fused_decode
 from .arch import ArchConfig
 from .attention import Attention, AttentionMetadata
 from .cpu_weights import cpu_logits_head
@@ -73,6 +74,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
+        if hidden.shape[0] <= fused_decode.MAX_ROWS and hidden.device.type in fused_decode.DEVICE_TYPES \
+                and self._fuses_decode:
+            return self._fused_decode_forward(positions, hidden, residual, kv_cache, meta)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -81,6 +85,22 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    @property
+    def _fuses_decode(self) -> bool:
+        """Whether this is the plain layer :mod:`.fused_decode` knows (subclasses may swap parts)."""
+        return (type(self.self_attn) is Attention and type(self.mlp) is GatedMLP
+                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm)
+
+    def _fused_decode_forward(self, positions, hidden, residual, kv_cache, meta):
+        """The same layer with each norm inside the matmul after it and SwiGLU inside ``down_proj``
+        (on CUDA, for a dense weight; else the unfused ops: see :mod:`.fused_decode`)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = fused_decode.norm_and_linear(self.input_layernorm, hidden, residual, attn.qkv_proj)
+        hidden = attn.attend(positions, qkv, kv_cache, meta)
+        gate_up, residual = fused_decode.norm_and_linear(self.post_attention_layernorm, hidden, residual,
+                                                         mlp.gate_up_proj)
+        return fused_decode.act_and_down(mlp, gate_up), residual
 
 
 class DecoderModel(nn.Module):

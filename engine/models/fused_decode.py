@@ -1,0 +1,65 @@
+"""Batch-size-1 decode on CUDA: the RMSNorm before a projection and the SwiGLU before ``down_proj``
+run inside the matmul (``kernels/gemv``), three launches fewer per layer.
+
+A one-row step reads every weight once and is otherwise bound by its ~10 launches a layer; a
+Triton GEMV that recomputes the norm (or the activation) of its one row in every program replaces
+two kernels by one. It applies only where the result is the unfused one's: a dense weight
+(``DENSE`` method, so no quantization and no LoRA wrapper), no bias, a single process, CUDA
+tensors, at most :data:`MAX_ROWS` rows. Everything else takes the unfused ops, which are also
+the reference (``kernels/gemv/reference.py``).
+
+>>> qkv, residual = norm_and_linear(layer.input_layernorm, hidden, residual, layer.self_attn.qkv_proj)
+>>> out = act_and_down(layer.mlp, gate_up)
+"""
+from __future__ import annotations
+
+import torch
+
+from hearth_llm import kernels
+from hearth_llm.kernels.lazy_triton import triton_module
+
+from .linear_method import DENSE
+
+# Rows a fused matmul takes; more rows go to the unfused ops (cuBLAS reads the weight once for all).
+MAX_ROWS = 1
+# Off: every step takes the unfused ops (benchmarks A/B it; graphs captured after a change follow it).
+ENABLED = True
+# Devices whose tensors take the fused kernels; tests add "cpu" to run them in the Triton interpreter.
+DEVICE_TYPES = frozenset({"cuda"})
+
+
+def _gemv():
+    return triton_module("hearth_llm.kernels.gemv")
+
+
+def dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """The weight a fused kernel may multiply ``x`` by, or None where the unfused path must run."""
+    if not (ENABLED and x.device.type in DEVICE_TYPES and x.dim() == 2 and x.shape[0] <= MAX_ROWS):
+        return None
+    if layer.method is not DENSE or layer.bias is not None or layer.parallel.size != 1:
+        return None
+    weight = getattr(layer, "weight", None)
+    if weight is None or weight.device != x.device or weight.dtype != x.dtype or _gemv() is None:
+        return None
+    return weight
+
+
+def norm_and_linear(norm, x: torch.Tensor, residual: torch.Tensor | None, layer):
+    """``(layer(norm(x + residual)), x + residual)``; ``norm`` an RMSNorm (LayerNorms run unfused)."""
+    from .norms import RMSNorm
+
+    weight = dense_weight(layer, x) if type(norm) is RMSNorm else None
+    if weight is not None:
+        return _gemv().rms_norm_linear(x, residual, norm.weight, norm.eps, weight)
+    if residual is None:
+        return layer(norm(x)), x
+    normed, residual = norm(x, residual)
+    return layer(normed), residual
+
+
+def act_and_down(mlp, gate_up: torch.Tensor) -> torch.Tensor:
+    """``mlp.down_proj(mlp.act_and_mul(gate_up))`` for a GatedMLP; SwiGLU fused into the matmul."""
+    weight = dense_weight(mlp.down_proj, gate_up) if mlp.act_and_mul is kernels.silu_and_mul else None
+    if weight is not None:
+        return _gemv().silu_and_mul_linear(gate_up, weight)
+    return mlp.down_proj(mlp.act_and_mul(gate_up))

@@ -1,0 +1,175 @@
+"""Triton: ``x @ W.T`` for a few rows, with RMSNorm(x + residual) or SwiGLU(x) computed on the way
+in; see ``reference.py``.
+
+One program computes ``BLOCK_N`` outputs of one row over all of K: it walks K in ``BLOCK_K``
+chunks, each a ``[BLOCK_N, BLOCK_K]`` tile of W (contiguous along K, so 16-byte loads) times the
+row's chunk, summed across K only once at the end. The row's inputs are recomputed by every
+program (a few KiB from L2), so the norm or the activation needs no launch of its own. Every
+program reads its whole W tile once per row: meant for 1 to a few rows, where the matmul is a
+weight read (batch-size-1 decode). All arithmetic is fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# PROLOGUE values: what the row is before it multiplies W.
+PLAIN = 0       # x itself
+RMS_NORM = 1    # RMSNorm(x + residual) * norm_weight, rounded as kernels.rms_norm stores it
+SILU_AND_MUL = 2  # silu(x[:K]) * x[K:2K], rounded as kernels.silu_and_mul stores it
+
+
+@dataclass(frozen=True, slots=True)
+class GemvLaunch:
+    """Tile of one program (``block_n`` outputs, K walked ``block_k`` at a time) and its warps."""
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+
+
+def default_launch(num_outputs: int, reduction: int) -> GemvLaunch:
+    """The launch for an ``[num_outputs, reduction]`` weight (H200 sweep, bf16; see GPUKERN round 1):
+    enough programs to cover the SMs a few times over, each tile a few KiB."""
+    block_n = 4 if num_outputs <= 2048 else 8 if num_outputs <= 8192 else 16
+    return GemvLaunch(block_n=block_n, block_k=min(1024, triton.next_power_of_2(reduction)), num_warps=4)
+
+
+@triton.jit
+def _row_chunk(x_row_ptr, residual_row_ptr, norm_weight_ptr, summed_row_ptr, cols, col_mask, reduction,
+               inverse_rms, is_summed_writer,
+               PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_SUMMED: tl.constexpr):
+    """Columns ``cols`` of the row W multiplies, in fp32 (``inverse_rms`` used by RMS_NORM only)."""
+    storage = x_row_ptr.dtype.element_ty
+    if PROLOGUE == 2:
+        gate = tl.load(x_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row_ptr + reduction + cols, mask=col_mask, other=0.0).to(tl.float32)
+        row = (gate * tl.sigmoid(gate) * up).to(storage).to(tl.float32)
+    else:
+        row = tl.load(x_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            summed = (row + residual).to(storage)
+            if STORE_SUMMED:
+                tl.store(summed_row_ptr + cols, summed, mask=col_mask & (tl.zeros_like(cols) + is_summed_writer != 0))
+            row = summed.to(tl.float32)
+        if PROLOGUE == 1:
+            norm_weight = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            row = ((row * inverse_rms).to(storage).to(tl.float32) * norm_weight).to(storage).to(tl.float32)
+    return row
+
+
+@triton.jit
+def _gemv_kernel(
+    out_ptr, summed_ptr, x_ptr, residual_ptr, norm_weight_ptr, weight_ptr,
+    num_outputs, reduction, eps,
+    x_stride_row, residual_stride_row, summed_stride_row, out_stride_row, weight_stride_row,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: outputs [pid * BLOCK_N, +BLOCK_N) of row ``program_id(1)``."""
+    block = tl.program_id(0)
+    row_index = tl.program_id(1).to(tl.int64)
+    x_row_ptr = x_ptr + row_index * x_stride_row
+    residual_row_ptr = residual_ptr + row_index * residual_stride_row
+    summed_row_ptr = summed_ptr + row_index * summed_stride_row
+    # One program per row writes the sum x + residual (the next residual stream).
+    is_summed_writer = (block == 0).to(tl.int32)
+    inverse_rms = 1.0
+    if PROLOGUE == 1:
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for start in range(0, reduction, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            row = _row_chunk(x_row_ptr, residual_row_ptr, norm_weight_ptr, summed_row_ptr, cols, cols < reduction,
+                             reduction, 1.0, False, PROLOGUE=0, HAS_RESIDUAL=HAS_RESIDUAL, STORE_SUMMED=False)
+            squares += row * row
+        inverse_rms = tl.rsqrt(tl.sum(squares, 0) / reduction + eps)
+    outputs = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_mask = outputs < num_outputs
+    weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_stride_row
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, reduction, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_mask = cols < reduction
+        row = _row_chunk(x_row_ptr, residual_row_ptr, norm_weight_ptr, summed_row_ptr, cols, col_mask, reduction,
+                         inverse_rms, is_summed_writer, PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL,
+                         STORE_SUMMED=True)
+        weight = tl.load(weight_rows + cols[None, :], mask=output_mask[:, None] & col_mask[None, :], other=0.0)
+        acc += weight.to(tl.float32) * row[None, :]
+    out = tl.sum(acc, 1)
+    tl.store(out_ptr + row_index * out_stride_row + outputs, out.to(out_ptr.dtype.element_ty), mask=output_mask)
+
+
+def _check_weight(weight: torch.Tensor, reduction: int, name: str) -> torch.Tensor:
+    if weight.dim() != 2 or weight.shape[1] != reduction:
+        raise ValueError(f"{name} must be [N, {reduction}], got {tuple(weight.shape)}")
+    return weight if weight.stride(-1) == 1 else weight.contiguous()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, K], got {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prologue, launch):
+    num_rows, num_outputs = out.shape
+    if num_rows == 0 or num_outputs == 0:
+        return
+    launch = launch or default_launch(num_outputs, reduction)
+    grid = (triton.cdiv(num_outputs, launch.block_n), num_rows)
+    _gemv_kernel[grid](
+        out, summed, x, residual, norm_weight, weight, num_outputs, reduction, eps,
+        x.stride(0), residual.stride(0), summed.stride(0), out.stride(0), weight.stride(0),
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not x, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        num_warps=launch.num_warps,
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``[rows, K]``; see ``reference.linear``."""
+    x = _rows(x)
+    weight = _check_weight(weight, x.shape[1], "weight")
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _launch(out, x, x, x, x, weight, x.shape[1], 0.0, PLAIN, launch)
+    return out
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, launch: GemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(x + residual) @ weight.T, x + residual)`` in one launch; see ``reference.rms_norm_linear``.
+
+    >>> out, summed = rms_norm_linear(hidden[:1], residual[:1], norm.weight, norm.eps, qkv_proj.weight)
+    """
+    x = _rows(x)
+    reduction = x.shape[1]
+    if norm_weight.shape != (reduction,):
+        raise ValueError(f"norm_weight must be ({reduction},), got {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    weight = _check_weight(weight, reduction, "weight")
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    if residual is None:
+        summed = x
+        residual = x  # HAS_RESIDUAL is False when residual is x
+    else:
+        residual = _rows(residual)
+        summed = torch.empty_like(x)
+    _launch(out, summed, x, residual, norm_weight.contiguous(), weight, reduction, eps, RMS_NORM, launch)
+    return out, summed
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
+    """``(silu(x[:, :I]) * x[:, I:]) @ weight.T`` in one launch, ``I = weight.shape[1]``; see
+    ``reference.silu_and_mul_linear``."""
+    x = _rows(x)
+    reduction = weight.shape[1] if weight.dim() == 2 else -1
+    if x.shape[1] != 2 * reduction:
+        raise ValueError(f"x must be [rows, 2 * {reduction}] (gate and up halves) for weight "
+                         f"{tuple(weight.shape)}, got {tuple(x.shape)}")
+    weight = _check_weight(weight, reduction, "weight")
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _launch(out, x, x, x, x, weight, reduction, 0.0, SILU_AND_MUL, launch)
+    return out

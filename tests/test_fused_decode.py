@@ -1,0 +1,113 @@
+"""Batch-size-1 decode with RMSNorm and SwiGLU inside the matmuls (kernels/gemv, engine/models/fused_decode.py):
+the Triton kernels against their torch reference (in the interpreter on CPU), and the engine with the
+fused path forced on CPU against HF greedy; on CUDA, bf16 closeness on real widths."""
+import pytest
+import torch
+
+from hearth_llm.engine.models import fused_decode
+from hearth_llm.kernels.gemv import reference
+
+from conftest import TINY_CONFIGS, random_prompts
+from model_equality import GREEDY, assert_matches_hf, save_tiny_model
+
+triton_gemv = pytest.importorskip("hearth_llm.kernels.gemv.triton_gemv")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Ragged on purpose: K not a multiple of the K tile, N not one of the N tile.
+TINY = triton_gemv.GemvLaunch(block_n=8, block_k=32)
+
+
+def _inputs(rows, reduction, outputs, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
+
+    return draw(rows, reduction), draw(rows, reduction), draw(reduction), draw(outputs, reduction)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_rms_norm_linear_matches_reference(with_residual, rows):
+    x, residual, norm_weight, weight = _inputs(rows, 72, 20)
+    residual = residual if with_residual else None
+    out, summed = triton_gemv.rms_norm_linear(x, residual, norm_weight, 1e-5, weight, TINY)
+    expected_out, expected_summed = reference.rms_norm_linear(x, residual, norm_weight, 1e-5, weight)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+
+
+def test_silu_and_mul_linear_and_plain_linear_match_reference():
+    x, _, _, weight = _inputs(2, 40, 12, seed=1)
+    gate_up = torch.cat([x, 2 * x.flip(1)], dim=1)
+    torch.testing.assert_close(triton_gemv.silu_and_mul_linear(gate_up, weight, TINY),
+                               reference.silu_and_mul_linear(gate_up, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(triton_gemv.linear(x, weight, TINY), reference.linear(x, weight),
+                               rtol=1e-5, atol=1e-5)
+    # The default launch (one K tile covers these widths): same answer.
+    torch.testing.assert_close(triton_gemv.linear(x, weight), reference.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_are_refused_by_name():
+    x, residual, norm_weight, weight = _inputs(1, 16, 8)
+    with pytest.raises(ValueError, match="norm_weight"):
+        triton_gemv.rms_norm_linear(x, residual, norm_weight[:8], 1e-5, weight)
+    with pytest.raises(ValueError, match="residual"):
+        triton_gemv.rms_norm_linear(x, residual[:, :8], norm_weight, 1e-5, weight)
+    with pytest.raises(ValueError, match="weight"):
+        triton_gemv.rms_norm_linear(x, residual, norm_weight, 1e-5, weight[:, :8])
+    with pytest.raises(ValueError, match="gate and up"):
+        triton_gemv.silu_and_mul_linear(x, weight)
+
+
+@pytest.fixture
+def fused_on_this_device(monkeypatch):
+    """The fused path on this device's tensors (on CPU: the Triton interpreter), counting its calls."""
+    calls = {"rms_norm_linear": 0, "silu_and_mul_linear": 0}
+    for name in calls:
+        original = getattr(triton_gemv, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(triton_gemv, name, counted)
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
+    if DEVICE == "cpu":  # the interpreter runs programs one by one: a tile covers a tiny layer
+        monkeypatch.setattr(triton_gemv, "default_launch", lambda n, k: triton_gemv.GemvLaunch(256, 128))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["qwen3"])
+def test_engine_with_fused_decode_matches_hf_greedy(name, tmp_path, make_llm, fused_on_this_device):
+    if DEVICE != "cpu":
+        pytest.skip("the HF-equality run is the CPU one (fp32); CUDA runs the bf16 check below")
+    path = save_tiny_model(TINY_CONFIGS[name](), tmp_path / name, seed=3)
+    llm = make_llm(path, dtype="float32")
+    prompts = random_prompts(2, [1, 23], seed=21)
+    for prompt in prompts:  # alone: every decode step is one row
+        assert_matches_hf(path, [prompt], llm.generate([prompt], GREEDY, use_tqdm=False))
+    num_layers = TINY_CONFIGS[name]().num_hidden_layers
+    # Two fused norms and one fused SwiGLU per layer per one-row step (15 decode steps each, and a
+    # one-token prompt's prefill).
+    assert fused_on_this_device["rms_norm_linear"] >= 2 * num_layers * 15 * len(prompts)
+    assert fused_on_this_device["silu_and_mul_linear"] >= num_layers * 15 * len(prompts)
+    # Several rows (a batch's prefill and decode) run the unfused ops and agree too.
+    batch = random_prompts(3, [5, 17, 9], seed=22)
+    assert_matches_hf(path, batch, llm.generate(batch, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 on real widths needs CUDA")
+@pytest.mark.parametrize("reduction,outputs", [(1024, 4096), (4096, 6144), (3072, 1024)])
+def test_bf16_real_widths_are_close_to_reference(reduction, outputs):
+    x, residual, norm_weight, weight = _inputs(1, reduction, outputs, dtype=torch.bfloat16, seed=5)
+    weight = weight * reduction**-0.5
+    out, summed = triton_gemv.rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
+    expected_out, expected_summed = reference.rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
+    torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), expected_out.float(), rtol=2e-2, atol=2e-2)
+    gate_up = torch.cat([x, residual], dim=1)
+    weight_down = weight[:, :reduction // 2].contiguous()
+    torch.testing.assert_close(triton_gemv.silu_and_mul_linear(gate_up[:, :reduction], weight_down).float(),
+                               reference.silu_and_mul_linear(gate_up[:, :reduction], weight_down).float(),
+                               rtol=2e-2, atol=2e-2)
