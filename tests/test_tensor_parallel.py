@@ -123,7 +123,6 @@ def test_sleep_is_refused_by_name(tp_llms):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(tensor_parallel_size=3), "num_attention_heads=4"),          # 4 heads over 3 ranks
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive int"),
-    (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora=True"),
     (dict(tensor_parallel_size=2, keep_alive=5), "keep_alive"),
 ])
 def test_unsplittable_settings_are_refused_by_name_before_workers_start(model_dirs, kwargs, field):

@@ -20,7 +20,7 @@ def make_executor(config, checkpoint, lora_config=None):
     """The executor ``config`` asks for, loaded (see the module docstring)."""
     size = getattr(config, "tensor_parallel_size", 1)
     if size > 1:
-        return MultiprocExecutor(config, checkpoint, size)
+        return MultiprocExecutor(config, checkpoint, size, lora_config=lora_config)
     from ..model_runner import ModelRunner
 
     return ModelRunner(checkpoint, config.torch_device, config.torch_dtype, config.block_size,

@@ -36,9 +36,10 @@ from torch import nn
 from ..distributed import check_tensor_parallel
 from ..distributed.quantized_split import check_quantized_split, refuse_unsplit_quantization
 from ..errors import EngineDeadError
+from ..lora.manager import LoRAManager
 from ..models import model_class_for
 from ..models.quant import check_quantization
-from .step_message import step_message
+from .step_message import AdapterShipper, step_message
 from .worker import CaptureGraphs, RunStep, Shutdown, WorkerSpec, worker_main
 
 LOAD_TIMEOUT_S = 600.0
@@ -60,11 +61,11 @@ class MultiprocExecutor:
     >>> executor.close()                   # workers stopped and reaped (also on garbage collection)
     """
 
-    lora = None            # refused with tensor parallelism (see _refuse_unsplit_settings)
+    lora = None            # with enable_lora: the driver's LoRAManager (names, checks, CPU cache)
     kv_cache = None        # the cache lives in the workers
     decode_graphs = None   # captured in the workers
 
-    def __init__(self, config, checkpoint, size: int) -> None:
+    def __init__(self, config, checkpoint, size: int, lora_config=None) -> None:
         _refuse_unsplit_settings(config, checkpoint, size)
         model_class = model_class_for(checkpoint.config)
         self.arch = model_class.arch_from_hf_config(checkpoint.config)
@@ -75,13 +76,20 @@ class MultiprocExecutor:
             meta_model = model_class(self.arch)
         check_tensor_parallel(self.arch, meta_model, size)  # before any process starts
         check_quantized_split(meta_model, plan, size)
+        self._adapter_shipper = None
+        if lora_config is not None:
+            # Adapters are read and checked here against the whole (meta) model; the workers get each
+            # once, whole, and every rank keeps its cut (models/tp_lora.py). The wrapped meta layers
+            # hold no memory.
+            self.lora = LoRAManager(meta_model, lora_config, torch.device("cpu"), config.max_num_batched_tokens)
+            self._adapter_shipper = AdapterShipper(lora_config.max_loras + lora_config.num_cpu_loras)
         self.model = _DriverModel(meta_model)
         self.device, self.dtype, self.block_size = config.torch_device, config.torch_dtype, config.block_size
         self.size = size
         self.step_timeout_s = STEP_TIMEOUT_S
         self.is_dead = False
         self._store_dir = tempfile.mkdtemp(prefix="hearth-tp-")
-        self._workers = _start_workers(_worker_spec(config, size), size, f"file://{self._store_dir}/store",
+        self._workers = _start_workers(_worker_spec(config, size, lora_config), size, f"file://{self._store_dir}/store",
                                        "nccl" if self.device.type == "cuda" else "gloo")
         self._finalizer = weakref.finalize(self, _shut_down, self._workers, self._store_dir)
         blocks = self._replies(LOAD_TIMEOUT_S, "loading")
@@ -96,7 +104,7 @@ class MultiprocExecutor:
 
     def run(self, batch, pending_token_ids: torch.Tensor | None = None):
         """One forward pass on every rank; the logits (a ForwardOutput) on the driver's device."""
-        replies = self._broadcast(RunStep(step_message(batch, pending_token_ids)), "a step")
+        replies = self._broadcast(RunStep(step_message(batch, pending_token_ids, self._adapter_shipper)), "a step")
         return replies[0].to(self.device)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
@@ -173,8 +181,6 @@ def _refuse_unsplit_settings(config, checkpoint, size: int) -> None:
     if config.keep_alive is not None:
         raise ValueError(f"tensor_parallel_size={size} cannot be combined with keep_alive yet (sleep would have "
                          "to reach the workers)")
-    if config.enable_lora:
-        raise ValueError(f"tensor_parallel_size={size} cannot be combined with enable_lora=True yet")
     if getattr(checkpoint, "_state_dict", None) is not None:
         # each worker streams its shards from config.model; weights built in memory cannot reach it
         raise ValueError(f"tensor_parallel_size={size} needs a checkpoint on disk (model=...), not weights in memory")
@@ -184,12 +190,12 @@ def _refuse_unsplit_settings(config, checkpoint, size: int) -> None:
                          f"{torch.cuda.device_count()} are visible")
 
 
-def _worker_spec(config, size: int) -> WorkerSpec:
+def _worker_spec(config, size: int, lora_config=None) -> WorkerSpec:
     return WorkerSpec(model=config.model, dtype=config.torch_dtype, device=str(config.torch_device),
                       block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
                       max_num_batched_tokens=config.max_num_batched_tokens, allow_pickle=config.allow_pickle,
                       trust_remote_code=config.trust_remote_code, num_threads=max(1, config.num_threads // size),
-                      quantization=config.quantization)
+                      quantization=config.quantization, lora_config=lora_config)
 
 
 def _start_workers(spec: WorkerSpec, size: int, init_method: str, backend: str) -> list[_Worker]:

@@ -12,6 +12,7 @@ pipe would go through shared-memory file descriptors, one per tensor).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +49,7 @@ class StepRequest:
     pending_row: int
     block_ids: list[int]
     wants_prompt_logprobs: bool
-    lora: None = None
+    lora: object = None   # on the wire the adapter's cache_key; on the worker its LoRAAdapter (to_batch)
 
 
 @dataclass(slots=True)
@@ -60,8 +61,16 @@ class StepMessage:
     num_new_tokens: list[int]
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     pending_token_ids: list[int] | None = None
+    adapters: ShippedAdapters | None = None  # LoRA: adapters the workers have not been sent yet
 
-    def to_batch(self) -> ScheduledBatch:
+    def to_batch(self, adapter_store: dict | None = None) -> ScheduledBatch:
+        """The batch the worker's runner reads; with LoRA, ``adapter_store`` (the worker's adapters by
+        cache_key, kept across steps) takes this step's new adapters and gives each request its own."""
+        if self.adapters is not None:
+            self.adapters.apply_to(adapter_store)
+            for request in self.requests:
+                if request.lora is not None:
+                    request.lora = adapter_store[request.lora]
         return ScheduledBatch(requests=self.requests, num_new_tokens=self.num_new_tokens,
                               spec_token_ids=self.spec_token_ids)
 
@@ -71,18 +80,92 @@ class StepMessage:
         return torch.tensor(self.pending_token_ids, dtype=torch.long, device=device)
 
 
-def step_message(batch: ScheduledBatch, pending_token_ids: torch.Tensor | None) -> StepMessage:
+def step_message(batch: ScheduledBatch, pending_token_ids: torch.Tensor | None,
+                 shipper: AdapterShipper | None = None) -> StepMessage:
     requests = [_step_request(request) for request in batch.requests]
     has_pending = pending_token_ids is not None and any(r.num_pending_tokens for r in requests)
+    adapters = None
+    if shipper is not None:
+        adapters = shipper.ship([getattr(request, "lora", None) for request in batch.requests])
     return StepMessage(requests, list(batch.num_new_tokens), dict(batch.spec_token_ids),
-                       pending_token_ids.tolist() if has_pending else None)
+                       pending_token_ids.tolist() if has_pending else None, adapters)
 
 
 def _step_request(request) -> StepRequest:
     start = request.num_computed_tokens
+    lora = getattr(request, "lora", None)
     return StepRequest(TokenTail(start, request.token_ids[start:]), start, request.num_tokens,
                        request.num_prompt_tokens, request.num_pending_tokens, request.pending_row,
-                       list(request.block_ids), request.wants_prompt_logprobs)
+                       list(request.block_ids), request.wants_prompt_logprobs,
+                       None if lora is None else lora.cache_key)
+
+
+# ---- LoRA adapters to the workers --------------------------------------------------------------
+
+@dataclass(slots=True)
+class ShippedAdapters:
+    """A step's adapter traffic: adapters new to the workers (whole, as numpy), and the cache keys
+    they may forget (the driver decides, so every rank keeps the same ones)."""
+
+    new: dict[str, "WireAdapter"] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+
+    def apply_to(self, store: dict) -> None:
+        for key in self.dropped:
+            store.pop(key, None)
+        for key, wire in self.new.items():
+            store[key] = wire.adapter()
+
+
+class AdapterShipper:
+    """The driver's record of the adapters its workers hold: each is sent once, when a step first
+    needs it; the least recently needed beyond ``capacity`` (at least a step's ``max_loras``) are
+    dropped. The workers' own LoRA managers then put them into slots, each rank cutting its slice."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._sent: OrderedDict[str, None] = OrderedDict()
+
+    def ship(self, adapters: list) -> ShippedAdapters | None:
+        needed = {adapter.cache_key: adapter for adapter in adapters if adapter is not None}
+        if not needed:
+            return None
+        shipped = ShippedAdapters()
+        for key, adapter in needed.items():
+            if key in self._sent:
+                self._sent.move_to_end(key)
+            else:
+                self._sent[key] = None
+                shipped.new[key] = WireAdapter.of(adapter)
+        while len(self._sent) > max(self.capacity, len(needed)):
+            shipped.dropped.append(self._sent.popitem(last=False)[0])  # never one of this step's: they are last
+        return shipped
+
+
+@dataclass(slots=True)
+class WireAdapter:
+    """A :class:`~..lora.adapter.LoRAAdapter` with its matrices as numpy arrays (see WireTensor)."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    cache_key: str
+    layers: dict[str, list[tuple[int, int, "WireTensor", "WireTensor"]]]
+
+    @classmethod
+    def of(cls, adapter) -> "WireAdapter":
+        layers = {name: [(s.block, s.row_start, WireTensor.of(s.a), WireTensor.of(s.b_scaled)) for s in shards]
+                  for name, shards in adapter.layers.items()}
+        return cls(adapter.name, adapter.path, adapter.rank, adapter.scaling, adapter.cache_key, layers)
+
+    def adapter(self):
+        from ..lora.adapter import LoRAAdapter, ShardLoRA
+
+        cpu = torch.device("cpu")
+        layers = {name: [ShardLoRA(block, row_start, a.to(cpu), b.to(cpu)) for block, row_start, a, b in shards]
+                  for name, shards in self.layers.items()}
+        return LoRAAdapter(self.name, self.path, self.rank, self.scaling, self.cache_key, layers)
 
 
 # ---- tensors over a pipe ---------------------------------------------------------------------

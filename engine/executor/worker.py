@@ -34,6 +34,7 @@ class WorkerSpec:
     trust_remote_code: bool
     num_threads: int
     quantization: str | None = None
+    lora_config: object = None   # a LoRAConfig when enable_lora: every rank wraps its slice
 
     def device_for(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -88,10 +89,12 @@ def _load(rank: int, size: int, init_method: str, backend: str, spec: WorkerSpec
                                  trust_remote_code=spec.trust_remote_code, progress=False,
                                  quantization=spec.quantization)
     return ModelRunner(checkpoint, device, spec.dtype, spec.block_size, spec.kv_cache_memory,
-                       max_num_batched_tokens=spec.max_num_batched_tokens, parallel=parallel)
+                       lora_config=spec.lora_config, max_num_batched_tokens=spec.max_num_batched_tokens,
+                       parallel=parallel)
 
 
 def _serve(rank: int, runner, conn) -> None:
+    adapters: dict = {}  # LoRA adapters the driver has sent, by cache_key (it says which to forget)
     while True:
         try:
             command = conn.recv()
@@ -100,7 +103,7 @@ def _serve(rank: int, runner, conn) -> None:
         if isinstance(command, Shutdown):
             return
         try:
-            reply = _run(rank, runner, command)
+            reply = _run(rank, runner, command, adapters)
         except BaseException:  # noqa: BLE001 - the driver fails the engine with it
             _send_quietly(conn, ("error", traceback.format_exc()))
             return
@@ -108,12 +111,12 @@ def _serve(rank: int, runner, conn) -> None:
             return
 
 
-def _run(rank: int, runner, command):
+def _run(rank: int, runner, command, adapters: dict):
     if isinstance(command, CaptureGraphs):
         runner.enable_cuda_graphs(command.max_batch, command.max_model_len)
         return None
     message = command.message
-    output = runner.run(message.to_batch(), message.pending_tensor(runner.device))
+    output = runner.run(message.to_batch(adapters), message.pending_tensor(runner.device))
     return WireOutput.of(output) if rank == 0 else None
 
 

@@ -87,7 +87,14 @@ class LayerShape:
     @classmethod
     def of(cls, layer) -> "LayerShape":
         if layer.parallel.size > 1:
-            raise ValueError("enable_lora: LoRA is not supported with tensor parallelism here")
+            # Tensor parallelism (TP's hook): adapters fit the whole layer; each rank's LoRA method
+            # keeps its cut when it loads a slot (models/tp_lora.py).
+            shards = tuple(layer.shard_ids)
+            starts = [sum(layer.output_sizes[:i]) for i in range(len(shards))]
+            rows = {shard: (start, size) for shard, start, size in zip(shards, starts, layer.output_sizes)
+                    if shard is not None}
+            rows[None] = (0, layer.output_size)
+            return cls(layer.input_size, layer.output_size, shards, rows)
         shards = tuple(layer.shard_ids)
         rows = {shard: layer.shard_rows(shard) for shard in shards if shard is not None}
         rows[None] = (0, layer.output_size_per_rank)

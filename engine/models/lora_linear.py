@@ -28,6 +28,7 @@ from hearth_llm.kernels.lora import (LoRAPlan, add_lora, add_lora_planned, expan
                                      shrink_planned)
 
 from .linear import linear_layers
+from .tp_lora import rank_shards
 from .linear_method import DenseLinearMethod, LinearMethod
 
 
@@ -177,6 +178,8 @@ class LoRALinearMethod(LinearMethod):
         # block only for the columns it covers.
         self.slice_bounds = np.cumsum([0] + [layer.shard_rows(shard)[1] for shard in layer.shard_ids]).tolist()
         self.slice_starts = torch.tensor(self.slice_bounds, dtype=torch.int32, device=device)
+        # Tensor parallelism (TP's hook): adapters arrive for the whole layer; load_slot keeps this rank's cut.
+        self.rank_layer = layer if layer.parallel.size > 1 else None
         self.stacked_weight: torch.Tensor | None = None  # [out + S * ranks, in]: the weight, then every slot's A
         self.stacked_bias: torch.Tensor | None = None
 
@@ -267,6 +270,8 @@ class LoRALinearMethod(LinearMethod):
         outside a block's slice, which the kernels rely on. A shard over several slices (Phi-3's
         pre-fused ``qkv_proj``) is split: each slice's block gets A and that slice's columns of B.
         """
+        if self.rank_layer is not None:
+            shards = rank_shards(self.rank_layer, shards)
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         bounds = self.slice_bounds
