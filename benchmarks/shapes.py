@@ -8,6 +8,8 @@ shapes without importing anything of ours that would load torch first.
 """
 from __future__ import annotations
 
+import copy
+
 SHAPES = {
     "qwen3-0.6b": dict(architecture="Qwen3ForCausalLM", num_hidden_layers=28, hidden_size=1024,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
@@ -30,23 +32,24 @@ SHAPES = {
                          num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
                          max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
                          sliding_window=None),
-    # Not benchmarks: the same code path on CPU in seconds (tests/test_bench_throughput.py). The
-    # vocabulary covers the workload's token ids (0..10000).
-    "tiny-qwen3": dict(architecture="Qwen3ForCausalLM", num_hidden_layers=2, hidden_size=64,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                       vocab_size=10240, tie_word_embeddings=True, max_position_embeddings=4096,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "tiny-qwen3-moe": dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=2, hidden_size=64,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                           decoder_sparse_step=1, mlp_only_layers=[], vocab_size=10240, tie_word_embeddings=False,
-                           max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "tiny-mixtral": dict(architecture="MixtralForCausalLM", num_hidden_layers=2, hidden_size=64,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
-                         num_local_experts=4, num_experts_per_tok=2, vocab_size=10240, tie_word_embeddings=False,
-                         max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-5,
-                         sliding_window=None),
 }
+
+# Not benchmarks: a shape above at toy sizes, the same architecture and options, so the same code path
+# runs on the CPU in seconds (tests/test_bench_throughput.py). The vocabulary covers the workload's
+# token ids (0..10000).
+_TINY_SIZES = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=128, vocab_size=10240, max_position_embeddings=4096)
+
+
+def _tiny(shape: str, **sizes) -> dict:
+    return copy.deepcopy({**SHAPES[shape], **_TINY_SIZES, **sizes})
+
+
+SHAPES.update({
+    "tiny-qwen3": _tiny("qwen3-0.6b"),
+    "tiny-qwen3-moe": _tiny("qwen3-30b-a3b", moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "tiny-mixtral": _tiny("mixtral-8x7b", intermediate_size=32, num_local_experts=4),
+})
 
 # HF ``model_type`` of each architecture, for a config.json written without transformers (vLLM's side).
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "LlamaForCausalLM": "llama",
