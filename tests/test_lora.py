@@ -286,3 +286,28 @@ def test_removing_an_adapter_while_its_request_runs_lets_it_finish(llama, make_e
         tokens += [t for delta in engine.step() for t in delta.new_token_ids]
     engine.release(request_id)
     assert tokens == peft_greedy(base, adapters["a"], prompt)
+
+
+def test_planned_steps_with_the_shrink_stacked_under_the_weights_match_peft(llama, make_llm, monkeypatch):
+    """The CUDA layer path, planned on the CPU: dense layers keep every slot's A under their weight, so the
+    base GEMM also gives the rank-space rows and the expand adds into its (strided) output, which the model's
+    later ops take as it is; a mixed batch of two adapters and base, with prefill and decode steps."""
+    from hearth_llm.engine.models.lora_linear import LoRALinearMethod, LoRAStep
+
+    calls = []
+    stacked = LoRALinearMethod._apply_stacked
+    monkeypatch.setattr(LoRALinearMethod, "_apply_stacked", lambda self, *args: calls.append(1) or stacked(self, *args))
+    init = LoRAStep.__init__
+    monkeypatch.setattr(LoRAStep, "__init__", lambda self, capacity, device, planned=None: init(self, capacity, device,
+                                                                                                  planned=True))
+    base, adapters = llama
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=8)
+    methods = llm.engine.runner.lora.layers.values()
+    assert methods and all(method.stacked_weight is not None for method in methods)
+    prompts = random_prompts(4, [5, 17, 9], seed=26)
+    choice = ["a", None, "b", "a"]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                           lora_request=[None if name is None else LoRARequest(name, adapters[name]) for name in choice])
+    for prompt, name, out in zip(prompts, choice, outputs):
+        assert out.outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
+    assert calls  # the stacked path ran

@@ -300,7 +300,7 @@ def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict
         if device.type == "cpu":
             dtype = torch.float32  # the CPU path multiplies in float32 (see LoRALinearMethod.apply)
         method = LoRALinearMethod(layer.method, layer, num_slots, max_rank, step, dtype, device)
-        if step.stacks_shrink and step.is_planned and device.type == "cuda":
+        if step.stacks_shrink and step.is_planned:  # (CUDA; tests plan on the CPU too)
             method.stack_a_under_weight(layer)
         layer.method = method
         layer.routine = method.forward_routine(layer) if layer.parallel.size == 1 else None
