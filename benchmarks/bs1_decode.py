@@ -147,7 +147,7 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
                 f"({weight_bytes / cublas / 1e3:.0f} GB/s) | unfused {unfused:.1f}us | fused best {fastest_us:.1f}us "
                 f"({weight_bytes / fastest_us / 1e3:.0f} GB/s) N{fastest.block_n}/K{fastest.block_k}/w{fastest.num_warps}"
                 f" | default {default_us:.1f}us || {cells}")
-            del weights
+            weights.clear()  # free the copies before the next projection
     return best
 
 
