@@ -426,9 +426,10 @@ def measure_in_process(model: str, engine_kwargs: dict, requests, args) -> dict:
 
 # ---- the checkpoint --------------------------------------------------------------------------------
 
-def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16") -> Path:
+def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16", device: str = "cpu") -> Path:
     """A checkpoint directory of ``shape`` (bench throughput's SHAPES) with random weights, as a
-    hub checkpoint is laid out: config.json, model.safetensors, a word-level tokenizer."""
+    hub checkpoint is laid out: config.json, model.safetensors, a word-level tokenizer. The weights
+    are drawn on ``device`` (``cuda``: ~20 s less for the 0.6B shape than the CPU's normal_)."""
     import torch
     from safetensors.torch import save_file
 
@@ -438,9 +439,12 @@ def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16"
     dtype = getattr(torch, dtype_name)
     config = hf_config(shape)
     config.dtype = dtype_name
-    weights = RandomWeights(checkpoint_shapes(config, dtype), dtype, "cpu", std=config.initializer_range)
+    weights = RandomWeights(checkpoint_shapes(config, dtype), dtype, device, std=config.initializer_range)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(directory / "model.safetensors"))
+    save_file({name: tensor.contiguous().cpu() for name, tensor in weights.items()},
+              str(directory / "model.safetensors"))
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the servers' runs need the device, not this process's cached blocks
     config.save_pretrained(directory)
     placeholder_tokenizer(config.vocab_size).save_pretrained(directory)
     return directory
@@ -579,7 +583,7 @@ def main(argv=None) -> None:
         model = args.model
         if args.shape:
             started = time.perf_counter()
-            model = str(write_random_model(args.shape, work_dir / args.shape, args.dtype or "float32"))
+            model = str(write_random_model(args.shape, work_dir / args.shape, args.dtype or "float32", args.device))
             print(f"wrote a random {args.shape} checkpoint in {time.perf_counter() - started:.1f} s", flush=True)
         requests = workload(args.num_prompts, args.input_lengths, args.output_lengths, args.seed)
         engine_kwargs, engine_flags = engine_options(args)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -69,13 +70,54 @@ class RequestStream:
                     step.wait(self._wait_s())
 
     async def __aiter__(self) -> AsyncIterator[StreamOutput]:
-        loop = asyncio.get_running_loop()
+        waker = _loop_waker()
         with self:
-            for step in self._read(lambda: _LoopWaiter(loop)):
+            for step in self._read(lambda: _LoopWaiter(waker)):
                 if isinstance(step, StreamOutput):
                     yield step
                 else:
-                    await asyncio.wait((step.future,), timeout=self._wait_s())
+                    await step.wait(self._wait_s())
+
+    async def batches(self) -> AsyncIterator[list[StreamOutput]]:
+        """As ``async for``, but the outputs that arrived while the reader was busy come as one
+        list: a server that fell behind the engine sends them as one event and so catches up,
+        instead of paying a wake-up and an event per token.
+
+        >>> async for outputs in stream.batches():
+        ...     send("".join(out.delta_text for out in outputs))
+        """
+        waker = _loop_waker()
+        with self:
+            while True:
+                with self._lock:
+                    items = list(self._items)
+                    self._items.clear()
+                    if not items:
+                        self._waiter = waiter = _LoopWaiter(waker)
+                if not items:
+                    await waiter.wait(self._wait_s())
+                    self._check_progress()
+                    continue
+                batch = self._unwrap_batch(items)
+                if batch:
+                    yield batch
+                    if batch[-1].finished:
+                        return
+
+    def _unwrap_batch(self, items: list[StreamOutput | BaseException]) -> list[StreamOutput]:
+        """``items`` unwrapped up to an error; the error goes back to the front of the queue (so it
+        is raised after the outputs before it were handed over) or is raised now, with none before it."""
+        batch = []
+        for position, item in enumerate(items):
+            if isinstance(item, BaseException) and batch:
+                with self._lock:
+                    self._items.extendleft(reversed(items[position:]))
+                return batch
+            output = self._unwrap(item)
+            batch.append(output)
+            if output.finished:
+                return batch
+        return batch
 
     def __enter__(self) -> RequestStream:
         return self
@@ -146,16 +188,68 @@ class _ThreadWaiter(threading.Event):
 class _LoopWaiter:
     """A reading coroutine awaits its future; ``put`` resolves it on the reader's event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.future = loop.create_future()
+    def __init__(self, waker: _LoopWaker):
+        self.waker = waker
+        self.future = waker.loop.create_future()
 
     def wake(self) -> bool:
+        return self.waker.wake(self.future)
+
+    async def wait(self, timeout: float) -> None:
+        """Until woken or ``timeout`` seconds (a timer resolves the same future: cheaper per token
+        than ``asyncio.wait``, which builds a set, a waiter future and callbacks each time)."""
+        timer = self.waker.loop.call_later(timeout, _resolve, self.future)
         try:
-            self.loop.call_soon_threadsafe(_resolve, self.future)
-        except RuntimeError:  # the loop is closed: nobody will read this stream
+            await self.future
+        finally:
+            timer.cancel()
+
+
+class _LoopWaker:
+    """One per event loop: the engine thread's wake-ups of that loop's readers, delivered by one
+    callback per burst. A step's outputs for 256 streams then cost one ``call_soon_threadsafe``
+    (a self-pipe write and a loop wake-up), not 256."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[asyncio.Future] = []
+        self._is_loop_closed = False
+
+    def wake(self, future: asyncio.Future) -> bool:
+        """Resolve ``future`` on the loop soon; False when the loop is closed (nobody will read)."""
+        with self._lock:
+            if self._is_loop_closed:
+                return False
+            self._pending.append(future)
+            if len(self._pending) > 1:
+                return True  # a flush is scheduled already and has not run yet
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                self._is_loop_closed = True
+                self._pending.clear()
             return False
         return True
+
+    def _flush(self) -> None:
+        with self._lock:
+            futures, self._pending = self._pending, []
+        for future in futures:
+            _resolve(future)
+
+
+_WAKERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
+
+
+def _loop_waker() -> _LoopWaker:
+    """The running loop's waker (made on first use, on the loop's own thread)."""
+    loop = asyncio.get_running_loop()
+    waker = _WAKERS.get(loop)
+    if waker is None:
+        waker = _WAKERS[loop] = _LoopWaker(loop)
+    return waker
 
 
 def _resolve(future: asyncio.Future) -> None:

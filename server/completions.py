@@ -7,6 +7,7 @@ engine API) rather than the chat service; all prompts of a request are admitted 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -111,6 +112,11 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Stre
     """Every stream's outputs as ``(prompt index, output)``, in the order they arrive; outputs that
     arrived together for the same choice come as one (an event loop that fell behind the engine
     sends one event for them, not one each, and so catches up instead of falling further behind)."""
+    if len(streams) == 1:  # the common case: no task and queue in between, whole batches at once
+        async for batch in streams[0].batches():
+            for item in _coalesced([(0, output) for output in batch]):
+                yield item
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -214,6 +220,7 @@ class _Reply:
     # per prompt: its usage once finished, else the tokens streamed so far (what the key is charged)
     tokens_used: dict[int, int] = field(default_factory=dict)
     final_usage: Usage | None = None  # every prompt's, once the last one finished
+    chunk_prefix: str | None = None  # 'data: {"id":...,"choices":[' of every chunk (see _text_chunk)
 
     def num_tokens_used(self) -> int:
         return sum(self.tokens_used.values())
@@ -260,7 +267,9 @@ class _Reply:
                 self._add_logprobs(logprobs, output)
                 text += output.delta_text
                 offsets[key] = (previous or 0) + len(text)
-                if text or output.finish_reason or logprobs.tokens:
+                if self.params.logprobs is None and (text or output.finish_reason):
+                    yield self._text_chunk(prompt_index * self.params.n + output.index, text, output.finish_reason)
+                elif text or output.finish_reason or logprobs.tokens:
                     yield self._chunk([self._choice(prompt_index, output.index, text, logprobs, output.finish_reason)])
                 num_sent = self.tokens_used.get(prompt_index, 0)
                 self.tokens_used[prompt_index] = num_sent + len(output.delta_token_ids)
@@ -314,11 +323,26 @@ class _Reply:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
+    def _text_chunk(self, index: int, text: str, finish_reason: str | None) -> str:
+        """``_chunk`` of one choice without log-probabilities, the same characters, from a prefix made
+        once per request: per token only the text is encoded (the streaming hot path)."""
+        if self.chunk_prefix is None:
+            header = event({**self._header(), "choices": [{"index": 0}]})
+            self.chunk_prefix = header[:header.index('"choices":[') + len('"choices":[')]
+        tail = ',"usage":null}\n\n' if self.include_usage else "}\n\n"
+        finish = "null" if finish_reason is None else _json(finish_reason)
+        return (f'{self.chunk_prefix}{{"index":{index},"text":{_json(text)},"logprobs":null,'
+                f'"finish_reason":{finish}}}]{tail}')
+
     def _chunk(self, choices: list[dict]) -> str:
         chunk = {**self._header(), "choices": choices}
         if self.include_usage:
             chunk["usage"] = None
         return event(chunk)
+
+
+def _json(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _sum_usage(total: Usage, more: Usage | None) -> Usage:
