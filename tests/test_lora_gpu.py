@@ -21,6 +21,7 @@ from model_equality import save_tiny_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+MAX_NUM_SEQS = 16  # graphs of 1-16 rows: fewer captures and kernel compilations (the tests' slot on the GPU is short)
 
 
 def write_adapter_and_merged(base_dir, root, name, seed, r, alpha, use_rslora, targets):
@@ -60,7 +61,7 @@ def models(tmp_path_factory):
 
 
 def _tokens(model, prompts, loras=None, **kwargs) -> list[list[int]]:
-    with LLM(model, dtype="float32", show_progress=False, **kwargs) as llm:
+    with LLM(model, dtype="float32", show_progress=False, max_num_seqs=MAX_NUM_SEQS, **kwargs) as llm:
         return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)]
 
 
@@ -80,7 +81,8 @@ def test_decode_graphs_replay_with_adapters_captured_before_any_was_loaded(model
     base, adapters = models
     prompts = random_prompts(4, [5, 9], seed=42)  # short: decode steps replay the graphs
     loras = [LoRARequest("a", adapters["a"][0]), None, LoRARequest("b", adapters["b"][0]), LoRARequest("a")]
-    with LLM(base, dtype="float32", show_progress=False, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+    with LLM(base, dtype="float32", show_progress=False, max_num_seqs=MAX_NUM_SEQS, enable_lora=True, max_loras=2,
+             max_lora_rank=8) as llm:
         assert llm.engine.runner.decode_graphs is not None
         got = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)]
     for prompt_tokens, lora, prompt in zip(got, ["a", None, "b", "a"], prompts):
@@ -92,7 +94,8 @@ def test_base_only_steps_replay_the_graphs_without_lora_kernels(models):
     base, adapters = models
     prompts = random_prompts(3, [5, 9], seed=43)
     replays = {"base": 0, "lora": 0}
-    with LLM(base, dtype="float32", show_progress=False, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+    with LLM(base, dtype="float32", show_progress=False, max_num_seqs=MAX_NUM_SEQS, enable_lora=True, max_loras=2,
+             max_lora_rank=8) as llm:
         graphs = llm.engine.runner.decode_graphs
         for key, graph_set in (("base", graphs.base), ("lora", graphs.with_adapters)):
             def counted(*inputs, _run=graph_set.run, _key=key):
