@@ -76,7 +76,9 @@ def deliver(stream, item: StreamOutput | BaseException, abort: Callable) -> None
 class CoreFront:
     """The methods every engine core has in common. A core that uses it sets ``config``,
     ``_lock`` (a ``threading.Lock``), ``_num_handles = 0``, ``_is_closing``, ``_stop_error``, and
-    defines ``add_requests``, ``close``, ``_abort_stream(stream)`` and ``_is_serving()``.
+    defines ``start``, ``engine``, ``add_requests``, ``close``, ``_abort_stream(stream)`` and
+    ``_is_serving()``; for ``wait_until_started`` also ``_started`` (a ``threading.Event`` set once
+    loaded or failed) and ``_startup_error`` (or it defines its own).
 
     >>> core = get_engine("default")
     >>> core.attach()                         # a handle keeps it running
@@ -86,9 +88,28 @@ class CoreFront:
 
     config: object
     _lock: threading.Lock
+    _started: threading.Event
+    _startup_error: BaseException | None
     _num_handles: int
     _is_closing: bool
     _stop_error: EngineDeadError | None
+
+    def wait_until_started(self, timeout: float | None = None) -> None:
+        """Start and block until the model is loaded; raises what loading raised."""
+        self.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"the engine for model {self.config.model!r} did not start within {timeout} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+        self._raise_if_stopped()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._is_closing or self._stop_error is not None
 
     def add_request(self, prompt, sampling_params=None, request_id: str | None = None, priority: int = 0,
                     cache_salt: str | None = None, timeout: float | None = None,

@@ -122,15 +122,6 @@ class EngineCore(CoreFront):
             self._raise_if_stopped()
             self._start_locked()
 
-    def wait_until_started(self, timeout: float | None = None) -> None:
-        """Start and block until the model is loaded; raises what loading raised."""
-        self.start()
-        if not self._started.wait(timeout):
-            raise TimeoutError(f"the engine for model {self.config.model!r} did not start within {timeout} s")
-        if self._startup_error is not None:
-            raise self._startup_error
-        self._raise_if_stopped()
-
     @property
     def engine(self) -> LLMEngine:
         """The underlying engine, loaded if needed. Read it (``tokenizer``, ``max_model_len``);
@@ -143,14 +134,6 @@ class EngineCore(CoreFront):
         """Public facts of the model (type, context length, chat template), loaded if needed."""
         self.wait_until_started()
         return self._model_info
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def is_stopped(self) -> bool:
-        return self._is_closing or self._stop_error is not None
 
     @property
     def is_sleeping(self) -> bool:

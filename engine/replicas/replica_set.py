@@ -132,14 +132,6 @@ class ReplicaSet(CoreFront):
         return self.engine.model_info
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def is_stopped(self) -> bool:
-        return self._is_closing or self._stop_error is not None
-
-    @property
     def is_sleeping(self) -> bool:
         return bool(self.stats().get("is_sleeping"))
 
