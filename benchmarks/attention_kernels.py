@@ -152,6 +152,59 @@ def run_prefill(batch: PagedBatch, block_m: int, block_n: int, warps: int, stage
         ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES = saved
 
 
+def _context_slots(batch: PagedBatch) -> torch.Tensor:
+    """Flat cache slots of every sequence's context, concatenated (host work done once, before capture)."""
+    slots = []
+    for seq, context_len in enumerate(batch.context_lens.tolist()):
+        blocks = batch.block_tables[seq, :math.ceil(context_len / BLOCK_SIZE)]
+        slots.append((blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=blocks.device)).flatten()[:context_len])
+    return torch.cat(slots)
+
+
+def _contiguous_kv(batch: PagedBatch, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values gathered out of the paged cache, concatenated ``[sum(c), Hkv, D]``."""
+    key_cache, value_cache = batch.caches[layer]
+    return key_cache.flatten(0, 1).index_select(0, slots), value_cache.flatten(0, 1).index_select(0, slots)
+
+
+def flash_prefill_comparison(report, shape: str = "llama3-8b") -> None:
+    """Our paged prefill kernel against torch's bundled FlashAttention-2 varlen forward
+    (``aten._flash_attention_forward``, causal bottom-right, GQA) on contiguous keys: fresh 8k
+    prompts and a 2,048-token chunk over 8,192 keys, TFLOP/s; with and without the gather."""
+    from hearth_llm.kernels.attention import triton_attention as ta
+    for contexts, queries, label in (([8192, 8192], [8192, 8192], "2 x 8k fresh"),
+                                     ([8192, 8192], [2048, 2048], "2 x 2048 chunk over 8k")):
+        batch = paged_batch(shape, contexts, queries)
+        batch.caches = batch.caches[:4]
+        scale = batch.query.shape[-1] ** -0.5
+        ours_us = run_prefill(batch, ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES)
+        cu_q = batch.query_start_loc.to(torch.int32)
+        cu_k = torch.zeros_like(cu_q)
+        cu_k[1:] = batch.context_lens.cumsum(0)
+        slots = _context_slots(batch)
+        gathered = [_contiguous_kv(batch, layer, slots) for layer in range(len(batch.caches))]
+
+        def flash(layer, gather=False, batch=batch, gathered=gathered, slots=slots, cu_q=cu_q, cu_k=cu_k, scale=scale):
+            key, value = _contiguous_kv(batch, layer, slots) if gather else gathered[layer]
+            return torch.ops.aten._flash_attention_forward(
+                batch.query, key, value, cu_q, cu_k, batch.max_query_len, batch.max_context_len, 0.0, True, False,
+                scale=scale)[0]
+
+        try:
+            flash_us = time_per_call_us(flash, len(batch.caches), replays=3)
+            gather_us = time_per_call_us(lambda layer: flash(layer, True), len(batch.caches), replays=3)
+            args = (batch.query, *batch.caches[0], batch.block_tables, batch.context_lens, batch.query_start_loc,
+                    batch.max_query_len, batch.max_context_len, scale)
+            ours = ta.paged_attention(*args).float()
+            diff = (flash(0).float() - ours).abs().max().item()
+            report(f"prefill {shape} {label}: ours {ours_us:.0f}us {batch.flops / ours_us / 1e6:.0f} TFLOP/s | "
+                   f"flash2 {flash_us:.0f}us {batch.flops / flash_us / 1e6:.0f} TFLOP/s | gather+flash2 {gather_us:.0f}us "
+                   f"| max|flash - ours| {diff:.2e}")
+        except Exception as error:  # noqa: BLE001  (a missing or refusing op is a result too)
+            report(f"prefill {shape} {label}: ours {ours_us:.0f}us {batch.flops / ours_us / 1e6:.0f} TFLOP/s | "
+                   f"flash2 failed: {type(error).__name__}: {str(error)[:300]}")
+
+
 def decode_cases(smoke: bool = False):
     gen = torch.Generator().manual_seed(1)
     if smoke:

@@ -252,8 +252,8 @@ def engine_part(shapes: list[str], budget_end: float, results: dict) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "sweep"],
-                        choices=["check", "attention", "sweep", "engine"])
+    parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "flash", "sweep"],
+                        choices=["check", "attention", "sweep", "engine", "flash"])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
     parser.add_argument("--budget-s", type=float, default=80.0, help="stop starting new measurements after this")
     parser.add_argument("--sweep-budget-s", type=float, default=None, help="when the sweep stops (default: budget)")
@@ -273,6 +273,11 @@ def main(argv=None) -> None:
             from .attention_kernels import check_closeness
 
             check_closeness(say)
+        elif part == "flash":  # long-context prefill: our kernel vs torch's FlashAttention-2 (attention_kernels)
+            from .attention_kernels import flash_prefill_comparison
+
+            if time.perf_counter() < budget_end:
+                flash_prefill_comparison(say)
         elif part == "sweep":
             sweep_end = STARTED + (args.sweep_budget_s or args.budget_s)
             results["sweep"] = sweep(triton_gemv, triton_norm, triton_activation, min(sweep_end, budget_end))
