@@ -82,11 +82,12 @@ def bench_w4(rows, configs) -> None:
                 if config is None:
                     fn, label = (lambda d: triton_w4g128.w4g128_linear(x, d, gemv_max_rows=0)), "dequant+cuBLAS"
                 else:
-                    bn, gpi, warps, split, prefetch = (tuple(config) + (1,))[:5]
-                    fn = (lambda d, c=(bn, gpi, warps, split, prefetch): triton_w4g128.w4g128_linear(
+                    bn, gpi, warps, split, prefetch, j4 = (tuple(config) + (1, 1))[:6]
+                    fn = (lambda d, c=(bn, gpi, warps, split, prefetch, j4): triton_w4g128.w4g128_linear(
                         x, d, gemv_max_rows=64, block_n=c[0], groups_per_iter=c[1], num_warps=c[2], split_k=c[3],
-                        prefetch=bool(c[4])))
-                    label = f"BN{bn}/G{gpi}/W{warps}/S{split}" + ("" if prefetch else "/noPF")
+                        prefetch=bool(c[4]), variant="j4" if c[5] else "v1"))
+                    label = (f"{'j4' if j4 else 'v1'} BN{bn}/G{gpi}/W{warps}/S{split}"
+                             + ("" if prefetch or j4 else "/noPF"))
                 us = graphed_us([lambda d=d: fn(d) for d in datas])
                 totals[(m, label)] = totals.get((m, label), 0) + us
                 cells.append(f"{label} {us:.1f} us ({datas[0].numel() / us / 1e3:.0f} GB/s)")
@@ -112,11 +113,22 @@ def bench_fp8(rows, configs) -> None:
             if m == 1:
                 results["current"] = graphed_us(
                     [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=1, fused_max_rows=0) for c in copies])
-            if m <= 8:
-                for bn, bk, warps in (configs if m == 1 else configs[:2]):
-                    results[f"fused BN{bn}/K{bk}/W{warps}"] = graphed_us(
-                        [lambda c=c: triton_fp8.fused_gemv(x, c[0], c[1], block_n=bn, block_k=bk, num_warps=warps)
-                         for c in copies])
+            if m <= 16:
+                for kind, config in (configs if m == 1 else configs[:2]):
+                    if kind == "f":
+                        if m > 8:
+                            continue
+                        bn, bk, warps = config
+                        label = f"fused BN{bn}/K{bk}/W{warps}"
+                        fn = (lambda c, cfg=config: triton_fp8.fused_gemv(x, c[0], c[1], block_n=cfg[0],
+                                                                          block_k=cfg[1], num_warps=cfg[2]))
+                    else:
+                        bn, bk, warps, stages, recip = config
+                        label = f"dot BN{bn}/K{bk}/W{warps}/st{stages}" + ("/recip" if recip else "/div")
+                        fn = (lambda c, cfg=config: triton_fp8.dot_gemv(
+                            x, c[0], c[1], block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
+                            recip=bool(cfg[4])))
+                    results[label] = graphed_us([lambda c=c, fn=fn: fn(c) for c in copies])
             for label, us in results.items():
                 totals[(m, label)] = totals.get((m, label), 0) + us
             print(f"FP8 M={m:<3} {name:7} " + " | ".join(
@@ -163,6 +175,20 @@ def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
         ok &= good
         print(f"{'PASS' if good else 'FAIL'} fp8 fused gemv N={n} K={k} M={m}: rel err vs quantizer codes {err:.2e}",
               flush=True)
+    for (n, k), m in itertools.product(fp8_shapes, [1, 5, 16]):
+        generator = torch.Generator(device).manual_seed(m)
+        wq, ws = fp8.quantize_rows(torch.randn(n, k, device=device, generator=generator) * 0.02)
+        x = torch.randn(m, k, device=device, generator=generator).bfloat16()
+        bias = torch.randn(n, device=device, generator=generator).bfloat16()
+        codes, xs = triton_fp8.quantize_rows(x) if device == "cuda" else fp8.quantize_rows(x)
+        exact = ((codes.float() @ wq.float().t()) * xs[:, None] * ws[None, :] + bias.float())
+        for recip in (False, True):
+            out = triton_fp8.dot_gemv(x, wq, ws, bias, recip=recip)
+            err = ((out.float() - exact).abs().max() / exact.abs().max()).item()
+            good = err <= 1e-2 and out.dtype == torch.bfloat16  # bf16 output, tensor-core accumulation
+            ok &= good
+            print(f"{'PASS' if good else 'FAIL'} fp8 dot gemv N={n} K={k} M={m} recip={recip}: rel err {err:.2e}",
+                  flush=True)
     return ok
 
 
@@ -171,16 +197,19 @@ def main(argv=None) -> None:
     parser.add_argument("--part", choices=["w4", "fp8", "check"], required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="*", default=None,
-                        help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH]; fp8: BN,BK,WARPS (comma-separated), several")
+                        help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH[,J4]]; fp8: f:BN,BK,WARPS (fused GEMV) or "
+                             "d:BN,BK,WARPS,STAGES,RECIP (tensor-core GEMV); several")
     args = parser.parse_args(argv)
     if args.part == "check":
         print("check " + ("PASS" if check() else "FAIL"), flush=True)
         return
-    configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or [])]
     if args.part == "w4":
-        bench_w4(args.rows, configs or [(8, 8, 4, 1, 1)])
+        configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or [])]
+        bench_w4(args.rows, configs or [(16, 8, 4, 1, 1, 1)])
     else:
-        bench_fp8(args.rows, configs or [(16, 256, 4)])
+        configs = [(c.split(":")[0], tuple(int(v) for v in c.split(":")[1].split(",")))
+                   for c in (args.configs or [])]
+        bench_fp8(args.rows, configs or [("d", (64, 256, 4, 4, 1))])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ FUSED_MAX_ROWS = 1
 FUSED_BLOCK_N = 16
 FUSED_BLOCK_K = 256
 FUSED_NUM_WARPS = 4
+DOT_BLOCK_N = 32
+DOT_BLOCK_K = 256
+DOT_NUM_WARPS = 4
+DOT_NUM_STAGES = 4
+DOT_RECIP = False
 
 
 @triton.jit
@@ -136,6 +141,77 @@ def fused_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
         x.stride(0), weight_fp8.stride(0), out.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         AMAX_BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=num_warps or FUSED_NUM_WARPS)
+    return out
+
+
+@triton.jit
+def _fp8_dot_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                         FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         AMAX_BLOCK: tl.constexpr, RECIP: tl.constexpr):
+    """The fused GEMV's math on the tensor cores, operands swapped: ``out.T = W @ x_codes.T`` with
+    ``BLOCK_N`` weight rows as the MMA's M side and the ``M <= BLOCK_T`` tokens (zero-padded) as its
+    N side, so the weight tiles stream through the pipelined loads that feed ``tl.dot`` and no
+    weight is converted on the CUDA cores. The e4m3 products are exact; the accumulation is the
+    tensor cores' (as ``torch._scaled_mm``'s). ``RECIP``: quantize by multiplying with the rounded
+    reciprocal of the scale (what torch's CUDA division by a scalar does) instead of ``div_rn``."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BLOCK_T)
+    x_rows = x_ptr + tl.minimum(t, M - 1)[:, None].to(tl.int64) * stride_x                 # [BT, 1]
+    w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w                 # [BN, 1]
+    live = (t < M)[:, None]
+    # Each live row's amax over all of K (one row at a time: padding rows are never read).
+    ka = tl.arange(0, AMAX_BLOCK)
+    scale = tl.full((BLOCK_T,), MIN_SCALE_C, dtype=tl.float32)
+    for r in range(0, M):
+        row_max = tl.zeros((AMAX_BLOCK,), dtype=tl.float32)
+        for start in range(0, K, AMAX_BLOCK):
+            v = tl.load(x_ptr + r * stride_x + start + ka, mask=start + ka < K, other=0.0)
+            row_max = tl.maximum(row_max, tl.abs(v.to(tl.float32)))
+        row_scale = tl.maximum(tl.math.div_rn(tl.max(row_max, axis=0), FP8_MAX_C), MIN_SCALE_C)
+        scale = tl.where(t == r, row_scale, scale)                                          # [BT]
+    if RECIP:
+        scale_b = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32) + tl.math.div_rn(1.0, scale)[:, None]
+    else:
+        scale_b = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32) + scale[:, None]
+    k0 = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + k0
+        w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)                  # [BN, BK] e4m3
+        v = tl.load(x_rows + k[None, :], mask=live & (k[None, :] < K), other=0.0).to(tl.float32)
+        if RECIP:
+            q = tl.clamp(v * scale_b, -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty)
+        else:
+            q = tl.clamp(tl.math.div_rn(v, scale_b), -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty)
+        acc = tl.dot(w, tl.trans(q), acc)                                                  # [BN, BT]
+    w_scale = tl.load(ws_ptr + n, mask=n < N, other=0.0)
+    out = acc * w_scale[:, None] * scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty),
+             mask=(t[None, :] < M) & (n[:, None] < N))
+
+
+def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
+             num_warps: int | None = None, num_stages: int | None = None, recip: bool | None = None) -> torch.Tensor:
+    """``fused_gemv`` through ``_fp8_dot_gemv_kernel`` (tensor cores; up to 16 rows at once)."""
+    x = x.contiguous()
+    m, k = x.shape
+    num_rows = weight_fp8.shape[0]
+    out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n = block_n or DOT_BLOCK_N
+    block_k = min(block_k or DOT_BLOCK_K, triton.next_power_of_2(k))
+    _fp8_dot_gemv_kernel[(triton.cdiv(num_rows, block_n),)](
+        x, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out, m, num_rows, k,
+        x.stride(0), weight_fp8.stride(0), out.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        HAS_BIAS=bias is not None, BLOCK_T=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        AMAX_BLOCK=min(4096, triton.next_power_of_2(k)), RECIP=DOT_RECIP if recip is None else recip,
+        num_warps=num_warps or DOT_NUM_WARPS,
+        num_stages=num_stages or DOT_NUM_STAGES)
     return out
 
 

@@ -20,10 +20,11 @@ GROUP = 128
 GROUP_WORDS = 17  # 68 bytes
 GEMV_MAX_ROWS = 4
 # GEMV tiling (H200 sweep, Llama-3-8B layers, M=1; see benchmarks in the module docstring).
-GEMV_BLOCK_N = 8
+GEMV_BLOCK_N = 16
 GEMV_GROUPS_PER_ITER = 8
 GEMV_NUM_WARPS = 4
 GEMV_PREFETCH = True
+GEMV_VARIANT = "j4"
 
 
 @triton.jit
@@ -124,6 +125,66 @@ def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, group
 
 
 @triton.jit
+def _w4g128_gemv_j4_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, groups_per_split, stride_xm,
+                           stride_w32, stride_om, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
+                           BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+                           PREFETCH: tl.constexpr):
+    """As ``_w4g128_gemv_kernel``, but each group's 16 code words are taken as four
+    ``[BLOCK_N, GROUPS_PER_ITER, 4]`` quarters in an unrolled loop, so a thread keeps the same
+    (row, group) pairs for all 16 words: the scale and zero of a pair are decoded once per group,
+    not once per word, and each ``x`` value loaded serves the thread's rows."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rows32 = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w32                    # [BN]
+    rm = tl.arange(0, M_PAD)
+    x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64) * stride_xm                     # [MP]
+    gi = tl.arange(0, GROUPS_PER_ITER)
+    ji = tl.arange(0, 4)
+    acc = tl.zeros((M_PAD, BLOCK_N, GROUPS_PER_ITER, 4), dtype=tl.float32)
+    g_start = split * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    for g0 in range(g_start, g_end, GROUPS_PER_ITER):
+        group = g0 + gi                                                                  # [GPI]
+        valid = group < g_end
+        word = rows32[:, None] + group[None, :] * 17                                     # [BN, GPI]
+        header = tl.load(word, mask=valid[None, :], other=0)
+        scale = (header & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # 0 where masked
+        # 2^23 + zero by the same mantissa trick as the codes (no int->float conversion).
+        zero23 = (((header >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        z0 = zero23[:, :, None]
+        z1 = (zero23 - 7864320.0)[:, :, None]   # 2^19 + zero
+        z2 = (zero23 - 8355840.0)[:, :, None]   # 2^15 + zero
+        z3 = (zero23 - 8386560.0)[:, :, None]   # 2^11 + zero
+        xm = valid[None, :, None] & (rm < M)[:, None, None]
+        scale4 = scale[None, :, :, None]
+        for jo in tl.static_range(4):
+            words = tl.load(word[:, :, None] + 1 + 4 * jo + ji[None, None, :], mask=valid[None, :, None],
+                            other=0)                                                     # [BN, GPI, 4]
+            # Word j of a group holds bytes 4j..4j+3: byte b is column 4j + b (low nibble) and 4j + b + 64.
+            xcol = x_rows[:, None, None] + (group * 128)[None, :, None] + 4 * (4 * jo + ji)[None, None, :]
+            hi = words >> 16
+            dot = _nibbles_minus(words, z0, 0)[None] * tl.load(xcol, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot += _nibbles_minus(words, z1, 1)[None] * tl.load(xcol + 64, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot += _nibbles_minus(words, z2, 2)[None] * tl.load(xcol + 1, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot += _nibbles_minus(words, z3, 3)[None] * tl.load(xcol + 65, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot += _nibbles_minus(hi, z0, 0)[None] * tl.load(xcol + 2, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot += _nibbles_minus(hi, z1, 1)[None] * tl.load(xcol + 66, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot += _nibbles_minus(hi, z2, 2)[None] * tl.load(xcol + 3, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot += _nibbles_minus(hi, z3, 3)[None] * tl.load(xcol + 67, mask=xm, other=0.0).to(tl.float32)[:, None]
+            acc += scale4 * dot
+    result = tl.sum(tl.sum(acc, axis=3), axis=2)                                          # [MP, BN]
+    if HAS_BIAS:
+        if split == 0:
+            result += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out, result.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, result, mask=mask, sem="relaxed")
+
+
+@triton.jit
 def _w4g128_dequant_kernel(w_ptr, out_ptr, N, stride_w32, stride_on, BLOCK_N: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
@@ -150,7 +211,8 @@ def dequantize(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None = None, *,
                   gemv_max_rows: int = GEMV_MAX_ROWS, block_n: int | None = None, groups_per_iter: int | None = None,
-                  num_warps: int | None = None, split_k: int = 1, prefetch: bool | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, split_k: int = 1, prefetch: bool | None = None,
+                  variant: str | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` and ``W`` as uint8 ``W4G128`` rows ``data``
     ``[N, K / 128 * 68]``; the result in ``x``'s dtype. Up to ``gemv_max_rows`` rows take the GEMV
     (the keywords after it tune it), more rows dequantize into a scratch weight for cuBLAS."""
@@ -172,7 +234,8 @@ def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None
     groups_per_split = triton.cdiv(triton.cdiv(num_groups, split_k), groups_per_iter) * groups_per_iter
     split_k = triton.cdiv(num_groups, groups_per_split)
     target = out if split_k == 1 else torch.zeros(m, num_rows, dtype=torch.float32, device=x.device)
-    _w4g128_gemv_kernel[(triton.cdiv(num_rows, block_n), split_k)](
+    kernel = _w4g128_gemv_j4_kernel if (variant or GEMV_VARIANT) == "j4" else _w4g128_gemv_kernel
+    kernel[(triton.cdiv(num_rows, block_n), split_k)](
         x, words, bias if bias is not None else out, target, m, num_rows, num_groups, groups_per_split, x.stride(0),
         words.stride(0), target.stride(0), HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n,
         GROUPS_PER_ITER=groups_per_iter, SPLIT_K=split_k, PREFETCH=GEMV_PREFETCH if prefetch is None else prefetch,
