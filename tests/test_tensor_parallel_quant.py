@@ -125,9 +125,12 @@ def test_a_rank_boundary_inside_a_k_quant_block_is_refused_by_layer_name(tmp_pat
 
 @pytest.fixture(scope="module")
 def int4_dirs(tmp_path_factory):
+    return build_int4_dirs(tmp_path_factory.mktemp("tp_int4"))
+
+
+def build_int4_dirs(root) -> dict:
     """{"dense": the dequantized model, "awq": ..., "gptq": ...}: hidden 256, so each rank's o_proj
-    input (128) and down_proj input (256) are whole 128-groups."""
-    root = tmp_path_factory.mktemp("tp_int4")
+    input (128) and down_proj input (256) are whole 128-groups (also tests/test_tensor_parallel_gpu.py)."""
     config = LlamaConfig(**{**TINY_COMMON, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE},
                          tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     source = save_tiny_model(config, root / "source", std=0.05)
