@@ -109,10 +109,12 @@ def bench_fp8(rows, configs) -> None:
             base = bf16_us(n, k, m)
             results = {"bf16": base}
             results["quant+scaled_mm"] = graphed_us(
-                [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, fused_max_rows=0) for c in copies])
+                [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, fused_max_rows=0,
+                                                   dot_max_rows=0) for c in copies])
             if m == 1:
                 results["current"] = graphed_us(
-                    [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=1, fused_max_rows=0) for c in copies])
+                    [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=1, fused_max_rows=0,
+                                                   dot_max_rows=0) for c in copies])
             if m <= 16:
                 for kind, config in (configs if m == 1 else configs[:2]):
                     if kind == "f":

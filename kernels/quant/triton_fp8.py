@@ -28,7 +28,9 @@ FUSED_MAX_ROWS = 1
 FUSED_BLOCK_N = 16
 FUSED_BLOCK_K = 256
 FUSED_NUM_WARPS = 4
-DOT_BLOCK_N = 32
+# The tensor-core GEMV takes steps of up to this many rows (0: off), before the fused one.
+DOT_MAX_ROWS = 0
+DOT_BLOCK_N = 64
 DOT_BLOCK_K = 256
 DOT_NUM_WARPS = 4
 DOT_NUM_STAGES = 4
@@ -229,12 +231,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, *, gemv_max_rows: int = GEMV_MAX_ROWS,
-               fused_max_rows: int = FUSED_MAX_ROWS) -> torch.Tensor:
+               fused_max_rows: int = FUSED_MAX_ROWS, dot_max_rows: int = DOT_MAX_ROWS) -> torch.Tensor:
     """``x @ W.T + bias`` for CUDA ``x`` ``[M, K]`` and the e4m3 ``weight_fp8`` ``[N, K]`` with
     float32 ``weight_scale`` ``[N]``; the result in ``x``'s dtype (see the module docstring)."""
     if x.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
         raise ValueError(f"x must be [M, {weight_fp8.shape[1]}] for this FP8 weight, got {tuple(x.shape)}")
     m = x.shape[0]
+    if 0 < m <= min(dot_max_rows, 16) and x.shape[1] >= 32:  # tl.dot takes e4m3 K tiles of 32+
+        return dot_gemv(x, weight_fp8, weight_scale, bias)
     if 0 < m <= fused_max_rows:
         return fused_gemv(x, weight_fp8, weight_scale, bias)
     x_fp8, x_scale = quantize_rows(x)
