@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hearth_llm.kernels.quant import gguf_cpu_native
 from hearth_llm.kernels.quant.fp8 import has_fp8_gemm
 
 from ...config import QUANTIZATION_METHODS
@@ -63,11 +64,16 @@ class QuantizationPlan:
         """The checkpoint's stream as the model receives it (FP8 scales per row, AWQ/GPTQ repacked)."""
         return stream if self.scheme is None else self.scheme.weights(stream, shapes)
 
-    def keeps_gguf_blocks(self, device: torch.device) -> bool:
-        """Whether GGUF layers stay in their blocks on ``device`` (~1x the file's memory; on the CPU
-        decode is several times slower than a dense copy, see ``kernels/quant/gguf_cpu.py``)."""
+    def keeps_gguf_blocks(self, device: torch.device, dtype: torch.dtype | None = None, formats=()) -> bool:
+        """Whether a GGUF layer of tensor types ``formats`` stays in its blocks on ``device`` (~1x the
+        file's memory): always under ``quantization="gguf"``; by default on the CPU in bf16 where the C
+        kernels are built (``kernels/quant/gguf_cpu_native.py``), except layers all Q4_0/Q4_1, which the
+        int4 CPU method runs (float32 keeps the dequantized reference path)."""
         if self.requested == "gguf":
             return True
+        if torch.device(device).type == "cpu":
+            return (dtype == torch.bfloat16 and not set(formats) <= {"Q4_0", "Q4_1"}
+                    and gguf_cpu_native.available())
         return torch.device(device).type == "cuda" and GGUF_BLOCKS_ON_CUDA_BY_DEFAULT
 
 
@@ -129,7 +135,7 @@ def quantized_layer_method(shard_types: dict, layer, plan: QuantizationPlan, dev
         return FP8_CHECKPOINT
     if W4G128 in formats:  # AWQ/GPTQ: the only way to run them (repacked, never dequantized)
         return GGUFBlockLinearMethod(shard_types) if formats == {W4G128} else None
-    if not formats <= set(GGUFBlockLinearMethod.quant_types) or not plan.keeps_gguf_blocks(device):
+    if not formats <= set(GGUFBlockLinearMethod.quant_types) or not plan.keeps_gguf_blocks(device, dtype, formats):
         return None
     return GGUFBlockLinearMethod(shard_types)
 

@@ -4,8 +4,8 @@ A layer's checkpoint shards (q/k/v, gate/up, or one) each arrive as :class:`GGUF
 type; Q4_K_M files mix types inside one fused layer (v in Q6_K next to q/k in Q4_K), so the layer
 holds one uint8 buffer per run of consecutive shards of the same type (``gguf_blocks_0``, ...):
 the file's bytes, nothing else. ``apply`` multiplies each run through ``kernels.linear`` with a
-:class:`GGUFBlockWeight` (Triton on CUDA, a tiled dequantize-and-multiply on the CPU) and joins
-the outputs.
+:class:`GGUFBlockWeight` (Triton on CUDA; on the CPU the C GEMV for decode steps and a tiled
+dequantize-and-multiply for batches, ``kernels/quant/gguf_cpu.py``) and joins the outputs.
 
 >>> method = GGUFBlockLinearMethod({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"})
 >>> configure_linears(model, lambda name, layer: method if name.endswith("qkv_proj") else None)
@@ -18,7 +18,7 @@ import torch
 
 from hearth_llm.engine.loader.gguf_blocks import GGUFBlocks
 from hearth_llm.kernels import linear
-from hearth_llm.kernels.quant import BLOCK_FORMATS, GGUFBlockWeight, block_format
+from hearth_llm.kernels.quant import BLOCK_FORMATS, GGUFBlockWeight, block_format, gguf_cpu
 
 from ..linear_method import LinearMethod
 
@@ -116,6 +116,14 @@ class GGUFBlockLinearMethod(LinearMethod):
             if bias is not None:
                 out = out.add_(bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def forward_routine(self, layer):
+        """On the CPU, the C GEMV bound to the layer's runs for decode steps (``gguf_cpu``); None
+        elsewhere, with act-order blocks, or where the C kernels are not built."""
+        weights = self.block_weights(layer)
+        if getattr(layer, "gguf_input_order", None) is not None or weights[0].data.device.type != "cpu":
+            return None
+        return gguf_cpu.gguf_linear_routine([(weight.quant_type, weight.data) for weight in weights], layer.bias)
 
     def resident_bytes(self, layer) -> int:
         """Bytes this layer's weight occupies (its block buffers, and an act-order permutation)."""

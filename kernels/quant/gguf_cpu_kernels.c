@@ -1,0 +1,428 @@
+/* CPU kernels for llama.cpp block rows (GGUF Q4_0 .. Q6_K, and our W4G128), read in place.
+ *
+ * Built at first use by gguf_cpu_native.py (gcc -O3 -march=native -ffp-contract=off, cached) and
+ * called through ctypes, which releases the GIL. Two entry points:
+ *
+ *   gguf_gemv:    out[m, n] = sum_k x[m, k] * W[n, k] for M <= 8 rows of float32 x (decode steps).
+ *                 Each weight block is decoded once into float32 (in L1) and multiplied into every
+ *                 row of x, so a step reads the weight's bytes once, whatever M is.
+ *   gguf_dequant: W[n0:n1, :] as float32, for the tiled prefill path.
+ *
+ * Exactness: every weight is decoded with the float32 operations, in the order, of
+ * gguf_reference.py (itself bit-equal to gguf-py's dequantize): e.g. Q4_K is (d * sc) * q - dmin * mn,
+ * two roundings, never fused (-ffp-contract=off). So the weights are bit-equal to the dequantized
+ * ones; only the summation order of the dot products differs from a dense GEMV (float32 lanes,
+ * then a fixed-order sum of them; the same for any thread count, and for any M of the same
+ * accumulator count: M of 1-2, 3-4, 5-8).
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, W4G128 = 8 };
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) {  /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 1024)) { mantissa <<= 1; exponent--; }
+        bits = sign | (exponent << 23) | ((mantissa & 1023) << 13);
+    } else {
+        bits = sign;
+    }
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+#endif
+}
+
+/* ---- one block -> float32 values, as gguf_reference.py decodes it ----------------------------- */
+
+static inline void decode_q4_0(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    for (int j = 0; j < 16; j++) {
+        w[j] = d * (float)((int)(b[2 + j] & 15) - 8);
+        w[j + 16] = d * (float)((int)(b[2 + j] >> 4) - 8);
+    }
+}
+
+static inline void decode_q4_1(const uint8_t *b, float *w) {
+    const float d = f16(b), m = f16(b + 2);
+    for (int j = 0; j < 16; j++) {
+        w[j] = d * (float)(b[4 + j] & 15) + m;
+        w[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+    }
+}
+
+static inline void decode_q5_0(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; j++) {
+        int lo = (b[6 + j] & 15) | (((qh >> j) & 1) << 4), hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        w[j] = d * (float)(lo - 16);
+        w[j + 16] = d * (float)(hi - 16);
+    }
+}
+
+static inline void decode_q5_1(const uint8_t *b, float *w) {
+    const float d = f16(b), m = f16(b + 2);
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < 16; j++) {
+        int lo = (b[8 + j] & 15) | (((qh >> j) & 1) << 4), hi = (b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        w[j] = d * (float)lo + m;
+        w[j + 16] = d * (float)hi + m;
+    }
+}
+
+static inline void decode_q8_0(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) w[j] = (float)q[j] * d;
+}
+
+/* Q4_K/Q5_K: the eight 6-bit scales and mins in the 12 bytes s (gguf_reference.k_scales_and_mins). */
+static inline void k_scales(const uint8_t *s, const float d, const float dmin, float *scale, float *minimum) {
+    for (int i = 0; i < 4; i++) {
+        scale[i] = d * (float)(s[i] & 63);
+        minimum[i] = dmin * (float)(s[4 + i] & 63);
+        scale[4 + i] = d * (float)((s[8 + i] & 15) | ((s[i] >> 6) << 4));
+        minimum[4 + i] = dmin * (float)((s[8 + i] >> 4) | ((s[4 + i] >> 6) << 4));
+    }
+}
+
+static inline void decode_q4_k(const uint8_t *b, float *w) {
+    float scale[8], minimum[8];
+    k_scales(b + 4, f16(b), f16(b + 2), scale, minimum);
+    const uint8_t *qs = b + 16;
+    for (int c = 0; c < 4; c++) {
+        const float s0 = scale[2 * c], m0 = minimum[2 * c], s1 = scale[2 * c + 1], m1 = minimum[2 * c + 1];
+        for (int l = 0; l < 32; l++) {
+            w[64 * c + l] = s0 * (float)(qs[32 * c + l] & 15) - m0;
+            w[64 * c + 32 + l] = s1 * (float)(qs[32 * c + l] >> 4) - m1;
+        }
+    }
+}
+
+static inline void decode_q5_k(const uint8_t *b, float *w) {
+    float scale[8], minimum[8];
+    k_scales(b + 4, f16(b), f16(b + 2), scale, minimum);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int c = 0; c < 4; c++) {
+        const int s = 2 * c;
+        const float s0 = scale[s], m0 = minimum[s], s1 = scale[s + 1], m1 = minimum[s + 1];
+        for (int l = 0; l < 32; l++) {
+            int lo = (qs[32 * c + l] & 15) | (((qh[l] >> s) & 1) << 4);
+            int hi = (qs[32 * c + l] >> 4) | (((qh[l] >> (s + 1)) & 1) << 4);
+            w[64 * c + l] = s0 * (float)lo - m0;
+            w[64 * c + 32 + l] = s1 * (float)hi - m1;
+        }
+    }
+}
+
+static inline void decode_q6_k(const uint8_t *b, float *w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    float scale[16];
+    for (int i = 0; i < 16; i++) scale[i] = d * (float)sc[i];
+    /* element e = 128 h + 64 nib + 32 s2 + l: low nibble `nib` of ql[64 h + 32 s2 + l], high bits
+       (2 (2 nib + s2)) of qh[32 h + l]. */
+    for (int h = 0; h < 2; h++)
+        for (int nib = 0; nib < 2; nib++)
+            for (int s2 = 0; s2 < 2; s2++) {
+                const int e0 = 128 * h + 64 * nib + 32 * s2, shift = 2 * (2 * nib + s2);
+                for (int l = 0; l < 32; l++) {
+                    int q = ((ql[64 * h + 32 * s2 + l] >> (4 * nib)) & 15) | (((qh[32 * h + l] >> shift) & 3) << 4);
+                    w[e0 + l] = scale[(e0 + l) >> 4] * (float)(q - 32);
+                }
+            }
+}
+
+static inline void decode_w4g128(const uint8_t *b, float *w) {
+    const float d = f16(b);
+    const int z = b[2];
+    for (int j = 0; j < 64; j++) {
+        w[j] = d * (float)((int)(b[4 + j] & 15) - z);
+        w[j + 64] = d * (float)((int)(b[4 + j] >> 4) - z);
+    }
+}
+
+/* ---- GEMV: rows [n0, n1) of W times M rows of x ------------------------------------------------ */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* AVX-512: each DEC_* macro decodes one block straight into registers, 16 weights at a time, and
+   hands each vector to EMIT(vector, offset in the block). The decode multiplies and adds exactly
+   as the scalar decoders above (and the reference) do; only the dot products use fused adds. */
+#define U8X16(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define LOW4(v) _mm512_and_si512((v), _mm512_set1_epi32(15))
+#define HIGH4(v) _mm512_srli_epi32((v), 4)
+#define I2F(v) _mm512_cvtepi32_ps(v)
+
+/* 4-bit codes: each block's (or sub-block's) 16 possible weights are computed once, with the
+   reference's operations, into a register table, and vpermps picks each lane's (it reads only the
+   low 4 bits of each index, so a zero-extended byte indexes by its low nibble as it is). */
+#define IOTA16 _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define PICK(table, idx) _mm512_permutexvar_ps((idx), (table))
+/* 5-bit codes: two tables (codes 0..15 and 16..31); the code's high bit is a lane mask. */
+#define PICK5(low, high, mask, idx) _mm512_mask_permutexvar_ps(PICK(low, idx), (mask), (idx), (high))
+
+#define DEC_Q4_0(b, EMIT) {                                                                          \
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(f16(b)), _mm512_sub_ps(IOTA16, _mm512_set1_ps(8)));  \
+    const __m512i q = U8X16((b) + 2);                                                                \
+    EMIT(PICK(t, q), 0);                                                                             \
+    EMIT(PICK(t, HIGH4(q)), 16); }
+
+#define DEC_Q4_1(b, EMIT) {                                                                          \
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f16(b)), IOTA16), _mm512_set1_ps(f16((b) + 2)));  \
+    const __m512i q = U8X16((b) + 4);                                                                \
+    EMIT(PICK(t, q), 0);                                                                             \
+    EMIT(PICK(t, HIGH4(q)), 16); }
+
+#define DEC_Q5_0(b, EMIT) {                                                                          \
+    const __m512 d = _mm512_set1_ps(f16(b)), sixteen = _mm512_set1_ps(16);                           \
+    const __m512 lo = _mm512_mul_ps(d, _mm512_sub_ps(IOTA16, sixteen)), hi = _mm512_mul_ps(d, IOTA16);  \
+    uint32_t qh; memcpy(&qh, (b) + 2, 4);                                                            \
+    const __m512i q = U8X16((b) + 6);                                                                \
+    EMIT(PICK5(lo, hi, (__mmask16)(qh & 0xFFFF), q), 0);                                             \
+    EMIT(PICK5(lo, hi, (__mmask16)(qh >> 16), HIGH4(q)), 16); }
+
+#define DEC_Q5_1(b, EMIT) {                                                                          \
+    const __m512 d = _mm512_set1_ps(f16(b)), mn = _mm512_set1_ps(f16((b) + 2));                      \
+    const __m512 lo = _mm512_add_ps(_mm512_mul_ps(d, IOTA16), mn);                                   \
+    const __m512 hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_add_ps(IOTA16, _mm512_set1_ps(16))), mn);  \
+    uint32_t qh; memcpy(&qh, (b) + 4, 4);                                                            \
+    const __m512i q = U8X16((b) + 8);                                                                \
+    EMIT(PICK5(lo, hi, (__mmask16)(qh & 0xFFFF), q), 0);                                             \
+    EMIT(PICK5(lo, hi, (__mmask16)(qh >> 16), HIGH4(q)), 16); }
+
+#define DEC_Q8_0(b, EMIT) {                                                                          \
+    const __m512 d = _mm512_set1_ps(f16(b));                                                         \
+    EMIT(_mm512_mul_ps(I2F(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((b) + 2)))), d), 0);      \
+    EMIT(_mm512_mul_ps(I2F(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((b) + 18)))), d), 16); }
+
+/* Q4_K/Q5_K: chunk c of 32 code bytes holds sub-block 2c (low nibbles) and 2c + 1 (high). */
+#define K_TABLE(s, codes) _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(scale[s]), (codes)), _mm512_set1_ps(minimum[s]))
+
+#define DEC_Q4_K(b, EMIT) {                                                                          \
+    float scale[8], minimum[8];                                                                      \
+    k_scales((b) + 4, f16(b), f16((b) + 2), scale, minimum);                                         \
+    for (int c = 0; c < 4; c++) {                                                                    \
+        const __m512 t0 = K_TABLE(2 * c, IOTA16), t1 = K_TABLE(2 * c + 1, IOTA16);                   \
+        const __m512i qa = U8X16((b) + 16 + 32 * c), qb = U8X16((b) + 32 + 32 * c);                  \
+        EMIT(PICK(t0, qa), 64 * c);                                                                  \
+        EMIT(PICK(t0, qb), 64 * c + 16);                                                             \
+        EMIT(PICK(t1, HIGH4(qa)), 64 * c + 32);                                                      \
+        EMIT(PICK(t1, HIGH4(qb)), 64 * c + 48);                                                      \
+    } }
+
+/* Q5_K: the high bit of element 32 s + l is bit s of qh[l]: a lane mask per sub-block. */
+#define DEC_Q5_K(b, EMIT) {                                                                          \
+    float scale[8], minimum[8];                                                                      \
+    k_scales((b) + 4, f16(b), f16((b) + 2), scale, minimum);                                         \
+    const __m128i ha = _mm_loadu_si128((const __m128i *)((b) + 16)), hb = _mm_loadu_si128((const __m128i *)((b) + 32));  \
+    const __m512 upper = _mm512_add_ps(IOTA16, _mm512_set1_ps(16));                                  \
+    for (int c = 0; c < 4; c++) {                                                                    \
+        const __m512 l0 = K_TABLE(2 * c, IOTA16), h0 = K_TABLE(2 * c, upper);                        \
+        const __m512 l1 = K_TABLE(2 * c + 1, IOTA16), h1 = K_TABLE(2 * c + 1, upper);                \
+        const __m128i bit0 = _mm_set1_epi8((char)(1 << (2 * c))), bit1 = _mm_set1_epi8((char)(2 << (2 * c)));  \
+        const __m512i qa = U8X16((b) + 48 + 32 * c), qb = U8X16((b) + 64 + 32 * c);                  \
+        EMIT(PICK5(l0, h0, _mm_test_epi8_mask(ha, bit0), qa), 64 * c);                               \
+        EMIT(PICK5(l0, h0, _mm_test_epi8_mask(hb, bit0), qb), 64 * c + 16);                          \
+        EMIT(PICK5(l1, h1, _mm_test_epi8_mask(ha, bit1), HIGH4(qa)), 64 * c + 32);                   \
+        EMIT(PICK5(l1, h1, _mm_test_epi8_mask(hb, bit1), HIGH4(qb)), 64 * c + 48);                   \
+    } }
+
+/* Q6_K: element e = 128 h + 64 nib + 32 s2 + l (see decode_q6_k). */
+#define DEC_Q6_K(b, EMIT) {                                                                          \
+    const int8_t *sc_ = (const int8_t *)((b) + 192);                                                 \
+    const float d6 = f16((b) + 208);                                                                 \
+    const __m512i thirty_two = _mm512_set1_epi32(32), three = _mm512_set1_epi32(3);                  \
+    for (int h = 0; h < 2; h++) {                                                                    \
+        const __m512i qh0 = U8X16((b) + 128 + 32 * h), qh1 = U8X16((b) + 144 + 32 * h);              \
+        for (int s2 = 0; s2 < 2; s2++) {                                                             \
+            const __m512i ql0 = U8X16((b) + 64 * h + 32 * s2), ql1 = U8X16((b) + 64 * h + 32 * s2 + 16);   \
+            for (int nib = 0; nib < 2; nib++) {                                                      \
+                const int e0 = 128 * h + 64 * nib + 32 * s2, shift = 2 * (2 * nib + s2);             \
+                const __m512i sh = _mm512_set1_epi32(shift);                                         \
+                const __m512i lo0 = nib ? HIGH4(ql0) : LOW4(ql0), lo1 = nib ? HIGH4(ql1) : LOW4(ql1);      \
+                const __m512i q0 = _mm512_sub_epi32(_mm512_or_si512(lo0, _mm512_slli_epi32(                \
+                    _mm512_and_si512(_mm512_srlv_epi32(qh0, sh), three), 4)), thirty_two);               \
+                const __m512i q1 = _mm512_sub_epi32(_mm512_or_si512(lo1, _mm512_slli_epi32(                \
+                    _mm512_and_si512(_mm512_srlv_epi32(qh1, sh), three), 4)), thirty_two);               \
+                EMIT(_mm512_mul_ps(_mm512_set1_ps(d6 * (float)sc_[e0 >> 4]), I2F(q0)), e0);                 \
+                EMIT(_mm512_mul_ps(_mm512_set1_ps(d6 * (float)sc_[(e0 >> 4) + 1]), I2F(q1)), e0 + 16);      \
+            }                                                                                        \
+        }                                                                                            \
+    } }
+
+#define DEC_W4G128(b, EMIT) {                                                                        \
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(f16(b)), _mm512_sub_ps(IOTA16, _mm512_set1_ps((float)(b)[2])));  \
+    for (int i = 0; i < 4; i++) {                                                                    \
+        const __m512i q = U8X16((b) + 4 + 16 * i);                                                   \
+        EMIT(PICK(t, q), 16 * i);                                                                    \
+        EMIT(PICK(t, HIGH4(q)), 64 + 16 * i);                                                        \
+    } }
+
+/* Accumulators per row of x: vector v of a block (16 v .. 16 v + 15) goes to accumulator v % NACC,
+   so one row's fused adds are NACC independent chains; fewer for more rows, to stay in registers. */
+#define NACC(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
+#define EMIT_DOT(vector, offset) {                                                                   \
+    const __m512 w_ = (vector);                                                                      \
+    for (int m = 0; m < M; m++)                                                                      \
+        acc[m][((offset) >> 4) & (NACC(M) - 1)] = _mm512_fmadd_ps(                                   \
+            w_, _mm512_loadu_ps(xb + m * K + (offset)), acc[m][((offset) >> 4) & (NACC(M) - 1)]); }
+#define EMIT_STORE(vector, offset) _mm512_storeu_ps(dst + (offset), (vector));
+
+/* M is a compile-time constant in each call of NAME##_rows from the switch, so the accumulators
+   stay in registers. */
+#define GEMV_FN(NAME, DEC, BS, TS)                                                                   \
+    static inline __attribute__((always_inline)) void NAME##_rows(                                   \
+            const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const float *x,      \
+            const int M, float *out, int64_t out_stride) {                                           \
+        const int64_t num_blocks = K / BS;                                                           \
+        for (int64_t n = n0; n < n1; n++) {                                                          \
+            const uint8_t *row = data + n * row_stride;                                              \
+            __m512 acc[M][NACC(M)];                                                                  \
+            for (int m = 0; m < M; m++)                                                              \
+                for (int a = 0; a < NACC(M); a++) acc[m][a] = _mm512_setzero_ps();                   \
+            for (int64_t blk = 0; blk < num_blocks; blk++) {                                         \
+                const uint8_t *block = row + blk * TS;                                               \
+                const float *xb = x + blk * BS;                                                      \
+                DEC(block, EMIT_DOT)                                                                 \
+            }                                                                                        \
+            for (int m = 0; m < M; m++) {                                                            \
+                __m512 total = acc[m][0];                                                            \
+                for (int a = 1; a < NACC(M); a++) total = _mm512_add_ps(total, acc[m][a]);           \
+                out[m * out_stride + n] = _mm512_reduce_add_ps(total);                               \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+    static void NAME(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K,     \
+                     const float *x, int M, float *out, int64_t out_stride) {                        \
+        switch (M) {                                                                                 \
+        case 1: NAME##_rows(data, row_stride, n0, n1, K, x, 1, out, out_stride); break;              \
+        case 2: NAME##_rows(data, row_stride, n0, n1, K, x, 2, out, out_stride); break;              \
+        case 3: NAME##_rows(data, row_stride, n0, n1, K, x, 3, out, out_stride); break;              \
+        case 4: NAME##_rows(data, row_stride, n0, n1, K, x, 4, out, out_stride); break;              \
+        case 5: NAME##_rows(data, row_stride, n0, n1, K, x, 5, out, out_stride); break;              \
+        case 6: NAME##_rows(data, row_stride, n0, n1, K, x, 6, out, out_stride); break;              \
+        case 7: NAME##_rows(data, row_stride, n0, n1, K, x, 7, out, out_stride); break;              \
+        default: NAME##_rows(data, row_stride, n0, n1, K, x, 8, out, out_stride); break;             \
+        }                                                                                            \
+    }                                                                                                \
+    static void NAME##_dequant(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1,      \
+                               int64_t K, float *out) {                                              \
+        for (int64_t n = n0; n < n1; n++)                                                            \
+            for (int64_t blk = 0; blk < K / BS; blk++) {                                             \
+                const uint8_t *block = data + n * row_stride + blk * TS;                             \
+                float *dst = out + (n - n0) * K + blk * BS;                                          \
+                DEC(block, EMIT_STORE)                                                               \
+            }                                                                                        \
+    }
+
+GEMV_FN(gemv_q4_0, DEC_Q4_0, 32, 18)
+GEMV_FN(gemv_q4_1, DEC_Q4_1, 32, 20)
+GEMV_FN(gemv_q5_0, DEC_Q5_0, 32, 22)
+GEMV_FN(gemv_q5_1, DEC_Q5_1, 32, 24)
+GEMV_FN(gemv_q8_0, DEC_Q8_0, 32, 34)
+GEMV_FN(gemv_q4_k, DEC_Q4_K, 256, 144)
+GEMV_FN(gemv_q5_k, DEC_Q5_K, 256, 176)
+GEMV_FN(gemv_q6_k, DEC_Q6_K, 256, 210)
+GEMV_FN(gemv_w4g128, DEC_W4G128, 128, 68)
+
+#else
+/* Portable: decode each block with the scalar decoders, then multiply (gcc vectorizes what it can). */
+#define GEMV_FN(NAME, DECODE, BS, TS)                                                                \
+    static void NAME(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K,     \
+                     const float *x, int M, float *out, int64_t out_stride) {                        \
+        float w[BS];                                                                                 \
+        for (int64_t n = n0; n < n1; n++) {                                                          \
+            float acc[8] = {0};                                                                      \
+            for (int64_t blk = 0; blk < K / BS; blk++) {                                             \
+                DECODE(data + n * row_stride + blk * TS, w);                                         \
+                for (int m = 0; m < M; m++)                                                          \
+                    for (int j = 0; j < BS; j++) acc[m] += w[j] * x[m * K + blk * BS + j];           \
+            }                                                                                        \
+            for (int m = 0; m < M; m++) out[m * out_stride + n] = acc[m];                            \
+        }                                                                                            \
+    }                                                                                                \
+    static void NAME##_dequant(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1,      \
+                               int64_t K, float *out) {                                              \
+        for (int64_t n = n0; n < n1; n++)                                                            \
+            for (int64_t blk = 0; blk < K / BS; blk++)                                               \
+                DECODE(data + n * row_stride + blk * TS, out + (n - n0) * K + blk * BS);             \
+    }
+
+GEMV_FN(gemv_q4_0, decode_q4_0, 32, 18)
+GEMV_FN(gemv_q4_1, decode_q4_1, 32, 20)
+GEMV_FN(gemv_q5_0, decode_q5_0, 32, 22)
+GEMV_FN(gemv_q5_1, decode_q5_1, 32, 24)
+GEMV_FN(gemv_q8_0, decode_q8_0, 32, 34)
+GEMV_FN(gemv_q4_k, decode_q4_k, 256, 144)
+GEMV_FN(gemv_q5_k, decode_q5_k, 256, 176)
+GEMV_FN(gemv_q6_k, decode_q6_k, 256, 210)
+GEMV_FN(gemv_w4g128, decode_w4g128, 128, 68)
+#endif
+
+typedef void (*gemv_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const float *, int, float *, int64_t);
+typedef void (*dequant_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, float *);
+
+static const gemv_fn GEMV[] = {gemv_q4_0, gemv_q4_1, gemv_q5_0, gemv_q5_1, gemv_q8_0,
+                               gemv_q4_k, gemv_q5_k, gemv_q6_k, gemv_w4g128};
+static const dequant_fn DEQUANT[] = {gemv_q4_0_dequant, gemv_q4_1_dequant, gemv_q5_0_dequant,
+                                     gemv_q5_1_dequant, gemv_q8_0_dequant, gemv_q4_k_dequant,
+                                     gemv_q5_k_dequant, gemv_q6_k_dequant, gemv_w4g128_dequant};
+
+/* Rows per thread chunk: whole chunks of 16 so neighbouring threads do not share output lines. */
+static inline void split(int64_t N, int parts, int part, int64_t *n0, int64_t *n1) {
+    int64_t chunks = (N + 15) / 16, per = chunks / parts, extra = chunks % parts;
+    int64_t first = part * per + (part < extra ? part : extra), count = per + (part < extra);
+    *n0 = first * 16 < N ? first * 16 : N;
+    *n1 = (first + count) * 16 < N ? (first + count) * 16 : N;
+}
+
+int gguf_gemv(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const float *x,
+              int M, float *out, int64_t out_stride, int num_threads) {
+    if (qtype < 0 || qtype > W4G128 || M < 1 || M > 8) return -1;
+    const gemv_fn fn = GEMV[qtype];
+    if (num_threads <= 1 || N < 32) {
+        fn(data, row_stride, 0, N, K, x, M, out, out_stride);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int part = 0; part < num_threads; part++) {
+        int64_t n0, n1;
+        split(N, num_threads, part, &n0, &n1);
+        fn(data, row_stride, n0, n1, K, x, M, out, out_stride);
+    }
+    return 0;
+}
+
+int gguf_dequant(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, float *out,
+                 int num_threads) {
+    if (qtype < 0 || qtype > W4G128) return -1;
+    const dequant_fn fn = DEQUANT[qtype];
+    if (num_threads <= 1 || N < 32) {
+        fn(data, row_stride, 0, N, K, out);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int part = 0; part < num_threads; part++) {
+        int64_t n0, n1;
+        split(N, num_threads, part, &n0, &n1);
+        fn(data, row_stride, n0, n1, K, out + n0 * K);
+    }
+    return 0;
+}

@@ -1,0 +1,173 @@
+"""The C kernels of ``gguf_cpu_kernels.c`` (GGUF block rows read in place), built with the system's C
+compiler on first use and called through ctypes.
+
+Why C: on this kind of CPU a decode step is bound by reading the weight (one core streams ~7.5 GB/s),
+so the kernel must decode blocks as fast as they arrive. Measured against it (1 thread, [8192, 2048],
+one row): torch inductor's C++ codegen of a dequantize-and-dot function reached 7 G weights/s on
+Q8_0 (as this C does: the memory bound) but 0.2-3 G/s on the bit-packed types (its loops over
+nibbles and bit planes do not vectorize); the numba kernels (``gguf_numba.py``) were 0.2-0.4x
+llama.cpp end to end. The C is plain loops over 16 float32 lanes that gcc vectorizes for the
+machine it runs on (``-march=native``).
+
+The shared library is cached under ``~/.cache/hearth_llm/kernels`` (``HEARTH_LLM_KERNEL_CACHE``),
+keyed by the source, the compiler flags, the compiler and this CPU's flags, so the compile (~1-2 s)
+happens once per machine. :func:`available` is False where no compiler is found or the build fails
+(then ``gguf_cpu`` runs its torch path, slower but the same values).
+
+>>> out = gemv(x.float(), data, "Q4_K")        # float32 [M, N] for M <= 8
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gguf_cpu_kernels.c")
+QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "W4G128": 8}
+# The kernel keeps one accumulator set per row of x in registers; more rows take the tiled path.
+MAX_ROWS = 8
+# -ffp-contract=off: the weights are decoded with separate multiplies and adds, as the reference does.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether the kernels are built (or can be built now) for this machine."""
+    return _library() is not None
+
+
+def gemv(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads: int | None = None) -> torch.Tensor:
+    """float32 ``x @ W.T`` for float32 ``x`` ``[M, K]`` (M <= :data:`MAX_ROWS`) and uint8 block rows
+    ``data`` ``[N, row_bytes]`` (rows may be strided; each row's blocks contiguous)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
+    num_rows, num_columns = _check(x, data, quant_type)
+    if x.dtype != torch.float32 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be float32 with 1..{MAX_ROWS} rows, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], num_rows, dtype=torch.float32)
+    status = library.gguf_gemv(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
+                               x.data_ptr(), x.shape[0], out.data_ptr(), num_rows,
+                               num_threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"gguf_gemv failed for {quant_type} (status {status})")
+    return out
+
+
+def gemv_routine(data: torch.Tensor, quant_type: str):
+    """:func:`gemv` with the weight bound and checked once: ``routine(x)`` for contiguous float32
+    ``x`` ``[M, K]``, 1 <= M <= :data:`MAX_ROWS` (the caller's contract: not checked per call)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
+    num_rows, num_columns = _check(None, data, quant_type)
+    call, qtype, pointer, stride = library.gguf_gemv, QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0)
+    get_num_threads = torch.get_num_threads
+
+    def routine(x: torch.Tensor, _data=data) -> torch.Tensor:  # _data: keeps the weight alive
+        out = torch.empty(x.shape[0], num_rows, dtype=torch.float32)
+        call(qtype, pointer, stride, num_rows, num_columns, x.data_ptr(), x.shape[0], out.data_ptr(), num_rows,
+             get_num_threads())
+        return out
+
+    return routine
+
+
+def dequantize(data: torch.Tensor, quant_type: str, num_threads: int | None = None) -> torch.Tensor:
+    """float32 ``[N, K]`` values of uint8 block rows ``data`` (bit-equal to ``gguf_reference.dequantize``)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
+    num_rows, num_columns = _check(None, data, quant_type)
+    out = torch.empty(num_rows, num_columns, dtype=torch.float32)
+    status = library.gguf_dequant(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
+                                  out.data_ptr(), num_threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"gguf_dequant failed for {quant_type} (status {status})")
+    return out
+
+
+def _check(x, data: torch.Tensor, quant_type: str) -> tuple[int, int]:
+    from .gguf_reference import block_format
+
+    fmt = block_format(quant_type)
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % fmt.type_size or data.device.type != "cpu":
+        raise ValueError(f"data must be CPU uint8 rows of whole {fmt.type_size}-byte {quant_type} blocks, got "
+                         f"{data.dtype} {tuple(data.shape)} on {data.device}")
+    if data.shape[0] > 1 and data.stride(1) != 1:
+        raise ValueError("data's rows must be contiguous")
+    num_columns = fmt.num_columns(data.shape[1])
+    if x is not None and (x.dim() != 2 or x.shape[1] != num_columns or x.device.type != "cpu"):
+        raise ValueError(f"x must be a CPU [M, {num_columns}] tensor for this {quant_type} weight, got "
+                         f"{tuple(x.shape)} on {x.device}")
+    return data.shape[0], num_columns
+
+
+@functools.cache
+def _library():
+    with _lock:
+        path = _built_library()
+        if path is None:
+            return None
+        # OpenMP: torch's own libgomp is already loaded, and the loader reuses it for this library
+        # (same soname), so both share one thread pool.
+        library = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.gguf_gemv.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int)
+    library.gguf_dequant.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int)
+    library.gguf_gemv.restype = library.gguf_dequant.restype = ctypes.c_int
+    return library
+
+
+def _built_library() -> Path | None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+                                     _compiler_version(compiler), _cpu_flags()])).hexdigest()[:16]
+    cache = Path(os.environ.get("HEARTH_LLM_KERNEL_CACHE", "~/.cache/hearth_llm/kernels")).expanduser()
+    path = cache / f"gguf_cpu_{key}.so"
+    if path.exists():
+        return path
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            built = Path(scratch) / path.name
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+                           timeout=300)
+            os.replace(built, path)  # atomic: a concurrent process sees the whole library or none
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        warnings.warn(f"GGUF CPU kernels not built ({error}; {detail.decode(errors='replace')[:500]}); GGUF "
+                      "layers on the CPU use the slower torch path", RuntimeWarning, stacklevel=3)
+        return None
+    return path
+
+
+def _compiler_version(compiler: str) -> bytes:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return b""
+
+
+def _cpu_flags() -> bytes:
+    """This CPU's feature flags (``-march=native`` builds for them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return b""
