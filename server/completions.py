@@ -41,9 +41,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     timeout = state.timeout(request)
     await state.admit(request)
     try:
-        streams = state.core.add_requests(prompts, [params] * len(prompts),
-                                          [f"{reply_id}-{index}" for index in range(len(prompts))],
-                                          [body.priority or 0] * len(prompts), timeout=timeout)
+        streams = await state.add_requests(prompts, [params] * len(prompts),
+                                           [f"{reply_id}-{index}" for index in range(len(prompts))],
+                                           [body.priority or 0] * len(prompts), timeout=timeout)
     except (ValueError, TypeError) as error:
         raise invalid_parameter(error, _FIELDS) from error
     except Exception as error:

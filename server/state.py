@@ -96,6 +96,21 @@ class ServerState:
         if self.settings.rate_limit is not None:
             await self.settings.rate_limit.acquire(request.state.tenant)
 
+    async def add_requests(self, prompts: list, *args, **kwargs) -> list:
+        """``core.add_requests``, off the event loop where it can block: a child-process core
+        answers an add over its pipe between two engine steps, and text prompts are tokenized in
+        the call; every other stream on the loop would wait meanwhile. A request cancelled while
+        its add runs (the client left) has its streams closed once the add returns."""
+        if self.core.config.engine_core != "process" and not any(isinstance(p, str) for p in prompts):
+            return self.core.add_requests(prompts, *args, **kwargs)
+        future = asyncio.get_running_loop().run_in_executor(None, lambda: self.core.add_requests(prompts, *args,
+                                                                                                  **kwargs))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_close_streams)
+            raise
+
     def charge(self, request: Request, num_tokens: int, usage=None) -> None:
         """Count a request's tokens (prompt + completion) against its key's tokens per minute;
         its ``usage`` (when it finished) goes to the log line and the span."""
@@ -128,3 +143,9 @@ class ServerState:
         if n < 1 or n > self.settings.max_n:
             raise APIError(400, f"n must be in [1, {self.settings.max_n}] on this server, got {n}", param="n")
         return n
+
+
+def _close_streams(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        for stream in future.result():
+            stream.close()

@@ -2,13 +2,14 @@
 streams write to the pipe instead of to a reader in this process.
 
 Its main thread reads the parent's messages and applies them to the core (adds, aborts, calls);
-the core's own thread runs the steps, and each output it hands to a stream goes straight to the
-parent as an :class:`~.messages.Output`. The child ends when the parent says :class:`Close`,
-when the parent's end of the pipe closes (the parent died: no orphan stays), or after its engine
-stopped.
+the core's own thread runs the steps, and the outputs one step hands to its streams go to the
+parent together, as one :class:`~.messages.Outputs`. The child ends when the parent says
+:class:`Close`, when the parent's end of the pipe closes (the parent died: no orphan stays), or
+after its engine stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -21,7 +22,7 @@ from ..core_front import is_last_item
 from ..engine_core import EngineCore
 from ..errors import EngineDeadError
 from ..outputs import StreamOutput
-from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Reply, Started, Stopped
+from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Outputs, Reply, Started, Stopped
 
 # Calls that wait for the engine (sleep finishes the running requests first): each gets a thread,
 # so aborts and adds keep flowing meanwhile.
@@ -35,11 +36,28 @@ class _Link:
     def __init__(self, conn) -> None:
         self.conn = conn
         self._lock = threading.Lock()
+        self._batch: list[tuple[int, object]] = []
+        self._batch_thread: int | None = None  # the thread inside ``batched()``, if any
+
+    @contextlib.contextmanager
+    def batched(self):
+        """The outputs this thread sends inside go to the parent as one :class:`Outputs` at the end."""
+        self._batch, self._batch_thread = [], threading.get_ident()
+        try:
+            yield
+        finally:
+            batch, self._batch, self._batch_thread = self._batch, [], None
+            if batch:
+                self.send(Outputs(batch))
 
     def send(self, message) -> bool:
         """False when the parent is gone. Exceptions are checked to come back out of pickle whole."""
-        if isinstance(message, Output) and isinstance(message.item, BaseException):
-            message = Output(message.stream_id, picklable_error(message.item))
+        if isinstance(message, Output):
+            if isinstance(message.item, BaseException):
+                message = Output(message.stream_id, picklable_error(message.item))
+            if self._batch_thread == threading.get_ident():
+                self._batch.append((message.stream_id, message.item))
+                return True  # sent with the rest of the step's outputs
         elif isinstance(message, (Reply, Started, Stopped)) and message.error is not None:
             message.error = picklable_error(message.error)
         try:
@@ -112,6 +130,10 @@ class ChildEngineCore(EngineCore):
         with self._pipe_lock:
             self.pipe_streams[stream.stream_id] = stream
         return stream
+
+    def _dispatch(self, engine, deltas) -> bool:
+        with self._link.batched():  # a step's outputs travel as one message
+            return super()._dispatch(engine, deltas)
 
     def _forget_stream(self, stream: _PipeStream) -> None:
         with self._pipe_lock:

@@ -37,7 +37,7 @@ from ..executor.multiproc import _main_module_hidden, _process_context
 from ..memory.sleep import check_sleep_level
 from ..streams import RequestStream
 from .child import core_process_main
-from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Reply, Started, Stopped
+from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Outputs, Reply, Started, Stopped
 
 logger = logging.getLogger("hearth_llm")
 
@@ -300,7 +300,10 @@ class ProcessEngineCore(CoreFront):
         self._stop(stop_error)
 
     def _handle(self, message) -> None:
-        if isinstance(message, Output):
+        if isinstance(message, Outputs):
+            for stream_id, item in message.items:
+                self._deliver(stream_id, item)
+        elif isinstance(message, Output):
             self._deliver(message.stream_id, message.item)
         elif isinstance(message, Reply):
             with self._lock:

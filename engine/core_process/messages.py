@@ -1,9 +1,10 @@
 """What the parent and the child-process engine core say to each other over their pipe.
 
 Parent → child: :class:`AddRequests`, :class:`Abort`, :class:`Call`, :class:`Close`. Child →
-parent: :class:`Started` (loaded, or the load's error), one :class:`Output` per stream item, a
-:class:`Reply` per call, and :class:`Stopped` when its engine stops. Every message
-is a small picklable dataclass; token outputs are the engine's own ``StreamOutput`` objects.
+parent: :class:`Started` (loaded, or the load's error), one :class:`Outputs` per engine step (an
+:class:`Output` per item handed out between steps), a :class:`Reply` per call, and
+:class:`Stopped` when its engine stops. Every message is a small picklable dataclass; token
+outputs are the engine's own ``StreamOutput`` objects.
 """
 from __future__ import annotations
 
@@ -88,6 +89,14 @@ class Started:
 class Output:
     stream_id: int
     item: object           # a StreamOutput, or the exception the stream raises
+
+
+@dataclass(slots=True)
+class Outputs:
+    """One engine step's outputs for every stream, as one message: ``(stream_id, item)`` pairs in
+    the order the core handed them out (one pickle and one pipe write per step, not per token)."""
+
+    items: list[tuple[int, object]]
 
 
 @dataclass(slots=True)
