@@ -267,26 +267,37 @@ def main(argv=None) -> None:
     results: dict = {}
     budget_end = STARTED + args.budget_s
     for part in args.parts:
-        if part == "check":
-            results["check_passed"] = check(triton_gemv, reference)
-        elif part == "attention":  # the attention kernels' closeness (attention_kernels --check's first part)
-            from .attention_kernels import check_closeness
+        try:
+            run_part(part, args, results, budget_end, triton_gemv, reference, triton_norm, triton_activation)
+        except Exception as error:  # noqa: BLE001  (one part failing must not lose the others)
+            import traceback
 
-            check_closeness(say)
-        elif part == "flash":  # long-context prefill: our kernel vs torch's FlashAttention-2 (attention_kernels)
-            from .attention_kernels import flash_prefill_comparison
-
-            if time.perf_counter() < budget_end:
-                flash_prefill_comparison(say)
-        elif part == "sweep":
-            sweep_end = STARTED + (args.sweep_budget_s or args.budget_s)
-            results["sweep"] = sweep(triton_gemv, triton_norm, triton_activation, min(sweep_end, budget_end))
-        else:
-            engine_part(args.shapes, budget_end, results)
+            say(f"FAIL part {part}: {type(error).__name__}: {error}")
+            traceback.print_exc()
         if args.json:
             with open(args.json, "w") as sink:
                 json.dump(results, sink, indent=2)
     say("RESULTS " + json.dumps(results))
+
+
+def run_part(part, args, results, budget_end, triton_gemv, reference, triton_norm, triton_activation) -> None:
+    if part == "check":
+        results["check_passed"] = check(triton_gemv, reference)
+    elif part == "attention":  # the attention kernels' closeness (attention_kernels --check's first part)
+        from .attention_kernels import check_closeness, fused_reduce_comparison
+
+        check_closeness(say)
+        fused_reduce_comparison(say)
+    elif part == "flash":  # long-context prefill: our kernel vs torch's FlashAttention-2 (attention_kernels)
+        from .attention_kernels import flash_prefill_comparison
+
+        if time.perf_counter() < budget_end:
+            flash_prefill_comparison(say)
+    elif part == "sweep":
+        sweep_end = STARTED + (args.sweep_budget_s or args.budget_s)
+        results["sweep"] = sweep(triton_gemv, triton_norm, triton_activation, min(sweep_end, budget_end))
+    else:
+        engine_part(args.shapes, budget_end, results)
 
 
 if __name__ == "__main__":

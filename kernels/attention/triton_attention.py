@@ -345,7 +345,8 @@ class DecodeLaunch:
     ``programs_per_sm``: the split count aims at this many programs per SM over the batch;
     ``max_splits``: its cap (a power of two); ``min_split_tokens``: no piece of a context is shorter.
     ``use_dot``: scores and outputs by ``tl.dot`` (the group's heads padded to 16 rows), else by
-    broadcast multiply-and-sum over the group's real heads only. ``fp8_dot_in_fp16``: with an fp8
+    broadcast multiply-and-sum over the group's real heads only. ``fused_reduce``: the last piece of
+    each split context merges the pieces (a counter per layer cache), no reduce kernel. ``fp8_dot_in_fp16``: with an fp8
     cache and bf16 queries, dot in fp16 (see ``_as_fp16``).
     """
 
@@ -357,6 +358,7 @@ class DecodeLaunch:
     min_split_tokens: int = 256
     use_dot: bool = True
     fp8_dot_in_fp16: bool = True
+    fused_reduce: bool = False
 
 
 DEFAULT_LAUNCH = DecodeLaunch()
@@ -377,11 +379,42 @@ def _used_splits(context_len, first_key, num_splits, BLOCK_N: tl.constexpr, min_
     return tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1), tiles_per_split
 
 
+@triton.jit
+def _merge_pieces(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, counter_ptr, out_offsets, out_stride_dim,
+                  stat_bases, used, is_real_row, row_mask, dims, BLOCK_S: tl.constexpr):
+    """Called by every piece of one (sequence, KV head) after storing its partial softmax: the
+    piece that finishes last (its ticket is ``used - 1``) merges all of them, as the reduce kernel
+    does, and puts the counter back to 0 for the next launch. The barrier and the acq_rel ticket
+    make every piece's partials visible to the merging one; it reads them from L2 (``.cg``)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if ticket == used - 1:
+        splits = tl.arange(0, BLOCK_S)
+        stat_mask = is_real_row[:, None] & (splits < used)[None, :]
+        stats = stat_bases[:, None] + splits[None, :]
+        maxes = tl.load(partial_max_ptr + stats, mask=stat_mask, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(partial_sum_ptr + stats, mask=stat_mask, other=0.0, cache_modifier=".cg")
+        global_max = tl.max(maxes, 1)
+        global_max = tl.where(global_max == float("-inf"), 0.0, global_max)  # padding rows: no pieces
+        weights = tl.where(stat_mask, sums * tl.exp2(maxes - global_max[:, None]), 0.0)
+        total = tl.sum(weights, 1)
+        merged = tl.zeros([stat_bases.shape[0], dims.shape[0]], dtype=tl.float32)
+        for piece in range(0, used):
+            piece_out = tl.load(partial_out_ptr + (stat_bases + piece)[:, None] * dims.shape[0] + dims[None, :],
+                                mask=row_mask, other=0.0, cache_modifier=".cg")
+            piece_weight = tl.sum(tl.where(splits[None, :] == piece, weights, 0.0), 1)
+            merged += piece_out * piece_weight[:, None]
+        merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out_ptr + out_offsets[:, None] + dims[None, :] * out_stride_dim,
+                 merged.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+
+
 # The split count and the minimum piece change with the batch and the launch: specializing on them
 # (== 1) would compile a second variant of each kernel.
 @triton.jit(do_not_specialize=["num_splits", "min_split_tiles"])
 def _split_decode_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, counters_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     kv_scales_ptr,
     num_heads,
@@ -395,8 +428,11 @@ def _split_decode_kernel(
     HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_KV_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, USE_DOT: tl.constexpr, FP8_DOT_IN_FP16: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One program: one piece of one sequence's keys, for the query heads of one KV head."""
+    """One program: one piece of one sequence's keys, for the query heads of one KV head. With
+    FUSED_REDUCE the last piece of a (sequence, KV head) to finish merges all of them (see
+    ``_merge_pieces``), so no reduce kernel runs."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -453,6 +489,12 @@ def _split_decode_kernel(
         tl.store(partial_max_ptr + stat_index, row_max, mask=is_real_row)
         tl.store(partial_sum_ptr + stat_index, row_sum, mask=is_real_row)
         tl.store(partial_out_ptr + stat_index[:, None] * BLOCK_D + dims[None, :], out, mask=row_mask)
+        if FUSED_REDUCE:
+            _merge_pieces(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+                          counters_ptr + seq.to(tl.int64) * tl.num_programs(1) + kv_head,
+                          token * out_stride_token + head * out_stride_head, out_stride_dim,
+                          (seq.to(tl.int64) * num_heads + head) * num_splits, used, is_real_row, row_mask, dims,
+                          BLOCK_S=BLOCK_S)
     else:
         tl.store(
             out_ptr + token * out_stride_token + head[:, None] * out_stride_head + dims[None, :] * out_stride_dim,
@@ -523,6 +565,25 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     return min(next_power_of_2(min(wanted, usable)), launch.max_splits)
 
 
+# Per layer cache (its data pointer): one int32 counter per (sequence, KV head) for the fused merge.
+# Each launch leaves them all 0 again, so they are zeroed once, when made, and never in a CUDA graph:
+# the eager warm-up before each capture (largest batch first) makes them big enough. Replaced
+# buffers stay referenced, as graphs captured earlier still use them.
+_MERGE_COUNTERS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def _merge_counters(key_cache: torch.Tensor, count: int) -> torch.Tensor:
+    key = (key_cache.data_ptr(), key_cache.device)
+    counters = _MERGE_COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        counters = torch.zeros(max(count, 512 * 8), dtype=torch.int32, device=key_cache.device)
+        _MERGE_COUNTERS[key] = counters
+    return counters
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _FALLBACK_SM_COUNT
@@ -552,8 +613,10 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         partial_sum = torch.empty_like(partial_max)
     else:  # never written: every sequence is one piece
         partial_out = partial_max = partial_sum = out
+    fused_reduce = launch.fused_reduce and num_splits > 1
+    counters = _merge_counters(key_cache, num_seqs * num_kv_heads) if fused_reduce else out
     _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, partial_out, partial_max, partial_sum,
+        out, partial_out, partial_max, partial_sum, counters,
         query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
         kv_scales if kv_scales is not None else out,
         num_heads,
@@ -564,9 +627,10 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         else max(16, next_power_of_2(common["num_queries_per_kv"])),
         BLOCK_N=block_n, USE_DOT=launch.use_dot,
         FP8_DOT_IN_FP16=launch.fp8_dot_in_fp16 and fp8_dot_in_fp16(query, key_cache),
+        FUSED_REDUCE=fused_reduce, BLOCK_S=next_power_of_2(launch.max_splits),
         num_warps=launch.num_warps, num_stages=launch.num_stages if key_cache.element_size() <= 2 else 2, **common,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_reduce:
         _split_decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_max, partial_sum, context_lens, query_start_loc,
             num_heads, common["head_dim"], common["sliding_window"], num_splits, min_split_tiles,
