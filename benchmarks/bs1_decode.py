@@ -158,10 +158,15 @@ def build_engine(shape: str):
     return our_engine(checkpoint, "bfloat16", max_num_seqs=1, kv_cache_memory="2GiB", max_model_len=4096)
 
 
-def recapture(engine, fused: bool) -> None:
+def recapture(engine, fused: bool, fused_merge: bool = False) -> None:
+    """Capture the bs1 graph again with the fused GEMVs on or off (and decode attention's fused merge)."""
+    import dataclasses
+
     from hearth_llm.engine.models import fused_decode
+    from hearth_llm.kernels.attention import triton_attention
 
     fused_decode.ENABLED = fused
+    triton_attention.DEFAULT_LAUNCH = dataclasses.replace(triton_attention.DEFAULT_LAUNCH, fused_reduce=fused_merge)
     engine.runner.decode_graphs = None
     torch.cuda.synchronize()
     engine.runner.enable_cuda_graphs(1, engine.config.max_model_len)
@@ -235,15 +240,16 @@ def engine_part(shapes: list[str], budget_end: float, results: dict) -> None:
             return
         engine = build_engine(shape)
         say(f"engine {shape}: built")
-        for fused in (True, False):
-            recapture(engine, fused)
+        for fused, fused_merge in ((True, False), (False, False), (True, True)):
+            recapture(engine, fused, fused_merge)
             ms = ours_bs1_ms_per_token(engine, num_tokens=64)
             graph_ms = decode_graph_bs1_ms(engine)
-            results[f"{shape}.bs1_ms.{'fused' if fused else 'unfused'}"] = ms
-            results[f"{shape}.graph_ms.{'fused' if fused else 'unfused'}"] = graph_ms
-            say(f"BS1 {shape} fused={fused}: {ms:.3f} ms/token, decode graph {graph_ms:.3f} ms")
-            if time.perf_counter() < budget_end:
-                profile_step(engine, f"{shape} fused={fused}", rows=14 if fused else 10)
+            label = f"{'fused' if fused else 'unfused'}{'+merge' if fused_merge else ''}"
+            results[f"{shape}.bs1_ms.{label}"] = ms
+            results[f"{shape}.graph_ms.{label}"] = graph_ms
+            say(f"BS1 {shape} {label}: {ms:.3f} ms/token, decode graph {graph_ms:.3f} ms")
+            if time.perf_counter() < budget_end and not fused_merge:
+                profile_step(engine, f"{shape} {label}", rows=14 if fused else 10)
         compare_fused(engine, shape, results)
         recapture(engine, True)
         del engine
