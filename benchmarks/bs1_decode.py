@@ -28,9 +28,9 @@ STARTED = time.perf_counter()
 # (name, N outputs, K inputs, prologue) per projection of a layer.
 PROJECTIONS = {
     "qwen3-0.6b": [("qkv", 4096, 1024, "norm"), ("o", 1024, 2048, "plain"), ("gate_up", 6144, 1024, "norm"),
-                   ("down", 1024, 3072, "silu")],
+                   ("down", 1024, 3072, "silu"), ("lm_head", 151936, 1024, "norm")],
     "llama3-8b": [("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
-                  ("down", 4096, 14336, "silu")],
+                  ("down", 4096, 14336, "silu"), ("lm_head", 128256, 4096, "norm")],
 }
 LAUNCHES = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 8), (2, 1024, 4),
             (32, 256, 4), (8, 256, 4), (32, 512, 8), (16, 256, 4), (4, 2048, 8), (16, 1024, 4)]
