@@ -35,7 +35,8 @@ def default_launch(num_outputs: int, reduction: int) -> GemvLaunch:
     """The launch for an ``[num_outputs, reduction]`` weight (H200 sweep, bf16; see GPUKERN round 1):
     enough programs to cover the SMs a few times over, each tile a few KiB."""
     block_n = 4 if num_outputs <= 2048 else 8 if num_outputs <= 8192 else 16
-    return GemvLaunch(block_n=block_n, block_k=min(1024, triton.next_power_of_2(reduction)), num_warps=4)
+    # The fp32 accumulator tile stays at 64 registers a thread (4 warps): block_n * block_k <= 8192.
+    return GemvLaunch(block_n=block_n, block_k=min(8192 // block_n, triton.next_power_of_2(reduction)), num_warps=4)
 
 
 @triton.jit
