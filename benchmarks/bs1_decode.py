@@ -123,10 +123,11 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
             else:
                 unfused = cublas
             results = []
-            for block_n, block_k, warps in LAUNCHES:
+            default = gemv.default_launch(outputs, reduction)
+            launches = {gemv.GemvLaunch(n, min(k, 1 << (reduction - 1).bit_length()), w) for n, k, w in LAUNCHES}
+            for launch in [default] + sorted(launches - {default}, key=lambda l: (l.block_n, l.block_k, l.num_warps)):
                 if time.perf_counter() > budget_end:
                     break
-                launch = gemv.GemvLaunch(block_n, min(block_k, 1 << (reduction - 1).bit_length()), warps)
                 if prologue == "norm":
                     def make(i, launch=launch):
                         return lambda: gemv.rms_norm_linear(x, residual, norm_weight, 1e-6, weights[i], launch)
@@ -137,7 +138,6 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
                     def make(i, launch=launch):
                         return lambda: gemv.linear(x, weights[i], launch)
                 results.append((graph_us(make, copies), launch))
-            default = gemv.default_launch(outputs, reduction)
             results.sort(key=lambda item: item[0])
             cells = " ".join(f"N{l.block_n}/K{l.block_k}/w{l.num_warps}:{us:.1f}" for us, l in results)
             fastest_us, fastest = results[0]
