@@ -125,7 +125,7 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
             results = []
             default = gemv.default_launch(outputs, reduction)
             launches = {gemv.GemvLaunch(n, min(k, 1 << (reduction - 1).bit_length()), w) for n, k, w in LAUNCHES}
-            for launch in [default] + sorted(launches - {default}, key=lambda l: (l.block_n, l.block_k, l.num_warps)):
+            for launch in [default] + sorted(launches - {default}, key=lambda g: (g.block_n, g.block_k, g.num_warps)):
                 if time.perf_counter() > budget_end:
                     break
                 if prologue == "norm":
@@ -139,9 +139,9 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
                         return lambda: gemv.linear(x, weights[i], launch)
                 results.append((graph_us(make, copies), launch))
             results.sort(key=lambda item: item[0])
-            cells = " ".join(f"N{l.block_n}/K{l.block_k}/w{l.num_warps}:{us:.1f}" for us, l in results)
+            cells = " ".join(f"N{g.block_n}/K{g.block_k}/w{g.num_warps}:{us:.1f}" for us, g in results)
             fastest_us, fastest = results[0]
-            default_us = next((us for us, l in results if l == default), float("nan"))
+            default_us = next((us for us, g in results if g == default), float("nan"))
             best[f"{shape}.{name}"] = dict(cublas_us=cublas, unfused_us=unfused, fused_us=fastest_us,
                                            launch=[fastest.block_n, fastest.block_k, fastest.num_warps],
                                            default_us=default_us)
