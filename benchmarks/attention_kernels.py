@@ -178,6 +178,13 @@ def flash_prefill_comparison(report, shape: str = "llama3-8b") -> None:
         batch.caches = batch.caches[:4]
         scale = batch.query.shape[-1] ** -0.5
         ours_us = run_prefill(batch, ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES)
+        if label.endswith("fresh"):  # a few other tiles of ours, on the case that decides the long mix
+            cells = []
+            for tiles in ((128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)):
+                us = run_prefill(batch, *tiles)
+                cells.append(f"M{tiles[0]}/N{tiles[1]}/w{tiles[2]}/s{tiles[3]} {batch.flops / us / 1e6:.0f}")
+            report(f"prefill {shape} {label} tiles (TFLOP/s): default M{ta.PREFILL_BLOCK_M}/N{ta.PREFILL_BLOCK_N}/"
+                   f"w{ta.PREFILL_NUM_WARPS}/s{ta.PREFILL_NUM_STAGES} {batch.flops / ours_us / 1e6:.0f} | " + " | ".join(cells))
         cu_q = batch.query_start_loc.to(torch.int32)
         cu_k = torch.zeros_like(cu_q)
         cu_k[1:] = batch.context_lens.cumsum(0)
