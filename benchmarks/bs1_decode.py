@@ -260,7 +260,7 @@ def engine_part(shapes: list[str], budget_end: float, results: dict) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "flash", "sweep"],
+    parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "sweep", "flash"],
                         choices=["check", "attention", "sweep", "engine", "flash"])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
     parser.add_argument("--budget-s", type=float, default=80.0, help="stop starting new measurements after this")
