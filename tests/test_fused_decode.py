@@ -111,3 +111,27 @@ def test_bf16_real_widths_are_close_to_reference(reduction, outputs):
     torch.testing.assert_close(triton_gemv.silu_and_mul_linear(gate_up[:, :reduction], weight_down).float(),
                                reference.silu_and_mul_linear(gate_up[:, :reduction], weight_down).float(),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_only_plain_dense_single_process_layers_of_one_row_take_the_fused_kernels(monkeypatch):
+    from hearth_llm.engine.models.linear import ColumnLinear, TensorParallel
+    from hearth_llm.engine.models.linear_method import DenseLinearMethod
+
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({"cpu"}))
+    layer = ColumnLinear(16, 8)
+    one_row, two_rows = torch.zeros(1, 16), torch.zeros(2, 16)
+    assert fused_decode.dense_weight(layer, one_row) is layer.weight
+    assert fused_decode.dense_weight(layer, two_rows) is None
+    assert fused_decode.dense_weight(layer, one_row.double()) is None      # another dtype than the weight
+    monkeypatch.setattr(fused_decode, "ENABLED", False)
+    assert fused_decode.dense_weight(layer, one_row) is None
+    monkeypatch.setattr(fused_decode, "ENABLED", True)
+    assert fused_decode.dense_weight(ColumnLinear(16, 8, bias=True), one_row) is None
+    wrapped = ColumnLinear(16, 8)
+    wrapped.method = DenseLinearMethod()  # e.g. a LoRA or quantized method: not the shared DENSE
+    assert fused_decode.dense_weight(wrapped, one_row) is None
+    sharded = ColumnLinear(16, 8)
+    sharded.parallel = TensorParallel(rank=0, size=2)
+    assert fused_decode.dense_weight(sharded, one_row) is None
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({"cuda"}))
+    assert fused_decode.dense_weight(layer, one_row) is None
