@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, Olmo2Config, Qwen3Config
+from transformers import LlamaConfig, Olmo2Config, Qwen3Config, Starcoder2Config
 
 from hearth_llm.engine import LLM, EngineDeadError, SamplingParams
 from hearth_llm.engine.memory.weights import weights_bytes
@@ -84,6 +84,16 @@ def test_tp2_qwen3_matches_hf_and_single_process(model_dirs, tp_llms):
         expected = [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY, use_tqdm=False)]
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert_pool_whole(llm.stats())
+
+
+def test_tp2_row_parallel_biases_and_plain_mlp_match_hf(tmp_path):
+    # StarCoder2: biases on every projection (o_proj's and c_proj's added once, after their all-reduce, on
+    # every rank: a bias kept on rank 0 only made the ranks' hidden states drift apart), LayerNorm, up/down MLP.
+    config = Starcoder2Config(**TINY_COMMON, sliding_window=12, norm_epsilon=1e-5, architectures=["Starcoder2ForCausalLM"])
+    path = save_tiny_model(config, tmp_path / "starcoder2", seed=10)
+    prompts = random_prompts(4, [3, 30, 11, 1], seed=41)
+    with LLM(str(path), **TP_KWARGS) as llm:
+        assert_matches_hf(path, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
 def test_each_rank_holds_only_its_slice_of_the_weights(model_dirs, tp_llms):
