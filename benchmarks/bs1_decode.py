@@ -160,14 +160,16 @@ def build_engine(shape: str):
     return our_engine(checkpoint, "bfloat16", max_num_seqs=1, kv_cache_memory="2GiB", max_model_len=4096)
 
 
-def recapture(engine, fused: bool, fused_merge: bool = False) -> None:
-    """Capture the bs1 graph again with the fused GEMVs on or off (and decode attention's fused merge)."""
+def recapture(engine, fused: bool, fused_merge: bool = False, plain_gemv: bool = False) -> None:
+    """Capture the bs1 graph again with the fused GEMVs on or off (and decode attention's fused
+    merge, and o_proj by the GEMV)."""
     import dataclasses
 
     from hearth_llm.engine.models import fused_decode
     from hearth_llm.kernels.attention import triton_attention
 
     fused_decode.ENABLED = fused
+    fused_decode.PLAIN_GEMV = plain_gemv
     triton_attention.DEFAULT_LAUNCH = dataclasses.replace(triton_attention.DEFAULT_LAUNCH, fused_reduce=fused_merge)
     engine.runner.decode_graphs = None
     torch.cuda.synchronize()
@@ -242,11 +244,12 @@ def engine_part(shapes: list[str], budget_end: float, results: dict) -> None:
             return
         engine = build_engine(shape)
         say(f"engine {shape}: built")
-        for fused, fused_merge in ((True, False), (False, False), (True, True)):
-            recapture(engine, fused, fused_merge)
+        for fused, fused_merge, plain_gemv in ((True, False, False), (False, False, False), (True, True, False),
+                                               (True, True, True)):
+            recapture(engine, fused, fused_merge, plain_gemv)
             ms = ours_bs1_ms_per_token(engine, num_tokens=64)
             graph_ms = decode_graph_bs1_ms(engine)
-            label = f"{'fused' if fused else 'unfused'}{'+merge' if fused_merge else ''}"
+            label = f"{'fused' if fused else 'unfused'}{'+merge' if fused_merge else ''}{'+o_gemv' if plain_gemv else ''}"
             results[f"{shape}.bs1_ms.{label}"] = ms
             results[f"{shape}.graph_ms.{label}"] = graph_ms
             say(f"BS1 {shape} {label}: {ms:.3f} ms/token, decode graph {graph_ms:.3f} ms")

@@ -63,7 +63,7 @@ def test_bad_shapes_are_refused_by_name():
 @pytest.fixture
 def fused_on_this_device(monkeypatch):
     """The fused path on this device's tensors (on CPU: the Triton interpreter), counting its calls."""
-    calls = {"rms_norm_linear": 0, "silu_and_mul_linear": 0}
+    calls = {"rms_norm_linear": 0, "silu_and_mul_linear": 0, "linear": 0}
     for name in calls:
         original = getattr(triton_gemv, name)
 
@@ -73,6 +73,7 @@ def fused_on_this_device(monkeypatch):
 
         monkeypatch.setattr(triton_gemv, name, counted)
     monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
+    monkeypatch.setattr(fused_decode, "PLAIN_GEMV", True)
     if DEVICE == "cpu":  # the interpreter runs programs one by one: a tile covers a tiny layer
         monkeypatch.setattr(triton_gemv, "default_launch", lambda n, k: triton_gemv.GemvLaunch(256, 128))
     return calls
@@ -92,6 +93,7 @@ def test_engine_with_fused_decode_matches_hf_greedy(name, tmp_path, make_llm, fu
     # one-token prompt's prefill).
     assert fused_on_this_device["rms_norm_linear"] >= 2 * num_layers * 15 * len(prompts)
     assert fused_on_this_device["silu_and_mul_linear"] >= num_layers * 15 * len(prompts)
+    assert fused_on_this_device["linear"] >= num_layers * 15 * len(prompts)  # o_proj
     # Several rows (a batch's prefill and decode) run the unfused ops and agree too.
     batch = random_prompts(3, [5, 17, 9], seed=22)
     assert_matches_hf(path, batch, llm.generate(batch, GREEDY, use_tqdm=False))

@@ -85,6 +85,11 @@ class Attention(nn.Module):
 
     def attend(self, positions, qkv, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         """The layer from its projected ``qkv`` on (a caller may have fused the projection with the norm before it)."""
+        return self.o_proj(self.attend_heads(positions, qkv, kv_cache, meta))
+
+    def attend_heads(self, positions, qkv, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`attend` without ``o_proj``: the heads' outputs ``[T, H * D]``."""
         num_tokens = qkv.shape[0]
         qkv_proj, rotary = self.qkv_proj, self.rotary  # each a module lookup: once per step
         num_heads, num_kv_heads = qkv_proj.num_heads_per_rank, qkv_proj.num_kv_heads_per_rank
@@ -102,4 +107,4 @@ class Attention(nn.Module):
             query, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window, self.soft_cap, kv_scales,
         )
-        return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))
+        return out.reshape(num_tokens, num_heads * self.head_dim)

@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
         (on CUDA, for a dense weight; else the unfused ops: see :mod:`.fused_decode`)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = fused_decode.norm_and_linear(self.input_layernorm, hidden, residual, attn.qkv_proj)
-        hidden = attn.attend(positions, qkv, kv_cache, meta)
+        hidden = fused_decode.linear(attn.o_proj, attn.attend_heads(positions, qkv, kv_cache, meta))
         gate_up, residual = fused_decode.norm_and_linear(self.post_attention_layernorm, hidden, residual,
                                                          mlp.gate_up_proj)
         return fused_decode.act_and_down(mlp, gate_up), residual
@@ -313,9 +313,10 @@ class DecoderModel(nn.Module):
                 raise ValueError(f"checkpoint has weight {name!r} more than once")
             _load_one(params[param_name], tensor, shard_id, name)
             covered.setdefault(param_name, set()).update(expected[param_name] if shard_id is None else [shard_id])
-            del tensor
             if params[param_name] is self.lm_head.weight:
-                self.lm_head = cpu_logits_head(self.lm_head)  # now, while little else is resident
+                # now, while little else is resident; GGUF blocks (``quant_type``) may stay blocks
+                self.lm_head = cpu_logits_head(self.lm_head, tensor if hasattr(tensor, "quant_type") else None)
+            del tensor
             module_name = param_name.rpartition(".")[0]
             if module_name in layers and _is_layer_complete(module_name, expected, covered):
                 for layer_param in [n for n in params if n.rpartition(".")[0] == module_name]:

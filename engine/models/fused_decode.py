@@ -24,6 +24,8 @@ from .linear_method import DENSE
 MAX_ROWS = 1
 # Off: every step takes the unfused ops (benchmarks A/B it; graphs captured after a change follow it).
 ENABLED = True
+# o_proj by the Triton GEMV too (no prologue to fuse; on only where it beats cuBLAS at one row).
+PLAIN_GEMV = False
 # Devices whose tensors take the fused kernels; tests add "cpu" to run them in the Triton interpreter.
 DEVICE_TYPES = frozenset({"cuda"})
 
@@ -63,3 +65,11 @@ def act_and_down(mlp, gate_up: torch.Tensor) -> torch.Tensor:
     if weight is not None:
         return _gemv().silu_and_mul_linear(gate_up, weight)
     return mlp.down_proj(mlp.act_and_mul(gate_up))
+
+
+def linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; by the Triton GEMV when :data:`PLAIN_GEMV` is on and the layer qualifies."""
+    weight = dense_weight(layer, x) if PLAIN_GEMV else None
+    if weight is not None:
+        return _gemv().linear(x, weight)
+    return layer(x)
