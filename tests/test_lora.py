@@ -301,7 +301,9 @@ def test_planned_steps_with_the_shrink_stacked_under_the_weights_match_peft(llam
     monkeypatch.setattr(LoRAStep, "__init__", lambda self, capacity, device, planned=None: init(self, capacity, device,
                                                                                                   planned=True))
     base, adapters = llama
-    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=8)
+    # max_loras 3: not the config of the module's engine, which an LLM of the same config would share
+    llm = make_llm(base, enable_lora=True, max_loras=3, max_lora_rank=8, block_size=8)
+    assert llm.engine.runner.lora.step.is_planned
     methods = llm.engine.runner.lora.layers.values()
     assert methods and all(method.stacked_weight is not None for method in methods)
     prompts = random_prompts(4, [5, 17, 9], seed=26)

@@ -363,3 +363,25 @@ def test_stacked_shrink_layer_path_matches_the_separate_update(kernel, monkeypat
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(out[3:5], base[3:5], rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x.to(device)).cpu(), base)  # after end(): the weight alone
+
+
+def test_stacked_weight_moves_with_the_model_as_one_storage():
+    """Sleep moves a model's tensors storage by storage (engine/memory/weights.py): the stacked weight is a
+    module attribute, so the layer's weight and the slots' A stay views of one moved copy."""
+    from hearth_llm.engine.memory.weights import offload_weights
+
+    layer = QKVLinear(hidden_size=16, head_dim=16, num_heads=4, num_kv_heads=2, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    step = LoRAStep(capacity=8, device=torch.device("cpu"), planned=True)
+    step.allocate(num_slots=2, max_ranks_per_layer=12)
+    method = LoRALinearMethod(layer.method, layer, num_slots=2, max_rank=4, step=step, dtype=torch.float32,
+                              device=torch.device("cpu"))
+    assert method.stack_a_under_weight(layer)
+    layer.method = method
+    method.load_slot(1, [ShardLoRA(0, 0, torch.ones(4, 16), torch.ones(4, 64))])
+    weight, old_address = layer.weight.detach().clone(), layer.weight.data_ptr()
+    offload_weights(layer, pin_memory=False).restore(torch.device("cpu"))
+    assert layer.weight.data_ptr() != old_address  # (moved: copied twice)
+    assert method.stacked_weight.data_ptr() == layer.weight.data_ptr()
+    assert method.lora_a.untyped_storage().data_ptr() == layer.weight.untyped_storage().data_ptr()
+    assert torch.equal(layer.weight, weight) and torch.equal(method.lora_a[1, :4], torch.ones(4, 16))

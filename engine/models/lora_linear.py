@@ -171,6 +171,7 @@ class LoRALinearMethod(LinearMethod):
         self.base = base
         self.step = step
         self.max_rank = max_rank
+        self._stacked_layer = None  # the layer whose weight has every slot's A stacked under it (see below)
         num_ranks = len(layer.shard_ids) * max_rank
         self.lora_a = torch.zeros(num_slots, num_ranks, layer.input_size_per_rank, dtype=dtype, device=device)
         self.lora_b = torch.zeros(num_slots, num_ranks, layer.output_size_per_rank, dtype=dtype, device=device)
@@ -180,8 +181,30 @@ class LoRALinearMethod(LinearMethod):
         self.slice_starts = torch.tensor(self.slice_bounds, dtype=torch.int32, device=device)
         # Tensor parallelism (TP's hook): adapters arrive for the whole layer; load_slot keeps this rank's cut.
         self.rank_layer = layer if layer.parallel.size > 1 else None
-        self.stacked_weight: torch.Tensor | None = None  # [out + S * ranks, in]: the weight, then every slot's A
-        self.stacked_bias: torch.Tensor | None = None
+
+    # With A stacked under the weight, the tensors live on the layer (``lora_stacked_weight``, a module attribute),
+    # so whatever moves a model's tensors (sleep's offload to host memory and back) moves them with the weight, as
+    # one storage, and these views follow.
+    @property
+    def stacked_weight(self) -> torch.Tensor | None:
+        """``[out + S * ranks, in]``: the base weight, then every slot's A (None: not stacked)."""
+        return None if self._stacked_layer is None else self._stacked_layer.lora_stacked_weight
+
+    @property
+    def stacked_bias(self) -> torch.Tensor | None:
+        return None if self._stacked_layer is None else self._stacked_layer.lora_stacked_bias
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        if self._stacked_layer is None:
+            return self._lora_a
+        num_slots, num_ranks, in_features = self._lora_a_shape
+        return self.stacked_weight[-num_slots * num_ranks:].view(num_slots, num_ranks, in_features)
+
+    @lora_a.setter
+    def lora_a(self, value: torch.Tensor) -> None:
+        self._lora_a = value
+        self._lora_a_shape = tuple(value.shape)
 
     def stack_a_under_weight(self, layer) -> bool:
         """Keep every slot's A as extra rows under a plain dense base weight (one tensor; the layer's
@@ -203,11 +226,12 @@ class LoRALinearMethod(LinearMethod):
         stacked[:out_features].copy_(weight)
         stacked[out_features:].copy_(self.lora_a.reshape(-1, in_features))
         weight.data = stacked[:out_features]
-        self.lora_a = stacked[out_features:].view(num_slots, num_ranks, in_features)
-        self.stacked_weight = stacked
         bias = getattr(layer, "bias", None)
-        if bias is not None:
-            self.stacked_bias = torch.cat([bias.detach(), bias.new_zeros(num_slots * num_ranks)])
+        layer.lora_stacked_weight = stacked
+        layer.lora_stacked_bias = None if bias is None else torch.cat([bias.detach(),
+                                                                       bias.new_zeros(num_slots * num_ranks)])
+        self._lora_a = None  # (the slots' A are rows of the stacked weight now)
+        self._stacked_layer = layer
         return True
 
     def _apply_stacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -218,7 +242,7 @@ class LoRALinearMethod(LinearMethod):
         out_features = self.lora_b.shape[-1]
         y = full[:, :out_features]
         expand_planned(y, full[:, out_features:], self.step.plan, self.lora_b, self.slice_starts, self.max_rank,
-                       slot_stride=self.lora_a.shape[1])
+                       slot_stride=self._lora_a_shape[1])
         return y
 
     def create_weights(self, layer) -> None:
