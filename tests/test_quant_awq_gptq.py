@@ -148,6 +148,24 @@ def test_word_wise_w4g128_kernel_matches_the_reference(num_rows):
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("variant, num_rows, split_k", [("j4", 1, 1), ("j4", 4, 2), ("v1", 3, 1), ("v1", 2, 3)])
+def test_w4g128_gemv_variants_match_the_reference(variant, num_rows, split_k):
+    """Both GEMV layouts of triton_w4g128 (the mantissa-trick decode), several rows per program, and
+    split-K (float32 atomics, then the cast) with a split that leaves one program's groups short."""
+    from hearth_llm.kernels.quant import gguf_reference, triton_w4g128
+
+    generator = torch.Generator().manual_seed(7 + num_rows)
+    codes = torch.randint(0, 16, (24, 384), generator=generator)
+    scales = (torch.rand(24, 3, generator=generator) * 0.1).half()
+    zeros = torch.randint(0, 16, (24, 3), generator=generator)
+    data = gguf_reference.pack_w4g128(codes, scales, zeros)
+    x, bias = torch.randn(num_rows, 384, generator=generator), torch.randn(24, generator=generator)
+    expected = gguf_reference.gguf_linear(x, data, "W4G128", bias)
+    out = triton_w4g128.w4g128_linear(x, data, bias, block_n=16, groups_per_iter=2, split_k=split_k,
+                                      variant=variant, num_warps=1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 # Layers that read the same input share one act-order permutation (GPTQ orders by that input's statistics).
 INPUT_SETS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o", "gate_proj": "mlp_in",
               "up_proj": "mlp_in", "down_proj": "down"}

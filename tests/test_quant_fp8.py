@@ -60,6 +60,24 @@ def test_triton_fp8_gemv_multiplies_the_codes_like_the_float32_reference(num_row
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel, num_rows", [("fused_gemv", 1), ("fused_gemv", 3), ("dot_gemv", 1), ("dot_gemv", 5)])
+def test_fused_fp8_gemvs_quantize_and_multiply_like_the_reference(kernel, num_rows):
+    """The GEMVs that take high-precision x and quantize it themselves (TRITON_INTERPRET here). x is
+    made of e4m3 codes times a per-row scale, so the right quantizer gives back exactly those codes
+    and that scale (the interpreter's own float32 -> e4m3 cast does not round to nearest even, so
+    inputs between codes would test the interpreter); K = 96 leaves the last K tile part masked."""
+    from hearth_llm.kernels.quant import triton_fp8
+
+    generator = torch.Generator().manual_seed(5 + num_rows)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(40, 96, generator=generator))
+    codes, scale = fp8.quantize_rows(torch.randn(num_rows, 96, generator=generator))
+    x = codes.float() * scale[:, None]
+    bias = torch.randn(40, generator=generator)
+    out = getattr(triton_fp8, kernel)(x, weight_fp8, weight_scale, bias, block_n=16, block_k=64, num_warps=1)
+    expected = (codes.float() @ weight_fp8.float().t()) * scale[:, None] * weight_scale[None, :] + bias
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_tiny_model(TINY_CONFIGS["llama"](), tmp_path_factory.mktemp("fp8") / "llama")
