@@ -148,22 +148,7 @@ def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
 
     ok = True
     torch.manual_seed(0)
-    # (rows, split_k, dtype): each a compile, so few; 20 rows take the dequantize + matmul path.
-    cases = [(1, 1, torch.bfloat16), (4, 1, torch.bfloat16), (1, 3, torch.bfloat16), (1, 1, torch.float32),
-             (3, 1, torch.float32), (20, 1, torch.float32), (20, 1, torch.bfloat16)]
-    for (n, k), (m, split, dtype) in itertools.product(w4_shapes, cases):
-        codes = torch.randint(0, 16, (n, k)); scales = (torch.rand(n, k // 128) * 0.01).half()
-        zeros = torch.randint(0, 16, (n, k // 128))
-        data = gguf_reference.pack_w4g128(codes, scales, zeros).to(device)
-        x, bias = torch.randn(m, k, device=device).to(dtype), torch.randn(n, device=device).to(dtype)
-        expected = gguf_reference.gguf_linear(x.float().cpu(), data.cpu(), "W4G128", bias.float().cpu()).to(device)
-        out = triton_w4g128.w4g128_linear(x, data, bias, split_k=split)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
-        good = err <= tol and out.dtype == dtype
-        ok &= good
-        print(f"{'PASS' if good else 'FAIL'} w4 N={n} K={k} M={m} split={split} {dtype}: rel err {err:.2e}", flush=True)
-    for (n, k), m in itertools.product(fp8_shapes, [1, 2, 4]):
+    for (n, k), m in itertools.product(fp8_shapes, [1]):
         generator = torch.Generator(device).manual_seed(m)
         wq, ws = fp8.quantize_rows(torch.randn(n, k, device=device, generator=generator) * 0.02)
         x = torch.randn(m, k, device=device, generator=generator).bfloat16()
@@ -191,6 +176,21 @@ def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
             ok &= good
             print(f"{'PASS' if good else 'FAIL'} fp8 dot gemv N={n} K={k} M={m} recip={recip}: rel err {err:.2e}",
                   flush=True)
+    # (rows, split_k, dtype): each a compile, so few; 20 rows take the dequantize + matmul path.
+    cases = [(1, 1, torch.bfloat16), (4, 1, torch.bfloat16), (1, 2, torch.bfloat16), (1, 1, torch.float32),
+             (20, 1, torch.float32), (20, 1, torch.bfloat16)]
+    for (n, k), (m, split, dtype) in itertools.product(w4_shapes, cases):
+        codes = torch.randint(0, 16, (n, k)); scales = (torch.rand(n, k // 128) * 0.01).half()
+        zeros = torch.randint(0, 16, (n, k // 128))
+        data = gguf_reference.pack_w4g128(codes, scales, zeros).to(device)
+        x, bias = torch.randn(m, k, device=device).to(dtype), torch.randn(n, device=device).to(dtype)
+        expected = gguf_reference.gguf_linear(x.float().cpu(), data.cpu(), "W4G128", bias.float().cpu()).to(device)
+        out = triton_w4g128.w4g128_linear(x, data, bias, split_k=split)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+        good = err <= tol and out.dtype == dtype
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} w4 N={n} K={k} M={m} split={split} {dtype}: rel err {err:.2e}", flush=True)
     return ok
 
 
