@@ -514,6 +514,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, the engine's choice on cpu")
     parser.add_argument("--engine-core", choices=("thread", "process"), default=None,
                         help="our server's engine loop: a thread of the server process (default) or its own process")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="our server's sys.setswitchinterval (hearth-llm serve --switch-interval)")
     parser.add_argument("--peers", default=None,
                         help="comma-separated: in-process, vllm, or none (default: in-process on cpu, vllm on cuda)")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 128 on cuda, 16 on cpu")
@@ -569,6 +571,8 @@ def engine_options(args) -> tuple[dict, list[str]]:
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     flags = [item for name, value in kwargs.items() for item in (f"--{name.replace('_', '-')}", str(value))]
+    if args.switch_interval is not None:  # a server option, not an engine one
+        flags += ["--switch-interval", str(args.switch_interval)]
     return kwargs, flags
 
 

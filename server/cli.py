@@ -40,6 +40,9 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=None)
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds requests in flight may finish after SIGTERM")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the server process, in seconds (Python's default "
+                             "0.005): how long a ready engine thread may wait for the HTTP loop's GIL")
     engine = parser.add_argument_group("engine options (EngineConfig fields)")
     engine.add_argument("--dtype", default=None)
     engine.add_argument("--device", default=None)
@@ -67,6 +70,8 @@ def serve_kwargs(args: argparse.Namespace) -> dict:
               "embedding_model": None if args.embedding_model == "none" else args.embedding_model,
               "max_tokens_limit": args.max_tokens_limit, "request_timeout": args.request_timeout,
               "max_queued_requests": args.max_queued_requests, "drain_timeout": args.drain_timeout}
+    if args.switch_interval is not None:
+        kwargs["switch_interval"] = args.switch_interval
     if args.max_body_bytes is not None:
         kwargs["max_body_bytes"] = args.max_body_bytes
     kwargs.update({name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None})

@@ -8,6 +8,7 @@ open then are cancelled, which aborts their engine requests.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 
@@ -21,12 +22,22 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def serve(model: str = "default", *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-          drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, log_level: str = "info", **app_kwargs) -> None:
+          drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, log_level: str = "info",
+          switch_interval: float | None = None, **app_kwargs) -> None:
     """Serve ``model`` until SIGTERM/Ctrl-C; ``app_kwargs`` go to :func:`create_app`.
+
+    ``switch_interval`` (seconds) sets this process's ``sys.setswitchinterval``: the longest an
+    engine thread that is ready to run waits for the HTTP loop to hand back the interpreter lock
+    (Python's default is 0.005). ``serve`` owns its process, so it may set it; ``start_server``
+    leaves it alone.
 
     >>> from hearth_llm.server import serve
     >>> serve("default", port=8000, api_key="sk-local")     # blocks; http://127.0.0.1:8000/v1
     """
+    if switch_interval is not None:
+        if not switch_interval > 0:
+            raise ValueError(f"switch_interval must be > 0 seconds, got {switch_interval!r}")
+        sys.setswitchinterval(switch_interval)
     # access_log off: the server middleware writes one JSON line per request, with its request id
     config = uvicorn.Config(create_app(model, **app_kwargs), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_timeout, access_log=False)
