@@ -1,11 +1,19 @@
 """Triton: the FP8 W8A8 linear of ``fp8.py`` in fewer launches.
 
+What every path computes is ``fp8.fp8_linear_reference``, vLLM's dynamic per-token FP8: each row of
+``x`` is quantized to e4m3 with scale ``amax(|x_row|) / 448``, the codes are multiplied by the e4m3
+weight with per-output-row scales, and ``out = (x_codes @ W_codes.T) * x_scale * w_scale (+ bias)``.
+
 - :func:`quantize_rows` — one launch per call (``fp8.quantize_rows`` in torch is seven: abs, amax,
   divide, clamp, divide, clamp, cast), the same e4m3 codes and scales.
-- :func:`fp8_linear` — decode-sized steps (at most ``GEMV_MAX_ROWS`` rows) take a GEMV that streams
-  the e4m3 weight once for all rows and multiplies the e4m3 activation codes in float32, the
-  reference's math (``fp8.fp8_linear_reference``) up to summation order; larger steps take
-  ``torch._scaled_mm`` (cuBLASLt/CUTLASS row-wise), which wins once the step is compute-bound.
+- :func:`fused_gemv` — bf16 ``x`` and the e4m3 weight in one launch, the quantization inside
+  (each program takes the rows' amax itself), float32 products on the CUDA cores.
+- :func:`dot_gemv` — the same fused quantization, then the tensor cores with the operands swapped
+  (weight rows on the MMA's M side, up to 16 tokens padded on its N side), so the weight streams
+  through ``tl.dot``'s pipelined loads.
+- The old GEMV of pre-quantized codes (``_fp8_gemv_kernel``) and ``torch._scaled_mm``
+  (cuBLASLt row-wise), which wins once the step is compute-bound.
+``fp8_linear`` picks by the number of rows (``DOT_MAX_ROWS``, ``FUSED_MAX_ROWS``, ``GEMV_MAX_ROWS``).
 
 >>> out = fp8_linear(x.cuda(), weight_fp8.cuda(), weight_scale.cuda())  # ≈ fp8.fp8_linear_reference(...)
 """

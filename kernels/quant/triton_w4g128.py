@@ -1,12 +1,19 @@
 """Triton: ``x @ W.T + bias`` for ``W4G128`` rows (AWQ/GPTQ 4-bit, groups of 128), reading words.
 
-The generic block decoder of ``gguf_triton.py`` gathers every code byte by byte; this one reads a
-group's 68 bytes as 17 int32 words — word 0 holds the float16 scale and the zero point, words
-1..16 the codes, byte ``j`` of them element ``j`` (low nibble) and ``j + 64`` (high nibble) — and
-splits them with shifts, so each group is two ``[BLOCK_N, 64]`` tiles in registers. Decode-sized
-steps take a GEMV; from ``DEQUANT_MIN_ROWS`` rows the weight is dequantized into a scratch buffer
-in ``x``'s dtype and multiplied by cuBLAS (the in-register ``tl.dot`` GEMM ran at 67-85 GB/s of
-weights at M=256 on the H200, 8-9x cuBLAS's bf16 time; the scratch copy costs ~2 bf16 reads).
+A group is 68 bytes = 17 int32 words: word 0 holds the float16 scale and the zero point, words
+1..16 the codes, byte ``j`` of them element ``j`` (low nibble) and ``j + 64`` (high nibble).
+
+- Up to ``GEMV_MAX_ROWS`` rows: a GEMV over all rows at once. Each nibble becomes a float without
+  an int->float conversion (those run at a quarter of the FMA rate on Hopper): OR-ing it into the
+  mantissa of a float with the right exponent gives ``2^e + q`` exactly, and subtracting
+  ``2^e + zero`` gives ``q - zero`` (``_nibbles_minus``); so a weight costs a LOP3, an FADD and an
+  FFMA. ``_w4g128_gemv_j4_kernel`` (the default) walks a group's 16 words as four quarters so a
+  thread keeps its (row, group) pairs and decodes each scale and zero once per group;
+  ``_w4g128_gemv_kernel`` (``variant="v1"``) decodes them per word. Optional split-K adds float32
+  partials atomically.
+- More rows: the weight is dequantized into a scratch buffer in ``x``'s dtype (float32 included)
+  and multiplied by cuBLAS (the in-register ``tl.dot`` GEMM this replaced ran at 67-85 GB/s of
+  weights at M=256 on the H200, 8-9x cuBLAS's bf16 time; the scratch copy costs ~2 bf16 reads).
 
 >>> out = w4g128_linear(x.cuda(), data.cuda())      # == gguf_reference.gguf_linear(x, data, "W4G128")
 """
