@@ -9,7 +9,14 @@ CPU, NCCL on CUDA). Each step the driver sends every worker the same small step 
 pipe; the workers run the forward pass together (Megatron-style: QKV and gate/up column-parallel,
 o_proj and down_proj row-parallel with one all-reduce each; key/value heads split across ranks,
 or replicated when there are fewer of them than ranks; embedding and LM head split by vocabulary
-rows, :mod:`..models.vocab_parallel`) and rank 0 sends back the logits the sampler needs.
+rows, :mod:`..models.vocab_parallel`; MoE experts each cut along their intermediate width, one
+all-reduce per block, :func:`..models.moe.shard_experts`) and rank 0 sends back the logits the
+sampler needs.
+
+Quantized checkpoints (GGUF blocks, AWQ/GPTQ) split the same way, on block boundaries
+(:mod:`..distributed.quantized_split`: FP8 and GPTQ act-order are refused by name). With LoRA the
+driver reads and checks adapters against the whole model and sends each to the workers once;
+every rank cuts its slice when it loads a slot (:mod:`..models.tp_lora`).
 
 Failure: a worker that dies, fails, or does not answer within ``step_timeout_s`` tears the whole
 group down (every process killed and reaped) and raises :class:`~..errors.EngineDeadError`, which
