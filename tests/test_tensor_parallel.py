@@ -8,6 +8,7 @@ module; the failure tests stop those engines and therefore run last.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -138,6 +139,20 @@ def test_sleep_is_refused_by_name(tp_llms):
 def test_unsplittable_settings_are_refused_by_name_before_workers_start(model_dirs, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(str(model_dirs["qwen3"]), **CPU, **kwargs)
+
+
+def test_a_worker_refusing_its_checkpoint_raises_value_error_in_the_driver(model_dirs, tmp_path):
+    # The workers check the checkpoint against the config while loading (the driver reads no header):
+    # their ValueError reaches the caller as one, as it does with one process, not as EngineDeadError.
+    path = tmp_path / "bad"
+    path.mkdir()
+    for file in model_dirs["qwen3"].iterdir():
+        (path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] = 96  # the file's MLP weights have 128 rows
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="tensor-parallel rank [01]: .*shape"):
+        LLM(str(path), **TP_KWARGS)
 
 
 def test_olmo2_is_refused_by_name_before_workers_start(tmp_path):
