@@ -426,10 +426,12 @@ def measure_in_process(model: str, engine_kwargs: dict, requests, args) -> dict:
 
 # ---- the checkpoint --------------------------------------------------------------------------------
 
-def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16", device: str = "cpu") -> Path:
+def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16", device: str = "cpu",
+                       weights: bool = True) -> Path:
     """A checkpoint directory of ``shape`` (bench throughput's SHAPES) with random weights, as a
     hub checkpoint is laid out: config.json, model.safetensors, a word-level tokenizer. The weights
-    are drawn on ``device`` (``cuda``: ~20 s less for the 0.6B shape than the CPU's normal_)."""
+    are drawn on ``device`` (``cuda``: ~20 s less for the 0.6B shape than the CPU's normal_);
+    ``weights=False`` leaves them out (enough for ``vllm serve --load-format dummy``)."""
     import torch
     from safetensors.torch import save_file
 
@@ -439,11 +441,12 @@ def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16"
     dtype = getattr(torch, dtype_name)
     config = hf_config(shape)
     config.dtype = dtype_name
-    weights = RandomWeights(checkpoint_shapes(config, dtype), dtype, device, std=config.initializer_range)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous().cpu() for name, tensor in weights.items()},
-              str(directory / "model.safetensors"))
-    if device != "cpu":
+    if weights:
+        tensors = RandomWeights(checkpoint_shapes(config, dtype), dtype, device, std=config.initializer_range)
+        save_file({name: tensor.contiguous().cpu() for name, tensor in tensors.items()},
+                  str(directory / "model.safetensors"))
+    if weights and device != "cpu":
         torch.cuda.empty_cache()  # the servers' runs need the device, not this process's cached blocks
     config.save_pretrained(directory)
     placeholder_tokenizer(config.vocab_size).save_pretrained(directory)
@@ -516,6 +519,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="our server's engine loop: a thread of the server process (default) or its own process")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="our server's sys.setswitchinterval (hearth-llm serve --switch-interval)")
+    parser.add_argument("--no-ours", action="store_true",
+                        help="measure only the peers (our server's runs done in another call, e.g. another "
+                             "device lease of the same machine kind)")
     parser.add_argument("--peers", default=None,
                         help="comma-separated: in-process, vllm, or none (default: in-process on cpu, vllm on cuda)")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 128 on cuda, 16 on cpu")
@@ -546,8 +552,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.peers) - {"in-process", "vllm"}
     if unknown:
         parser.error(f"--peers: unknown {sorted(unknown)}; known: in-process, vllm")
-    if "vllm" in args.peers and not args.shape:
-        parser.error("--peers vllm needs --shape (vLLM serves the random-weight checkpoint directory)")
+    if "vllm" in args.peers and not (args.shape or os.path.isdir(args.model)):
+        parser.error("--peers vllm needs --shape or --model DIR (vLLM serves a checkpoint directory, "
+                     "with dummy weights)")
+    if args.no_ours and not args.peers:
+        parser.error("--no-ours needs --peers: there would be nothing to measure")
     args.num_prompts = args.num_prompts or (128 if on_gpu else 16)
     if args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
@@ -595,8 +604,9 @@ def main(argv=None) -> None:
         if args.server_pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), args.server_pythonpath) if p)
         port = free_port()
-        results["hearth-http"] = measure_server("hearth-http", ours_command(model, port, engine_flags), env, port, args,
-                                                requests, work_dir)
+        if not args.no_ours:
+            results["hearth-http"] = measure_server("hearth-http", ours_command(model, port, engine_flags), env, port,
+                                                    args, requests, work_dir)
         if "vllm" in args.peers:
             vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0",
                         "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
