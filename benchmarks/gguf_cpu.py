@@ -8,8 +8,10 @@ GGUF file, fed the same prompt token ids, greedy, with the same thread count. Th
 measure to every worker in turn, repeat by repeat (interleaved), because timings on a shared machine
 drift; the table keeps each system's best repeat and prints the load average before and after.
 
-Systems: ``hearth`` (the default path: GGUF blocks dequantized at load into the engine's CPU layout),
-``hearth gguf`` (``quantization="gguf"``: linear weights stay in the file's blocks) and ``llama.cpp``.
+Systems: ``hearth`` (the default path: in bf16, linear weights stay in the file's blocks, run by the C
+kernels of ``kernels/quant/gguf_cpu_native.py``; pure Q4_0/Q4_1 layers by torch's int4 kernel), ``hearth gguf``
+(``quantization="gguf"``: every GGUF linear in its blocks) and ``llama.cpp``. After each table, each
+system's CPU time per decoded token (all threads, prefill excluded), the steadier figure on a shared machine.
 
 1. single stream: decode tok/s over ``--decode-tokens`` new tokens after a 16-token prompt (prefill excluded);
 2. prefill: tok/s to the first token of a 500-token prompt (a new prompt each repeat: no prefix hit);
@@ -97,6 +99,16 @@ def table_rows(results: dict[str, SystemResult], file_bytes: int) -> list[list[s
     return rows
 
 
+def cpu_time_line(results: dict[str, SystemResult]) -> str:
+    """Each system's best CPU ms per decoded token (all its threads, from the first token to the last).
+
+    >>> cpu_time_line({"hearth": SystemResult({"single_cpu": [0.2, 0.1]})})
+    'decode CPU ms/token (all threads): hearth 100.0'
+    """
+    parts = [f"{name} {min(r.rates['single_cpu']) * 1e3:.1f}" for name, r in results.items() if r.rates.get("single_cpu")]
+    return "decode CPU ms/token (all threads): " + ", ".join(parts)
+
+
 HEADER = ["system", "decode tok/s", f"prefill {PREFILL_TOKENS} tok/s", f"{NUM_CONCURRENT} chats tok/s",
           "RSS after load", "RSS added by the load", "load s"]
 
@@ -172,16 +184,22 @@ class _LlamaCppWorker:
 
     def _token_times(self, prompt: list[int], num_new_tokens: int) -> list[float]:
         self.llm.reset()
-        times = []
+        times, self.cpu_times = [], []
         for _ in self.llm.generate(prompt, temp=0.0, reset=True):
             times.append(time.perf_counter())
+            self.cpu_times.append(time.process_time())
             if len(times) == num_new_tokens:
                 break
         return times
 
     def single(self, prompt, num_new_tokens) -> float:
         times = self._token_times(prompt, num_new_tokens)
+        self.cpu_per_token = (self.cpu_times[-1] - self.cpu_times[0]) / (len(times) - 1)
         return (len(times) - 1) / (times[-1] - times[0])
+
+    def single_cpu(self) -> float:
+        """CPU seconds (all threads) per token of the last ``single`` run, after the first token."""
+        return self.cpu_per_token
 
     def prefill(self, prompt) -> float:
         self.llm.reset()
@@ -212,10 +230,16 @@ class _HearthWorker:
         return self.params(temperature=0, max_tokens=num_new_tokens, ignore_eos=True)
 
     def single(self, prompt, num_new_tokens) -> float:
-        times = []
+        times, cpu_times = [], []
         for output in self.core.add_request(prompt, self._greedy(num_new_tokens)):
             times.extend([time.perf_counter()] * len(output.delta_token_ids))
+            cpu_times.extend([time.process_time()] * len(output.delta_token_ids))
+        self.cpu_per_token = (cpu_times[-1] - cpu_times[0]) / (len(times) - 1)
         return (len(times) - 1) / (times[-1] - times[0])
+
+    def single_cpu(self) -> float:
+        """CPU seconds (all threads) per token of the last ``single`` run, after the first token."""
+        return self.cpu_per_token
 
     def prefill(self, prompt) -> float:
         started = time.perf_counter()
@@ -318,13 +342,15 @@ def run_one(name: str, path: Path, threads: int, args) -> dict[str, SystemResult
                                            rss_before_load=ready["rss_before_load"])
         vocab_size = min(w.ready["vocab_size"] for w in workers.values())
         decode_tokens = args.decode_tokens if "smollm" in name else args.decode_tokens_1b
-        for measure in MEASURES:
+        for measure in args.measures:
             for repeat in range(args.repeats):
                 num_new_tokens = args.chat_tokens if measure == "concurrent" else decode_tokens
                 request = requests_for(measure, repeat, vocab_size, num_new_tokens)
                 for system, worker in workers.items():
                     started = time.perf_counter()
                     results[system].rates.setdefault(measure, []).append(worker.ask(dict(request)))
+                    if measure == "single":  # on a shared machine the CPU time per token is the steadier figure
+                        results[system].rates.setdefault("single_cpu", []).append(worker.ask({"measure": "single_cpu"}))
                     print(f"  {name} t={threads} {measure} #{repeat} {system}: {results[system].rates[measure][-1]:.1f} "
                           f"tok/s ({time.perf_counter() - started:.1f} s, loadavg {_loadavg()})", file=sys.stderr,
                           flush=True)
@@ -344,6 +370,7 @@ def parse_args(argv=None):
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (each system the same)")
     parser.add_argument("--systems", default="hearth,hearth gguf", help="ours to run: 'hearth', 'hearth gguf'")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated, from {list(MEASURES)}")
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens per stream, SmolLM2")
     parser.add_argument("--decode-tokens-1b", type=int, default=12, help="new tokens per stream, 1B files")
     parser.add_argument("--chat-tokens", type=int, default=8, help="new tokens per chat of the 32")
@@ -357,6 +384,9 @@ def parse_args(argv=None):
     parser.add_argument("--quantization", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",")]
+    args.measures = [m.strip() for m in args.measures.split(",")]
+    if not set(args.measures) <= set(MEASURES):
+        parser.error(f"--measures must be from {list(MEASURES)}, got {args.measures}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     return args
@@ -374,6 +404,7 @@ def main(argv=None) -> None:
             title = f"{name} ({path.name}, {path.stat().st_size / 2**20:.0f} MiB), {threads} thread(s), " \
                     f"loadavg {_loadavg()}"
             print(format_table(title, table_rows(results, path.stat().st_size)), flush=True)
+            print(cpu_time_line(results), flush=True)
     print(f"llama.cpp's {NUM_CONCURRENT}-chat rate: {args.sequential_sample} sequential calls; ours: one batch. "
           f"loadavg at end: {_loadavg()}", flush=True)
 

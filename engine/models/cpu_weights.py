@@ -1,5 +1,6 @@
 """CPU copies of a bf16 weight laid out for fast matmuls: a linear layer's (:class:`CpuLinear`)
-and the vocabulary projection's (:class:`CpuLogitsHead`)."""
+and the vocabulary projection's (:class:`CpuLogitsHead`, or :class:`CpuBlockLogitsHead` from a GGUF
+file's blocks)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ from torch import nn
 
 from hearth_llm import kernels
 from hearth_llm.kernels import cpu_ops
+from hearth_llm.kernels.quant import GGUF_TYPES, gguf_cpu, gguf_cpu_native
 
 
 class CpuLinear(nn.Module):
@@ -92,11 +94,45 @@ class CpuLogitsHead(nn.Module):
         return logits.scatter_(1, top, exact)
 
 
-def cpu_logits_head(head: nn.Module) -> nn.Module:
-    """The logits-head method: ``head`` (a loaded ``nn.Linear``) as a :class:`CpuLogitsHead` where
-    that is faster (a bf16 weight on a CPU with bf16 oneDNN, no bias), else ``head`` itself."""
+class CpuBlockLogitsHead(nn.Module):
+    """The vocabulary projection from the GGUF file's blocks (``kernels/quant/gguf_cpu.py``): float32
+    logits, from the exactly decoded weight in float32 (the C GEMV for decode-sized steps, a tiled
+    float32 matmul for more rows). Keeps only the file's bytes: an 8-bit or 6-bit head is a third to
+    a half of one bf16 copy, and :class:`CpuLogitsHead` keeps two copies besides the weight.
+
+    Made by :func:`cpu_logits_head` when the loader handed the head's weight over as blocks.
+    """
+
+    def __init__(self, linear: nn.Linear, blocks) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.quant_type = blocks.quant_type
+        self.weight = None  # no dense copy (a tied embedding keeps its own)
+        # a copy: the loader's tensor may be a view of its whole mapped file, which it would keep resident
+        self.register_buffer("blocks", blocks.data.clone(memory_format=torch.contiguous_format))
+        self.routine = gguf_cpu.gguf_linear_routine([(self.quant_type, self.blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        if self.routine is not None and 0 < x32.reshape(-1, x32.shape[-1]).shape[0] <= gguf_cpu_native.MAX_ROWS:
+            return self.routine(x32)
+        return gguf_cpu.gguf_linear(x32, self.blocks, self.quant_type)
+
+    def resident_bytes(self) -> int:
+        return self.blocks.numel()
+
+
+def cpu_logits_head(head: nn.Module, blocks=None) -> nn.Module:
+    """The logits-head method: ``head`` (a loaded ``nn.Linear``) as a :class:`CpuBlockLogitsHead`
+    when the checkpoint stored its weight as GGUF ``blocks`` (a bf16 model on the CPU, where the C
+    kernels are built), else as a :class:`CpuLogitsHead` where that is faster (a bf16 weight on a CPU
+    with bf16 oneDNN, no bias), else ``head`` itself."""
     if type(head) is not nn.Linear or head.bias is not None or head.weight.device.type != "cpu":
         return head
+    if (blocks is not None and head.weight.dtype == torch.bfloat16 and blocks.input_order is None
+            and blocks.quant_type in GGUF_TYPES and tuple(blocks.shape) == tuple(head.weight.shape)
+            and gguf_cpu_native.available()):
+        return CpuBlockLogitsHead(head, blocks)
     packed = cpu_ops.pack_dense_weight(head.weight)
     if packed is None:
         return head

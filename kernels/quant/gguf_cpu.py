@@ -24,6 +24,9 @@ from .gguf_reference import block_format, dequantize
 # each tile's matmul runs near full speed on a prefill batch, small next to any weight worth keeping
 # quantized.
 TILE_ELEMENTS = 1 << 20
+# The bf16 kernels (Q4_K, Q6_K) win for one or two rows of x; for more, the float32 ones did
+# (1 thread, [8192, 2048], ms: Q4_K 1.70 vs 1.99 at 1 row, 3.85 vs 2.21 at 4; Q6_K 2.28 vs 2.82, 3.99 vs 4.00).
+BF16_MAX_ROWS = 2
 # The numba GEMV decodes the weight once per row of x; above this the tiled path's one decode wins.
 NUMBA_MAX_ROWS = 2
 
@@ -38,7 +41,10 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bias: torc
         raise ValueError(f"x must have {num_columns} columns for this {quant_type} weight, got {tuple(x.shape)}")
     gemv_rows = x.dim() == 2 and tile_elements is None and x.shape[0] > 0
     if gemv_rows and x.shape[0] <= gguf_cpu_native.MAX_ROWS and gguf_cpu_native.available():
-        out = gguf_cpu_native.gemv(x.float(), data, quant_type).to(x.dtype)
+        if x.dtype == torch.bfloat16 and x.shape[0] <= BF16_MAX_ROWS and gguf_cpu_native.has_bf16(quant_type):
+            out = gguf_cpu_native.gemv_bf16(x, data, quant_type).to(x.dtype)
+        else:
+            out = gguf_cpu_native.gemv(x.float(), data, quant_type).to(x.dtype)
         return out if bias is None else out.add_(bias)
     if gemv_rows and gguf_numba.AVAILABLE and x.shape[0] <= NUMBA_MAX_ROWS:
         out = gguf_numba.gguf_gemv(x, data, quant_type).to(x.dtype)
@@ -57,27 +63,37 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bias: torc
 
 def gguf_linear_routine(runs, bias: torch.Tensor | None = None):
     """``routine(x)`` = ``x @ W.T + bias`` for a weight made of row runs ``[(quant_type, data), ...]``
-    (their outputs joined in order), with decode-sized steps bound straight to the C GEMV: one
-    call per run and no dispatch (a decode step runs ~100 of these). None where the C kernels are
-    not built here."""
+    (their outputs joined in order), with decode-sized steps bound straight to the C GEMVs: one
+    call per run and no dispatch (a decode step runs ~100 of these). bf16 ``x`` goes to the bf16
+    kernels where the type has one (Q4_K, Q6_K), else is read as float32. None where the C kernels
+    are not built here."""
     if not gguf_cpu_native.available():
         return None
-    gemvs = [gguf_cpu_native.gemv_routine(data, quant_type) for quant_type, data in runs]
+    fp32 = [gguf_cpu_native.gemv_routine(data, quant_type) for quant_type, data in runs]
+    bf16 = [gguf_cpu_native.gemv_routine(data, quant_type, bf16=True) if gguf_cpu_native.has_bf16(quant_type)
+            else None for quant_type, data in runs]
     max_rows = gguf_cpu_native.MAX_ROWS
+
+    def rows_out(flat: torch.Tensor) -> torch.Tensor:
+        x32 = None
+        outs = []
+        for gemv32, gemv16 in zip(fp32, bf16):
+            if gemv16 is not None and flat.dtype == torch.bfloat16 and flat.shape[0] <= BF16_MAX_ROWS:
+                outs.append(gemv16(flat.contiguous()))
+            else:
+                x32 = flat.float().contiguous() if x32 is None else x32
+                outs.append(gemv32(x32))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def routine(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if 0 < flat.shape[0] <= max_rows:
-            x32 = flat.float().contiguous()
-            out = gemvs[0](x32) if len(gemvs) == 1 else torch.cat([gemv(x32) for gemv in gemvs], dim=-1)
-            out = out.to(x.dtype)
-            if bias is not None:
-                out = out.add_(bias)
+            out = rows_out(flat).to(x.dtype)
         else:
             outs = [gguf_linear(flat, data, quant_type) for quant_type, data in runs]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-            if bias is not None:
-                out = out.add_(bias)
+        if bias is not None:
+            out = out.add_(bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return routine

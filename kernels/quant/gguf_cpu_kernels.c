@@ -165,6 +165,25 @@ static inline void decode_w4g128(const uint8_t *b, float *w) {
 /* AVX-512: each DEC_* macro decodes one block straight into registers, 16 weights at a time, and
    hands each vector to EMIT(vector, offset in the block). The decode multiplies and adds exactly
    as the scalar decoders above (and the reference) do; only the dot products use fused adds. */
+/* k_scales with 32-bit word ops (as llama.cpp unpacks them) and one vector multiply per field:
+   the same values, far fewer instructions than byte by byte. */
+static inline void k_scales_vec(const uint8_t *s, const float d, const float dmin, float *scale, float *minimum) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = b & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4);
+    const __m128i codes = _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo);
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));  /* sc[0..7], mn[0..7] */
+    const __m512 factors = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(dmin));
+    const __m512 products = _mm512_mul_ps(factors, values);
+    _mm256_storeu_ps(scale, _mm512_castps512_ps256(products));
+    _mm256_storeu_ps(minimum, _mm512_extractf32x8_ps(products, 1));
+}
+#define k_scales k_scales_vec
+
 #define U8X16(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define LOW4(v) _mm512_and_si512((v), _mm512_set1_epi32(15))
 #define HIGH4(v) _mm512_srli_epi32((v), 4)
@@ -342,6 +361,7 @@ GEMV_FN(gemv_q5_k, DEC_Q5_K, 256, 176)
 GEMV_FN(gemv_q6_k, DEC_Q6_K, 256, 210)
 GEMV_FN(gemv_w4g128, DEC_W4G128, 128, 68)
 
+#undef k_scales
 #else
 /* Portable: decode each block with the scalar decoders, then multiply (gcc vectorizes what it can). */
 #define GEMV_FN(NAME, DECODE, BS, TS)                                                                \
@@ -374,6 +394,128 @@ GEMV_FN(gemv_q4_k, decode_q4_k, 256, 144)
 GEMV_FN(gemv_q5_k, decode_q5_k, 256, 176)
 GEMV_FN(gemv_q6_k, decode_q6_k, 256, 210)
 GEMV_FN(gemv_w4g128, decode_w4g128, 128, 68)
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+/* ---- bf16 activations (the CPU engine's compute dtype): Q4_K and Q6_K by bf16 dot products -----
+ *
+ * A code (Q4_K's 0..15, Q6_K's q - 32) is a small integer, exact in bf16, and so is every bf16 x, so
+ * vdpbf16ps multiplies them exactly and adds in float32: 32 products per instruction. The block's
+ * float32 scales are then applied to those sums, w x = scale (q x) - min x, so the math still uses
+ * the exactly decoded weights; only where the float32 roundings of the sums fall differs (as for any
+ * summation order; vdpbf16ps also treats float32 denormals as zero). A code becomes its bf16 value
+ * by one vpermw/vpermt2w from a table of bf16 integers. */
+#define HAS_BF16_KERNELS 1
+
+static inline uint16_t bf16_of_int(int v) {
+    float f = (float)v;
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)(bits >> 16);  /* exact: |v| < 256 */
+}
+
+static inline __m512i bf16_table(int first, int mask) {
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++) t[i] = bf16_of_int(((first + i) & mask) - (mask == 15 ? 0 : 32));
+    return _mm512_loadu_si512(t);
+}
+
+#define X_BF16(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+#define DP(w, xp) _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)(w), X_BF16(xp))
+
+static inline __attribute__((always_inline)) void q4_k_bf16_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
+        const float *xsum, const int M, float *out, int64_t out_stride) {
+    const __m512i table = bf16_table(0, 15);  /* entry i: bf16(i & 15); vpermw reads 5 index bits */
+    const int64_t num_blocks = K / 256;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = data + n * row_stride;
+        __m512 acc[M][2];
+        float minsum[M];
+        for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
+        for (int64_t blk = 0; blk < num_blocks; blk++) {
+            const uint8_t *b = row + blk * 144;
+            float scale[8], minimum[8];
+            k_scales_vec(b + 4, f16(b), f16(b + 2), scale, minimum);
+            for (int c = 0; c < 4; c++) {
+                const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
+                const __m512i lo = _mm512_permutexvar_epi16(words, table);
+                const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+                const __m512 s0 = _mm512_set1_ps(scale[2 * c]), s1 = _mm512_set1_ps(scale[2 * c + 1]);
+                for (int m = 0; m < M; m++) {
+                    const uint16_t *xb = x + m * K + blk * 256 + 64 * c;
+                    acc[m][0] = _mm512_fmadd_ps(s0, DP(lo, xb), acc[m][0]);
+                    acc[m][1] = _mm512_fmadd_ps(s1, DP(hi, xb + 32), acc[m][1]);
+                }
+            }
+            for (int m = 0; m < M; m++) {
+                const float *xs = xsum + m * (K / 32) + blk * 8;
+                for (int s = 0; s < 8; s++) minsum[m] += minimum[s] * xs[s];
+            }
+        }
+        for (int m = 0; m < M; m++)
+            out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - minsum[m];
+    }
+}
+
+static inline __attribute__((always_inline)) void q6_k_bf16_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
+        const float *xsum, const int M, float *out, int64_t out_stride) {
+    (void)xsum;
+    const __m512i low_table = bf16_table(0, 63), high_table = bf16_table(32, 63);  /* bf16(i - 32), i < 64 */
+    const __m512i fifteen = _mm512_set1_epi16(15), three = _mm512_set1_epi16(3);
+    const int64_t num_blocks = K / 256;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = data + n * row_stride;
+        __m512 acc[M][2];
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (int64_t blk = 0; blk < num_blocks; blk++) {
+            const uint8_t *b = row + blk * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = f16(b + 208);
+            for (int h = 0; h < 2; h++) {
+                const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                for (int s2 = 0; s2 < 2; s2++) {
+                    const __m512i ql = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * s2)));
+                    for (int nib = 0; nib < 2; nib++) {
+                        const int e0 = 128 * h + 64 * nib + 32 * s2;
+                        const __m512i lo = nib ? _mm512_srli_epi16(ql, 4) : _mm512_and_si512(ql, fifteen);
+                        const __m512i high = _mm512_and_si512(
+                            _mm512_srlv_epi16(qh, _mm512_set1_epi16((short)(2 * (2 * nib + s2)))), three);
+                        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi16(high, 4));
+                        const __m512i w = _mm512_permutex2var_epi16(low_table, idx, high_table);
+                        /* lanes 0-7 sum elements e0..e0+15 (scale e0/16), lanes 8-15 the next 16 */
+                        const __m512 sv = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d * (float)sc[e0 >> 4]),
+                                                               _mm512_set1_ps(d * (float)sc[(e0 >> 4) + 1]));
+                        for (int m = 0; m < M; m++)
+                            acc[m][nib] = _mm512_fmadd_ps(sv, DP(w, x + m * K + blk * 256 + e0), acc[m][nib]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    }
+}
+
+typedef void (*bf16_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const uint16_t *, const float *,
+                             int, float *, int64_t);
+
+#define BF16_FN(NAME, ROWS)                                                                          \
+    static void NAME(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,  \
+                     const float *xsum, int M, float *out, int64_t ldo) {                            \
+        switch (M) {                                                                                 \
+        case 1: ROWS(data, rs, n0, n1, K, x, xsum, 1, out, ldo); break;                              \
+        case 2: ROWS(data, rs, n0, n1, K, x, xsum, 2, out, ldo); break;                              \
+        case 3: ROWS(data, rs, n0, n1, K, x, xsum, 3, out, ldo); break;                              \
+        case 4: ROWS(data, rs, n0, n1, K, x, xsum, 4, out, ldo); break;                              \
+        default: for (int m0 = 0; m0 < M; m0 += 4)                                                   \
+            ROWS(data, rs, n0, n1, K, x + m0 * K, xsum + m0 * (K / 32), M - m0 < 4 ? M - m0 : 4,     \
+                 out + m0 * ldo, ldo);                                                               \
+            break;                                                                                   \
+        }                                                                                            \
+    }
+BF16_FN(q4_k_bf16, q4_k_bf16_rows)
+BF16_FN(q6_k_bf16, q6_k_bf16_rows)
 #endif
 
 typedef void (*gemv_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const float *, int, float *, int64_t);
@@ -425,4 +567,52 @@ int gguf_dequant(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, 
         fn(data, row_stride, n0, n1, K, out + n0 * K);
     }
     return 0;
+}
+
+/* bf16 x: 1 if this build has a bf16 kernel for qtype (Q4_K, Q6_K). */
+int gguf_has_bf16(int qtype) {
+#if defined(HAS_BF16_KERNELS)
+    return qtype == Q4_K || qtype == Q6_K;
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
+
+/* out[m, n] = sum_k x[m, k] W[n, k] for bf16 x (uint16 bits) [M, K], M <= 8; -1 where
+   gguf_has_bf16(qtype) is 0. */
+int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
+                   int M, float *out, int64_t out_stride, int num_threads) {
+#if defined(HAS_BF16_KERNELS)
+    if (!gguf_has_bf16(qtype) || M < 1 || M > 8 || K % 256) return -1;
+    float xsum[8 * 1024];  /* per 32 inputs of each row of x: Q4_K's minimums multiply these */
+    if (K / 32 > 1024) return -2;
+    for (int m = 0; m < M; m++)
+        for (int64_t g = 0; g < K / 32; g++) {
+            float total = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                uint32_t bits = (uint32_t)x[m * K + g * 32 + j] << 16;
+                float v;
+                memcpy(&v, &bits, 4);
+                total += v;
+            }
+            xsum[m * (K / 32) + g] = total;
+        }
+    const bf16_rows_fn fn = qtype == Q4_K ? q4_k_bf16 : q6_k_bf16;
+    if (num_threads <= 1 || N < 32) {
+        fn(data, row_stride, 0, N, K, x, xsum, M, out, out_stride);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int part = 0; part < num_threads; part++) {
+        int64_t n0, n1;
+        split(N, num_threads, part, &n0, &n1);
+        fn(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride);
+    }
+    return 0;
+#else
+    (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
+    (void)num_threads;
+    return -1;
+#endif
 }

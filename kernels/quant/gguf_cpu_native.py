@@ -64,14 +64,42 @@ def gemv(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads: int 
     return out
 
 
-def gemv_routine(data: torch.Tensor, quant_type: str):
-    """:func:`gemv` with the weight bound and checked once: ``routine(x)`` for contiguous float32
-    ``x`` ``[M, K]``, 1 <= M <= :data:`MAX_ROWS` (the caller's contract: not checked per call)."""
+def has_bf16(quant_type: str) -> bool:
+    """Whether this build multiplies ``quant_type`` blocks by bf16 ``x`` directly (Q4_K, Q6_K with
+    AVX-512 BF16: bf16 dot products of the exact integer codes, then the float32 scales)."""
+    library = _library()
+    return library is not None and quant_type in QTYPE_IDS and bool(library.gguf_has_bf16(QTYPE_IDS[quant_type]))
+
+
+def gemv_bf16(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads: int | None = None) -> torch.Tensor:
+    """float32 ``x @ W.T`` for bf16 ``x`` ``[M, K]`` (M <= :data:`MAX_ROWS`), where :func:`has_bf16`."""
+    if not has_bf16(quant_type):
+        raise ValueError(f"no bf16 kernel for {quant_type} in this build")
+    num_rows, num_columns = _check(x, data, quant_type)
+    if x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be bf16 with 1..{MAX_ROWS} rows, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], num_rows, dtype=torch.float32)
+    status = _library().gguf_gemv_bf16(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows,
+                                       num_columns, x.data_ptr(), x.shape[0], out.data_ptr(), num_rows,
+                                       num_threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"gguf_gemv_bf16 failed for {quant_type} (status {status})")
+    return out
+
+
+def gemv_routine(data: torch.Tensor, quant_type: str, bf16: bool = False):
+    """:func:`gemv` (``bf16``: :func:`gemv_bf16`) with the weight bound and checked once:
+    ``routine(x)`` for contiguous float32 (bf16) ``x`` ``[M, K]``, 1 <= M <= :data:`MAX_ROWS` (the
+    caller's contract: not checked per call)."""
     library = _library()
     if library is None:
         raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
+    if bf16 and not has_bf16(quant_type):
+        raise ValueError(f"no bf16 kernel for {quant_type} in this build")
     num_rows, num_columns = _check(None, data, quant_type)
-    call, qtype, pointer, stride = library.gguf_gemv, QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0)
+    call = library.gguf_gemv_bf16 if bf16 else library.gguf_gemv
+    qtype, pointer, stride = QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0)
     get_num_threads = torch.get_num_threads
 
     def routine(x: torch.Tensor, _data=data) -> torch.Tensor:  # _data: keeps the weight alive
@@ -125,7 +153,10 @@ def _library():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.gguf_gemv.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int)
     library.gguf_dequant.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int)
+    library.gguf_gemv_bf16.argtypes = library.gguf_gemv.argtypes
+    library.gguf_has_bf16.argtypes = (ctypes.c_int,)
     library.gguf_gemv.restype = library.gguf_dequant.restype = ctypes.c_int
+    library.gguf_gemv_bf16.restype = library.gguf_has_bf16.restype = ctypes.c_int
     return library
 
 

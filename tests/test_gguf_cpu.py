@@ -1,0 +1,155 @@
+"""GGUF weights on the CPU kept in the file's blocks by default (bf16): the C kernels against the
+reference decoders (bit-equal dequantization; GEMVs of exact weights for 1..8 rows, float32 and bf16
+activations; the tiled path for more), and a tiny Llama GGUF of all eight types loaded in bf16 with
+default settings: its layers and head stay blocks (resident bytes within 1.15x the file's tensors)
+and its greedy tokens equal HF transformers' (fp32) on the dequantized weights."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from safetensors.torch import save_file
+
+from hearth_llm.engine import LLM, SamplingParams
+from hearth_llm.engine.loader import load_checkpoint
+from hearth_llm.engine.models.cpu_weights import CpuBlockLogitsHead
+from hearth_llm.engine.models.gguf_linear_method import GGUFInt4LinearMethod
+from hearth_llm.engine.models.linear import linear_layers
+from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
+from hearth_llm.kernels.quant import BLOCK_FORMATS, gguf_cpu, gguf_cpu_native, gguf_reference
+
+from conftest import TINY_VOCAB, hf_greedy, random_prompts
+from gguf_writer import write_shape_fields, write_tiny_tokenizer
+from test_quant_gguf import GGUF_NAMES, HIDDEN, INTERMEDIATE, KV_HEADS, LAYER_TYPES, LAYERS, HEADS, _quantized, _shape
+from test_quant_gguf import random_blocks
+
+pytestmark = pytest.mark.skipif(not gguf_cpu_native.available(), reason="no C compiler: the GGUF CPU kernels "
+                                "are not built (the torch path runs instead, tested in test_quant_gguf.py)")
+TYPES = sorted(BLOCK_FORMATS)
+
+
+def _exact(x: torch.Tensor, data: torch.Tensor, quant_type: str) -> torch.Tensor:
+    return x.double() @ gguf_reference.dequantize(data, quant_type).double().T
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_c_dequantizer_is_bit_equal_to_the_reference(quant_type):
+    data = random_blocks(quant_type, 37, 3 * BLOCK_FORMATS[quant_type].block_size, seed=1)
+    expected = gguf_reference.dequantize(data, quant_type)
+    assert torch.equal(gguf_cpu_native.dequantize(data, quant_type).view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_c_gemv_multiplies_the_exact_weights_for_each_row_count(quant_type):
+    num_columns = 4 * BLOCK_FORMATS[quant_type].block_size
+    data = random_blocks(quant_type, 45, num_columns, seed=2)  # 45 rows: a thread's partial chunk
+    x = torch.randn(8, num_columns, generator=torch.Generator().manual_seed(3))
+    for rows in range(1, 9):
+        out, expected = gguf_cpu_native.gemv(x[:rows], data, quant_type), _exact(x[:rows], data, quant_type)
+        # float32 sums of exactly decoded weights: only the summation order differs from float64's
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+    threads = gguf_cpu_native.gemv(x[:3], data, quant_type, num_threads=2)
+    assert torch.equal(threads, gguf_cpu_native.gemv(x[:3], data, quant_type, num_threads=1))  # rows split, same sums
+
+
+@pytest.mark.parametrize("quant_type", ["Q4_K", "Q6_K"])
+def test_c_bf16_gemv_multiplies_the_exact_weights(quant_type):
+    if not gguf_cpu_native.has_bf16(quant_type):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    data = random_blocks(quant_type, 33, 512, seed=4)
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for rows in (1, 2, 5, 8):
+        out, expected = gguf_cpu_native.gemv_bf16(x[:rows], data, quant_type), _exact(x[:rows], data, quant_type)
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+
+
+def test_bound_routine_joins_runs_of_two_types_and_adds_the_bias_for_decode_and_prefill():
+    runs = [("Q4_K", random_blocks("Q4_K", 48, 512, seed=6)), ("Q6_K", random_blocks("Q6_K", 16, 512, seed=7))]
+    bias = torch.randn(64)
+    routine = gguf_cpu.gguf_linear_routine(runs, bias)
+    for rows in (1, 3, 12):  # 12 rows: the tiled prefill path
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            expected = torch.cat([_exact(x, data, quant_type) for quant_type, data in runs], dim=-1) + bias.double()
+            out = routine(x)
+            assert out.dtype == dtype and out.shape == (rows, 64)
+            tolerance = 2e-5 if dtype == torch.float32 and rows <= 8 else 2e-2  # bf16 output / bf16 tiles
+            torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_c_kernels_refuse_bad_inputs_by_name():
+    data = random_blocks("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="x must be float32 with 1..8 rows"):
+        gguf_cpu_native.gemv(torch.randn(9, 64), data, "Q8_0")
+    with pytest.raises(ValueError, match=r"x must be a CPU \[M, 64\]"):
+        gguf_cpu_native.gemv(torch.randn(1, 32), data, "Q8_0")
+    with pytest.raises(ValueError, match="whole 34-byte Q8_0 blocks"):
+        gguf_cpu_native.gemv(torch.randn(1, 64), data[:, :30], "Q8_0")
+    with pytest.raises(ValueError, match="block quantization type 'Q3_K' is not supported"):
+        gguf_cpu_native.gemv(torch.randn(1, 64), data, "Q3_K")
+
+
+# --- a tiny Llama GGUF with every type, bf16, default settings -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def all_types_file(tmp_path_factory):
+    """The file (its head Q6_K), the bytes of its linear and head tensors, and an HF directory of
+    its dequantized weights (the reference: HF runs what the file dequantizes to)."""
+    root = tmp_path_factory.mktemp("gguf_cpu")
+    path = root / "all-types.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    write_shape_fields(writer, dict(max_position_embeddings=256, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                    num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                    num_key_value_heads=KV_HEADS, vocab_size=TINY_VOCAB))
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    write_tiny_tokenizer(writer)
+    generator = torch.Generator().manual_seed(0)
+    writer.add_tensor("token_embd.weight", torch.randn(TINY_VOCAB, HIDDEN, generator=generator).numpy())
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    head = random_blocks("Q6_K", TINY_VOCAB, HIDDEN, seed=98, scale=3e-3).numpy()
+    writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType.Q6_K)
+    tensor_bytes = {"output": head.nbytes}
+    for layer, types in enumerate(LAYER_TYPES):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        for index, (name, quant_type) in enumerate(zip(GGUF_NAMES, types)):
+            blocks = _quantized(quant_type, _shape(name), seed=10 * layer + index)
+            tensor_bytes[f"blk.{layer}.{name}"] = blocks.nbytes
+            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=GGMLQuantizationType[quant_type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    checkpoint = load_checkpoint(str(path), torch.float32, progress=False)
+    hf_dir = root / "dequantized-hf"
+    checkpoint.config.save_pretrained(hf_dir)
+    tensors = {name: (t.dequantized(torch.float32) if hasattr(t, "dequantized") else t).contiguous()
+               for name, t in checkpoint.weights()}
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    return path, tensor_bytes, hf_dir
+
+
+def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_weights(all_types_file):
+    path, tensor_bytes, hf_dir = all_types_file
+    prompts = random_prompts(3, [5, 19, 2], seed=31)  # 19 tokens: a prefill of more than 8 rows (tiled path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False) as llm:
+        model = llm.engine.runner.model
+        layers = dict(linear_layers(model))
+        outputs = llm.generate(prompts[:2], params, use_tqdm=False) + llm.generate(prompts[2:], params, use_tqdm=False)
+        methods = {name: type(layer.method) for name, layer in layers.items() if name.startswith("layers.")}
+        # layer 0's gate/up are Q4_0/Q4_1: the int4 method; every other linear keeps its blocks
+        assert methods.pop("layers.0.mlp.gate_up_proj") is GGUFInt4LinearMethod
+        assert set(methods.values()) == {GGUFBlockLinearMethod}
+        assert isinstance(model.lm_head, CpuBlockLogitsHead) and model.lm_head.quant_type == "Q6_K"
+        resident = sum(layer.method.resident_bytes(layer) for name, layer in layers.items()
+                       if isinstance(layer.method, GGUFBlockLinearMethod)) + model.lm_head.resident_bytes()
+        file_bytes = sum(size for name, size in tensor_bytes.items() if name not in ("blk.0.ffn_gate", "blk.0.ffn_up"))
+        assert resident == file_bytes  # the file's bytes, no dense copy (goal: <= 1.15x)
+        assert layers["layers.0.mlp.gate_up_proj"].cpu_weight.int4 is not None
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
