@@ -341,11 +341,16 @@ class ServerProcess:
     def wait_ready(self, timeout: float) -> float:
         """Seconds until ``GET /health`` answered 200; RuntimeError (with the log's tail) otherwise."""
         deadline = time.perf_counter() + timeout
+        next_report = time.perf_counter() + 15.0
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             if _health_ok(self.port):
                 return time.perf_counter() - self.started
+            if time.perf_counter() >= next_report:  # a slow start (vLLM's compile) shows where it is
+                last = (self.log_tail(1) or "").strip()[:160]
+                print(f"{self.name}: starting, {time.perf_counter() - self.started:.0f} s; log: {last}", flush=True)
+                next_report += 15.0
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
 
