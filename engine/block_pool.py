@@ -140,15 +140,23 @@ class BlockPool:
                 del self.free_queue[block_id]
             ref_counts[block_id] += 1
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one reference each; pass a sequence's blocks tail first so its tail is evicted first."""
-        ref_counts = self.ref_counts
+    def free(self, block_ids: list[int], reuse_first: bool = False) -> None:
+        """Drop one reference each; pass a sequence's blocks tail first so its tail is evicted first.
+
+        ``reuse_first``: blocks that hold no cached KV go to the front of the queue, so the next
+        allocation gets them back (in sequence order: pass them tail first). A speculative step's
+        rolled-back tail is allocated again a step later; getting the same block keeps a lone
+        sequence's blocks one contiguous run, which the CPU attention reads as a view instead of
+        gathering a copy in every layer."""
+        ref_counts, free_queue = self.ref_counts, self.free_queue
         for block_id in block_ids:
             if ref_counts[block_id] <= 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             ref_counts[block_id] -= 1
             if ref_counts[block_id] == 0:
-                self.free_queue[block_id] = None
+                free_queue[block_id] = None
+                if reuse_first and self.block_hashes[block_id] is None:
+                    free_queue.move_to_end(block_id, last=False)
 
     def cache_block(self, block_id: int, block_hash: bytes) -> None:
         """Register a full block under its hash (first writer wins on duplicates)."""

@@ -114,7 +114,8 @@ class KVCacheManager:
         covers them, since blocks are hashed only once full of accepted, computed tokens.)"""
         num_needed = -(-request.num_computed_tokens // self.block_size)
         if len(request.block_ids) > num_needed:
-            self.pool.free(list(reversed(request.block_ids[num_needed:])))
+            # reused first: the next step allocates them again (see BlockPool.free)
+            self.pool.free(list(reversed(request.block_ids[num_needed:])), reuse_first=True)
             del request.block_ids[num_needed:]
 
     def free(self, request: Request) -> None:
