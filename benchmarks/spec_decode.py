@@ -12,7 +12,11 @@
    SmolLM2 drafting for itself, a sanity check of the draft path: acceptance about 100 %).
    Decode tokens/s count from the first token to the last (prefix caching is off so every run
    prefills alike); ``--clock cpu`` counts the engine thread's CPU time instead of wall time, for
-   a machine shared with other work (1 thread: the forward passes run on that thread). The
+   a machine shared with other work (1 thread: the forward passes run on that thread), and
+   ``--clock both`` reports CPU time and wall time of the same runs side by side, with the load
+   average after each prompt. The n-gram engine uses lookup lengths ``--lookup-min``..``--lookup-max``
+   (default 1..4) with ``prompt_lookup_backoff`` (``--no-lookup-backoff`` turns it off);
+   ``--baseline-ngram 2-4`` adds the previous setting (2..4, no backoff) to the same runs. The
    systems take turns run by run. Outputs are checked token-equal to the plain run (in bfloat16
    a verify step's logits can round differently from a decode step's, so a near-tie may flip;
    float32 is exact).
@@ -27,6 +31,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from importlib import util
 from pathlib import Path
@@ -94,6 +99,8 @@ def workloads(tokenizer, quote_prompts: bool = False) -> dict[str, list[int]]:
 
 
 CLOCK = [time.perf_counter]  # --clock cpu: time.thread_time
+# Wall seconds after the first token of the last run_one, whatever CLOCK is (--clock both reports it too).
+LAST_WALL_DECODE = [0.0]
 
 
 class ForcedProposer:
@@ -133,14 +140,17 @@ def run_one(engine, prompt: list[int], max_tokens: int, speculative: bool = True
     tokens, num_steps, first_token_at = [], 0, None
     _synchronize(engine)
     started = CLOCK[0]()
+    wall_first = None
     while engine.has_unfinished_requests():
         for delta in engine.step():
             tokens += delta.new_token_ids
         num_steps += 1
         if tokens and first_token_at is None:
             first_token_at = CLOCK[0]()  # the prefill's step (CPU: the host has waited for it)
+            wall_first = time.perf_counter()
     _synchronize(engine)
     ended = CLOCK[0]()
+    LAST_WALL_DECODE[0] = time.perf_counter() - (wall_first or time.perf_counter())
     engine.release(request_id)
     return tokens, ended - started, num_steps, ended - (first_token_at or ended)
 
@@ -154,36 +164,51 @@ def real_weights_table(args) -> None:
     engines = {"no speculation": make_engine(args.model, None, args)}
     engines[f"ngram k={args.k}"] = make_engine(args.model, {
         "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-        "prompt_lookup_max": args.lookup_max}, args)
+        "prompt_lookup_max": args.lookup_max, "prompt_lookup_backoff": args.lookup_backoff}, args)
+    if args.baseline_ngram:  # the previous default policy, in the same interleaved runs
+        low, high = (int(n) for n in args.baseline_ngram.split("-"))
+        engines[f"ngram k={args.k} n{low}-{high} no backoff"] = make_engine(args.model, {
+            "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": low,
+            "prompt_lookup_max": high, "prompt_lookup_backoff": False}, args)
     if args.draft:
         engines[f"draft {Path(args.draft).name} k={args.k}"] = make_engine(args.model, {
             "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}, args)
-    print(f"| prompt | tokens in/out | system | decode tok/s | speedup | acceptance | tokens per verify step | equal |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    both = args.clock == "both"
+    rate_columns = "decode tok/s (CPU time) | speedup | decode tok/s (wall) | speedup" if both else "decode tok/s | speedup"
+    print(f"| prompt | tokens in/out | system | {rate_columns} | acceptance | tokens per verify step | equal | load |")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if both else ""), flush=True)
     for name, prompt in workloads(engines["no speculation"].tokenizer, args.quote_prompts).items():
         for engine in engines.values():
             run_one(engine, prompt, 8)  # warm-up
         before = {system: spec_counters(engine) for system, engine in engines.items() if engine.proposer}
         outputs = interleaved_rates(engines, prompt, args.max_tokens, args.repeats)
-        reference, plain_rate = outputs.pop("no speculation")
-        print(f"| {name} | {len(prompt)}/{len(reference)} | no speculation | {plain_rate:.1f} | 1.00x | | | |")
-        for system, (tokens, rate) in outputs.items():
+        load = "/".join(f"{value:.1f}" for value in os.getloadavg())
+        reference, plain_rate, plain_wall = outputs.pop("no speculation")
+
+        def rates(rate: float, wall: float) -> str:
+            text = f"{rate:.1f} | {rate / plain_rate:.2f}x"
+            return text + (f" | {wall:.1f} | {wall / plain_wall:.2f}x" if both else "")
+
+        print(f"| {name} | {len(prompt)}/{len(reference)} | no speculation | {rates(plain_rate, plain_wall)} "
+              f"| | | | {load} |")
+        for system, (tokens, rate, wall) in outputs.items():
             drafts, proposed, accepted = (a - b for a, b in zip(spec_counters(engines[system]), before[system]))
             acceptance = accepted / proposed if proposed else 0.0
             per_step = 1 + accepted / drafts if drafts else 1.0
-            print(f"| {name} | {len(prompt)}/{len(tokens)} | {system} | {rate:.1f} | {rate / plain_rate:.2f}x | "
-                  f"{acceptance:.0%} | {per_step:.2f} | {'yes' if tokens == reference else 'NO'} |", flush=True)
+            print(f"| {name} | {len(prompt)}/{len(tokens)} | {system} | {rates(rate, wall)} | {acceptance:.0%} | "
+                  f"{per_step:.2f} | {'yes' if tokens == reference else 'NO'} | {load} |", flush=True)
 
 
 def interleaved_rates(engines: dict, prompt: list[int], max_tokens: int, repeats: int) -> dict:
-    """Per system, (its tokens, best decode tokens/s of ``repeats`` runs); the systems take turns
-    run by run, so a burst of load on a shared machine hits them alike."""
-    best = {system: ([], 0.0) for system in engines}
+    """Per system, (its tokens, best decode tokens/s of ``repeats`` runs by CLOCK, best by the wall
+    clock); the systems take turns run by run, so a burst of load on a shared machine hits them alike."""
+    best = {system: ([], 0.0, 0.0) for system in engines}
     for _ in range(repeats):
         for system, engine in engines.items():
             tokens, _, _, decode_seconds = run_one(engine, prompt, max_tokens)
             rate = (len(tokens) - 1) / max(decode_seconds, 1e-9)
-            best[system] = (tokens, max(best[system][1], rate))
+            wall = (len(tokens) - 1) / max(LAST_WALL_DECODE[0], 1e-9)
+            best[system] = (tokens, max(best[system][1], rate), max(best[system][2], wall))
     return best
 
 
@@ -240,8 +265,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--lookup-backoff", action=argparse.BooleanOptionalAction, default=True,
+                        help="speculative.prompt_lookup_backoff (default: on)")
+    parser.add_argument("--baseline-ngram", default=None, metavar="MIN-MAX",
+                        help="also an ngram engine with these lookup lengths and no backoff (e.g. 2-4, the "
+                             "previous session's setting), interleaved with the others")
     parser.add_argument("--draft", default=None, help="a draft model ('default': SmolLM2 drafts for itself)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
@@ -256,16 +286,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the real-weights table; measure the verification overhead on a random-weight "
                              "model of this shape (e.g. llama3-8b on cuda)")
     parser.add_argument("--overhead-tokens", type=int, default=128)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: the engine thread's CPU time (a shared machine; needs --num-threads 1)")
+    parser.add_argument("--clock", choices=["wall", "cpu", "both"], default="wall",
+                        help="cpu: the engine thread's CPU time (a shared machine; needs --num-threads 1); "
+                             "both: CPU time and wall time of the same runs, side by side")
     parser.add_argument("--quote-prompts", action="store_true",
                         help="also the older RAG variant: the whole handbook as context, 'quote it word for word'")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="the engine's max_num_seqs (fewer CUDA graphs to capture; default: the engine's)")
     args = parser.parse_args(argv)
-    if args.clock == "cpu":
+    if args.clock in ("cpu", "both"):
         if args.num_threads != 1 or args.device != "cpu":
-            parser.error("--clock cpu needs --device cpu and --num-threads 1 (the forward passes on this thread)")
+            parser.error(f"--clock {args.clock} needs --device cpu and --num-threads 1 (the forward passes on this "
+                         "thread)")
         CLOCK[0] = time.thread_time
     speculative = {"method": "ngram", "num_speculative_tokens": args.k}
     if args.overhead_shape is None:
@@ -282,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = make_engine(checkpoint.source, speculative, args, checkpoint=checkpoint)
         print(f"{args.overhead_shape} ({args.dtype}, random weights): engine built (CUDA graphs included) in "
               f"{time.perf_counter() - started:.1f} s", flush=True)
-    overhead_table(engine, args.k, args.overhead_tokens, args.repeats)
+    if args.overhead_tokens > 0:  # 0: the real-weights table only
+        overhead_table(engine, args.k, args.overhead_tokens, args.repeats)
 
 
 if __name__ == "__main__":

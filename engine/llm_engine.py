@@ -381,7 +381,7 @@ class LLMEngine:
         if spec is None:
             return None, None
         if spec.method == "ngram":
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_backoff)
         else:
             from .spec_decode.draft_model_proposer import DraftModelProposer
 

@@ -19,7 +19,13 @@ class SpeculativeConfig:
       the sequence's last n tokens) or ``"draft_model"`` (a small model sharing the tokenizer
       proposes greedily).
     - ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths tried, longest first
-      (ngram only). Give one and the other takes its value; neither: 2 and 5.
+      (ngram only). Give one and the other takes its value; neither: 1 and 4.
+    - ``prompt_lookup_backoff`` (ngram only, default True): after a verification step that
+      accepted none of a request's proposals, its next proposal needs an n-gram one token longer
+      than ``prompt_lookup_min``, until a proposal token is accepted again (see
+      :class:`.NgramProposer`). Measured on SmolLM2 over the demo questions and 10 more handbook
+      questions (CPU, where a verification step costs 1.3-1.5 decode steps): 1 to 4 with backoff
+      was the best of the ranges tried with and without it (benchmarks/spec_decode.py).
     - ``model``: the draft's path or hub id (draft_model only); it runs on the target's device
       and dtype with its own KV pool of ``kv_cache_memory`` bytes (default: the runner's default).
     Frozen, so an engine's config stays hashable (engines are shared by config).
@@ -31,6 +37,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     kv_cache_memory: int | str | None = None
+    prompt_lookup_backoff: bool | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -59,11 +66,16 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         if self.method == "ngram":
             self._fill_lookup_range()
+            backoff = True if self.prompt_lookup_backoff is None else self.prompt_lookup_backoff
+            if not isinstance(backoff, bool):
+                raise ValueError(f"speculative.prompt_lookup_backoff must be True or False, got {backoff!r}")
+            object.__setattr__(self, "prompt_lookup_backoff", backoff)
             if self.model is not None:
                 raise ValueError("speculative.model is for method 'draft_model', not 'ngram'")
         else:
-            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-                raise ValueError("speculative.prompt_lookup_min/max are for method 'ngram', not 'draft_model'")
+            if (self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
+                    or self.prompt_lookup_backoff is not None):
+                raise ValueError("speculative.prompt_lookup_min/max/backoff are for method 'ngram', not 'draft_model'")
             if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
                 raise ValueError(f"speculative.model must name the draft model for 'draft_model', got {self.model!r}")
             object.__setattr__(self, "model", str(self.model))
@@ -76,7 +88,7 @@ class SpeculativeConfig:
     def _fill_lookup_range(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
-            low, high = 2, 5
+            low, high = 1, 4
         low = high if low is None else low
         high = low if high is None else high
         _check_int("prompt_lookup_min", low, 1, None)
