@@ -263,14 +263,20 @@ class _Reply:
                 key = (prompt_index, output.index)
                 previous = offsets.get(key)  # characters of this choice sent so far
                 text = self._prompt_text(prompt_index) if previous is None and self.echo else ""
-                logprobs = _Logprobs((previous or 0) + len(text))
-                self._add_logprobs(logprobs, output)
-                text += output.delta_text
-                offsets[key] = (previous or 0) + len(text)
-                if self.params.logprobs is None and (text or output.finish_reason):
-                    yield self._text_chunk(prompt_index * self.params.n + output.index, text, output.finish_reason)
-                elif text or output.finish_reason or logprobs.tokens:
-                    yield self._chunk([self._choice(prompt_index, output.index, text, logprobs, output.finish_reason)])
+                if self.params.logprobs is None:  # the hot path: no log-probability lists to build
+                    text += output.delta_text
+                    offsets[key] = (previous or 0) + len(text)
+                    if text or output.finish_reason:
+                        yield self._text_chunk(prompt_index * self.params.n + output.index, text,
+                                               output.finish_reason)
+                else:
+                    logprobs = _Logprobs((previous or 0) + len(text))
+                    self._add_logprobs(logprobs, output)
+                    text += output.delta_text
+                    offsets[key] = (previous or 0) + len(text)
+                    if text or output.finish_reason or logprobs.tokens:
+                        yield self._chunk([self._choice(prompt_index, output.index, text, logprobs,
+                                                        output.finish_reason)])
                 num_sent = self.tokens_used.get(prompt_index, 0)
                 self.tokens_used[prompt_index] = num_sent + len(output.delta_token_ids)
                 if output.finished:
@@ -341,8 +347,8 @@ class _Reply:
         return event(chunk)
 
 
-def _json(value: str) -> str:
-    return json.dumps(value, ensure_ascii=False)
+# json.dumps(value, ensure_ascii=False) for a str, without building a JSONEncoder per call
+_json = json.encoder.encode_basestring
 
 
 def _sum_usage(total: Usage, more: Usage | None) -> Usage:

@@ -110,3 +110,15 @@ def test_a_put_for_a_reader_whose_loop_closed_says_nobody_reads():
     loop.close()  # as a server's loop that is gone while the engine still steps
     assert stream.put(_out("a")) is False
     assert streams_module._LoopWaker(loop).wake(asyncio.Future(loop=loop)) is False
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_the_fast_completion_chunk_is_the_same_characters_as_the_general_one(include_usage):
+    from hearth_llm.engine import SamplingParams
+    from hearth_llm.server.completions import _Logprobs, _Reply
+
+    reply = _Reply('cmpl-"x', 123, 'm\u00e9"del', SamplingParams(n=2), False, [[1]], None, include_usage=include_usage)
+    for text, finish_reason in (('h\u00e9 "\n\\ \u2028 \x01', None), ("", "length"), ("\U0001F600", "stop")):
+        for index in range(2):
+            general = reply._chunk([reply._choice(0, index, text, _Logprobs(), finish_reason)])
+            assert reply._text_chunk(index, text, finish_reason) == general
