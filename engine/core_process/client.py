@@ -93,15 +93,6 @@ class ProcessEngineCore(CoreFront):
             if self._process is None:
                 self._start_locked()
 
-    def wait_until_started(self, timeout: float | None = None) -> None:
-        """Start and block until the model is loaded; raises what loading raised."""
-        self.start()
-        if not self._started.wait(timeout):
-            raise TimeoutError(f"the engine for model {self.config.model!r} did not start within {timeout} s")
-        if self._startup_error is not None:
-            raise self._startup_error
-        self._raise_if_stopped()
-
     @property
     def engine(self) -> EngineView:
         """What can be read of the child's engine (tokenizer, max_model_len, hf_config, dtype, pid)."""
@@ -114,17 +105,9 @@ class ProcessEngineCore(CoreFront):
         return self._model_info
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
     def pid(self) -> int | None:
         """The engine process's id (None before it started)."""
         return None if self._process is None else self._process.pid
-
-    @property
-    def is_stopped(self) -> bool:
-        return self._is_closing or self._stop_error is not None
 
     @property
     def is_sleeping(self) -> bool:
@@ -223,6 +206,13 @@ class ProcessEngineCore(CoreFront):
             except EngineDeadError:
                 pass
         return dict(self._stats)
+
+    def metrics_text(self) -> bytes | None:
+        """The child's Prometheus exposition (its engine's ``vllm:*`` metrics live in its own
+        registry), or None without prometheus_client there or before the engine started."""
+        if self._process is None or not self._started.is_set() or self.is_stopped:
+            return None
+        return self._call("metrics_text")
 
     # ---- talking to the child ----------------------------------------------------------------
 
