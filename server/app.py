@@ -1,6 +1,7 @@
 """``create_app``: the FastAPI app with every endpoint, its error handlers and the server middleware."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from fastapi import FastAPI, Request
@@ -120,6 +121,10 @@ async def metrics(request: Request):
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
     except ImportError:
         raise APIError(404, "metrics need prometheus_client: pip install 'hearth-llm[metrics]'") from None
+    core = request.app.state.hearth.core
+    if hasattr(core, "metrics_text"):  # an engine in its own process counts in that process's registry
+        text = await asyncio.to_thread(core.metrics_text)
+        return Response(text or b"", media_type=CONTENT_TYPE_LATEST)
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 

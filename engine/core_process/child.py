@@ -27,7 +27,7 @@ from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Outpu
 # Calls that wait for the engine (sleep finishes the running requests first): each gets a thread,
 # so aborts and adds keep flowing meanwhile.
 _BLOCKING_CALLS = frozenset({"sleep", "wake_up"})
-_CALLS = frozenset({"stats", "set_keep_alive", "is_sleeping"}) | _BLOCKING_CALLS
+_CALLS = frozenset({"stats", "set_keep_alive", "is_sleeping", "metrics_text"}) | _BLOCKING_CALLS
 
 
 class _Link:
@@ -130,6 +130,14 @@ class ChildEngineCore(EngineCore):
         with self._pipe_lock:
             self.pipe_streams[stream.stream_id] = stream
         return stream
+
+    def metrics_text(self) -> bytes | None:
+        """This process's Prometheus exposition (the parent's ``/metrics`` shows it)."""
+        try:
+            from prometheus_client import REGISTRY, generate_latest
+        except ImportError:
+            return None
+        return generate_latest(REGISTRY)
 
     def _dispatch(self, engine, deltas) -> bool:
         with self._link.batched():  # a step's outputs travel as one message
