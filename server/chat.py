@@ -21,7 +21,7 @@ from hearth_llm.engine.tool_parsers import InvalidToolCallDelta, ToolCallDelta
 from .errors import APIError, engine_failure, invalid_parameter
 from .protocol import ChatCompletionRequest
 from .sse import DONE, EventStreamResponse, event
-from .state import ServerState
+from .state import ServerState, off_the_loop
 
 _FIELDS = frozenset(ChatCompletionRequest.model_fields) | {"structured_output", "sampling", "timeout"}
 
@@ -120,6 +120,8 @@ def _structured_output(body: ChatCompletionRequest) -> dict | None:
 
 async def _start(state: ServerState, chat_request: ChatRequest) -> ChatStream:
     try:
+        if state.adds_can_block:
+            return await off_the_loop(lambda: state.chat_service.stream(chat_request), ChatStream.close)
         return await state.chat_service.astream(chat_request)
     except (ValueError, TypeError) as error:
         raise invalid_parameter(error, _FIELDS) from error

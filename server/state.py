@@ -96,20 +96,17 @@ class ServerState:
         if self.settings.rate_limit is not None:
             await self.settings.rate_limit.acquire(request.state.tenant)
 
+    @property
+    def adds_can_block(self) -> bool:
+        """A child-process core answers an add over its pipe, between two of its engine steps."""
+        return self.core.config.engine_core == "process"
+
     async def add_requests(self, prompts: list, *args, **kwargs) -> list:
-        """``core.add_requests``, off the event loop where it can block: a child-process core
-        answers an add over its pipe between two engine steps, and text prompts are tokenized in
-        the call; every other stream on the loop would wait meanwhile. A request cancelled while
-        its add runs (the client left) has its streams closed once the add returns."""
-        if self.core.config.engine_core != "process" and not any(isinstance(p, str) for p in prompts):
+        """``core.add_requests``, off the event loop where it can block (:attr:`adds_can_block`, or
+        text prompts, tokenized in the call): every other stream on the loop would wait meanwhile."""
+        if not self.adds_can_block and not any(isinstance(p, str) for p in prompts):
             return self.core.add_requests(prompts, *args, **kwargs)
-        future = asyncio.get_running_loop().run_in_executor(None, lambda: self.core.add_requests(prompts, *args,
-                                                                                                  **kwargs))
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(_close_streams)
-            raise
+        return await off_the_loop(lambda: self.core.add_requests(prompts, *args, **kwargs), _close_streams)
 
     def charge(self, request: Request, num_tokens: int, usage=None) -> None:
         """Count a request's tokens (prompt + completion) against its key's tokens per minute;
@@ -145,7 +142,17 @@ class ServerState:
         return n
 
 
-def _close_streams(future: asyncio.Future) -> None:
-    if not future.cancelled() and future.exception() is None:
-        for stream in future.result():
-            stream.close()
+async def off_the_loop(submit, close):
+    """``submit()`` on a worker thread; if the awaiting request is cancelled meanwhile (its client
+    left), ``close(result)`` runs once ``submit`` returns, so what it queued is aborted, not leaked."""
+    future = asyncio.get_running_loop().run_in_executor(None, submit)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(lambda done: done.cancelled() or done.exception() or close(done.result()))
+        raise
+
+
+def _close_streams(streams: list) -> None:
+    for stream in streams:
+        stream.close()
