@@ -2,7 +2,8 @@
 reference decoders (bit-equal dequantization; GEMVs of exact weights for 1..8 rows, float32 and bf16
 activations; the tiled path for more), and a tiny Llama GGUF of all eight types loaded in bf16 with
 default settings: its layers and head stay blocks (resident bytes within 1.15x the file's tensors)
-and its greedy tokens equal HF transformers' (fp32) on the dequantized weights."""
+and its greedy tokens equal HF transformers' (fp32) on the dequantized weights. (The embedding
+and head from blocks are also covered on the bundled SmolLM2, whose tied Q8_0 pair shares one copy.)"""
 from __future__ import annotations
 
 import gguf
@@ -14,7 +15,7 @@ from safetensors.torch import save_file
 
 from hearth_llm.engine import LLM, SamplingParams
 from hearth_llm.engine.loader import load_checkpoint
-from hearth_llm.engine.models.cpu_weights import CpuBlockLogitsHead
+from hearth_llm.engine.models.cpu_weights import CpuBlockEmbedding, CpuBlockLogitsHead
 from hearth_llm.engine.models.gguf_linear_method import GGUFInt4LinearMethod
 from hearth_llm.engine.models.linear import linear_layers
 from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
@@ -79,6 +80,20 @@ def test_bound_routine_joins_runs_of_two_types_and_adds_the_bias_for_decode_and_
             torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
+def test_int4_tiles_are_the_values_the_int4_kernel_multiplies_by():
+    codes = torch.randint(0, 16, (192, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(8))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_and_zeros = torch.randn(3, 192, 2, generator=torch.Generator().manual_seed(9)).bfloat16()
+    kernel_weight = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(96).bfloat16(), packed, 32, scales_and_zeros).T
+    tiles = gguf_cpu_native.int4pack_dequantize(packed, scales_and_zeros, 32, 64, 192)
+    assert torch.equal(tiles.bfloat16(), kernel_weight[64:])
+    from hearth_llm.engine.models.cpu_weights import int4_tiled_linear
+
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(10)).bfloat16()
+    torch.testing.assert_close(int4_tiled_linear(x, packed, scales_and_zeros).float(),
+                               (x.float() @ kernel_weight.float().T), rtol=2e-2, atol=2e-2)
+
+
 def test_c_kernels_refuse_bad_inputs_by_name():
     data = random_blocks("Q8_0", 4, 64)
     with pytest.raises(ValueError, match="x must be float32 with 1..8 rows"):
@@ -108,11 +123,12 @@ def all_types_file(tmp_path_factory):
     writer.add_layer_norm_rms_eps(1e-5)
     write_tiny_tokenizer(writer)
     generator = torch.Generator().manual_seed(0)
-    writer.add_tensor("token_embd.weight", torch.randn(TINY_VOCAB, HIDDEN, generator=generator).numpy())
+    embedding = gguf_reference.quantize(torch.randn(TINY_VOCAB, HIDDEN, generator=generator), "Q8_0").numpy()
+    writer.add_tensor("token_embd.weight", embedding, raw_dtype=GGMLQuantizationType.Q8_0)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     head = random_blocks("Q6_K", TINY_VOCAB, HIDDEN, seed=98, scale=3e-3).numpy()
     writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType.Q6_K)
-    tensor_bytes = {"output": head.nbytes}
+    tensor_bytes = {"output": head.nbytes, "token_embd": embedding.nbytes}
     for layer, types in enumerate(LAYER_TYPES):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
@@ -146,10 +162,35 @@ def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_we
         assert methods.pop("layers.0.mlp.gate_up_proj") is GGUFInt4LinearMethod
         assert set(methods.values()) == {GGUFBlockLinearMethod}
         assert isinstance(model.lm_head, CpuBlockLogitsHead) and model.lm_head.quant_type == "Q6_K"
+        assert isinstance(model.embed_tokens, CpuBlockEmbedding) and model.embed_tokens.quant_type == "Q8_0"
         resident = sum(layer.method.resident_bytes(layer) for name, layer in layers.items()
-                       if isinstance(layer.method, GGUFBlockLinearMethod)) + model.lm_head.resident_bytes()
+                       if isinstance(layer.method, GGUFBlockLinearMethod))
+        resident += model.lm_head.resident_bytes() + model.embed_tokens.resident_bytes()
         file_bytes = sum(size for name, size in tensor_bytes.items() if name not in ("blk.0.ffn_gate", "blk.0.ffn_up"))
         assert resident == file_bytes  # the file's bytes, no dense copy (goal: <= 1.15x)
-        assert layers["layers.0.mlp.gate_up_proj"].cpu_weight.int4 is not None
+        int4_layer = layers["layers.0.mlp.gate_up_proj"].cpu_weight
+        assert int4_layer.int4 is not None and int4_layer.packed_weight is None  # no dense copy: prefill decodes tiles
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
+
+
+def test_bundled_smollm2_in_bf16_holds_about_the_files_bytes():
+    """Q4_1 linears as int4 codes (no dense copy), the tied Q8_0 embedding and head one shared copy."""
+    from gguf import GGUFReader
+
+    from hearth_llm.engine.loader import default_model_path
+
+    path = default_model_path()
+    tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    with LLM(path, dtype="bfloat16", device="cpu", show_progress=False) as llm:
+        model = llm.engine.runner.model
+        assert isinstance(model.embed_tokens, CpuBlockEmbedding) and isinstance(model.lm_head, CpuBlockLogitsHead)
+        assert model.embed_tokens.blocks.data_ptr() == model.lm_head.blocks.data_ptr()
+        resident = model.embed_tokens.resident_bytes()
+        for _, layer in linear_layers(model):
+            assert layer.cpu_weight.packed_weight is None
+            resident += sum(t.numel() * t.element_size() for t in layer.cpu_weight.int4)
+        resident += sum(p.numel() * p.element_size() for p in model.parameters())  # norms
+        assert resident <= 1.15 * tensor_bytes, (resident, tensor_bytes)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4

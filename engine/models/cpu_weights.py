@@ -1,6 +1,6 @@
 """CPU copies of a bf16 weight laid out for fast matmuls: a linear layer's (:class:`CpuLinear`)
-and the vocabulary projection's (:class:`CpuLogitsHead`, or :class:`CpuBlockLogitsHead` from a GGUF
-file's blocks)."""
+and the vocabulary projection's (:class:`CpuLogitsHead`); from a GGUF file's blocks, the head's
+(:class:`CpuBlockLogitsHead`) and the token embedding's (:class:`CpuBlockEmbedding`)."""
 from __future__ import annotations
 
 import torch
@@ -35,6 +35,9 @@ class CpuLinear(nn.Module):
         self.int4 = int4
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int4 is not None and self.packed_weight is None and x.shape[0] > self.INT4_MAX_ROWS \
+                and int4_tiles_available(self.int4):
+            return int4_tiled_linear(x, *self.int4, bias=bias)
         if self.int4 is not None and (x.shape[0] <= self.INT4_MAX_ROWS or self.packed_weight is None):
             return cpu_ops.int4_linear(x, *self.int4, bias=bias)
         return cpu_ops.dense_linear(x, self.packed_weight, bias)
@@ -49,10 +52,48 @@ class CpuLinear(nn.Module):
                                            bias)
         if self.int4 is None:
             return dense
+        if dense is None and int4_tiles_available(self.int4):
+            int4pack_mm, (packed, scales_and_zeros) = torch.ops.aten._weight_int4pack_mm_for_cpu.default, self.int4
+            group_size, max_rows = cpu_ops.INT4_GROUP_SIZE, self.INT4_MAX_ROWS
+
+            def int4_or_tiles(x: torch.Tensor) -> torch.Tensor:
+                if x.shape[0] > max_rows:
+                    return int4_tiled_linear(x, packed, scales_and_zeros, bias)
+                out = int4pack_mm(x, packed, group_size, scales_and_zeros)
+                return out if bias is None else out.add_(bias)
+
+            return int4_or_tiles
         if dense is None:
             return kernels.linear_routine(kernels.Int4Weight(*self.int4), "cpu", bias)
         return cpu_ops.int4_or_dense_linear_routine(*self.int4, cpu_ops.INT4_GROUP_SIZE, self.packed_weight, bias,
                                                     self.INT4_MAX_ROWS)
+
+
+# Values per dequantized tile of an int4 weight in a large batch (4 MiB of float32).
+INT4_TILE_ELEMENTS = 1 << 20
+
+
+def int4_tiles_available(int4: tuple) -> bool:
+    """Whether large batches can run an int4 weight (``(packed, scales_and_zeros)``) tile by tile from
+    its own codes (:func:`int4_tiled_linear`) instead of a dense copy: the C kernels are built and the
+    weight's rows come in the layout's blocks of 64."""
+    return int4[1].shape[1] % 64 == 0 and int4[1].dtype == torch.bfloat16 and gguf_cpu_native.available()
+
+
+def int4_tiled_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                      bias: torch.Tensor | None = None, group_size: int = cpu_ops.INT4_GROUP_SIZE) -> torch.Tensor:
+    """``x @ W.T + bias`` for many rows of ``x`` and an int4 CPU weight: each tile of ``W``'s rows is
+    dequantized (the values the int4 kernel multiplies by), cast to ``x``'s dtype and multiplied by
+    oneDNN, so no dense copy of the weight is kept; the decoding is paid once per call."""
+    num_rows = scales_and_zeros.shape[1]
+    num_columns = scales_and_zeros.shape[0] * group_size
+    rows_per_tile = max(64, INT4_TILE_ELEMENTS // num_columns // 64 * 64)
+    out = torch.empty(x.shape[0], num_rows, dtype=x.dtype)
+    for start in range(0, num_rows, rows_per_tile):
+        stop = min(num_rows, start + rows_per_tile)
+        tile = gguf_cpu_native.int4pack_dequantize(packed, scales_and_zeros, group_size, start, stop).to(x.dtype)
+        out[:, start:stop] = torch.nn.functional.linear(x, tile, None if bias is None else bias[start:stop])
+    return out
 
 
 class CpuLogitsHead(nn.Module):
@@ -107,9 +148,8 @@ class CpuBlockLogitsHead(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.quant_type = blocks.quant_type
-        self.weight = None  # no dense copy (a tied embedding keeps its own)
-        # a copy: the loader's tensor may be a view of its whole mapped file, which it would keep resident
-        self.register_buffer("blocks", blocks.data.clone(memory_format=torch.contiguous_format))
+        self.weight = None  # no dense copy
+        self.register_buffer("blocks", blocks.data)  # resident_blocks' copy, shared with a tied embedding
         self.routine = gguf_cpu.gguf_linear_routine([(self.quant_type, self.blocks)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,16 +162,57 @@ class CpuBlockLogitsHead(nn.Module):
         return self.blocks.numel()
 
 
+class CpuBlockEmbedding(nn.Module):
+    """The token embedding from the GGUF file's blocks: a lookup decodes just the rows it reads
+    (exactly, as the reference does) and casts them to the compute dtype, the values a dequantized
+    embedding would hold. A tied LM head shares the same bytes (:class:`CpuBlockLogitsHead`).
+
+    Made by :func:`cpu_block_embedding` while the embedding's weight loads.
+    """
+
+    def __init__(self, embedding: nn.Embedding, blocks) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.quant_type = blocks.quant_type
+        self.register_buffer("blocks", blocks.data)
+        # what code reading the embedding's dtype and device sees (no values: the bytes are above)
+        self.register_buffer("weight", torch.empty(0, dtype=embedding.weight.dtype), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, input_ids.reshape(-1))
+        values = gguf_cpu_native.dequantize(rows, self.quant_type, num_threads=1).to(self.weight.dtype)
+        return values.reshape(*input_ids.shape, self.embedding_dim)
+
+    def resident_bytes(self) -> int:
+        return self.blocks.numel()
+
+
+def resident_blocks(loaded, dtype: torch.dtype):
+    """A checkpoint value the CPU embedding/head may keep as blocks: GGUF blocks of a bf16 model, in
+    their natural column order, with the C kernels built, copied out of the loader's buffer (which
+    may be a view of its whole mapped file, kept resident as long as any view lives); else None."""
+    if (getattr(loaded, "quant_type", None) not in GGUF_TYPES or getattr(loaded, "input_order", 1) is not None
+            or dtype != torch.bfloat16 or loaded.data.device.type != "cpu" or not gguf_cpu_native.available()):
+        return None
+    return type(loaded)(loaded.quant_type, loaded.data.clone(memory_format=torch.contiguous_format))
+
+
+def cpu_block_embedding(embedding: nn.Module, blocks) -> nn.Module:
+    """``embedding`` (an ``nn.Embedding``) as a :class:`CpuBlockEmbedding` of ``blocks`` (from
+    :func:`resident_blocks`), else as it is."""
+    if blocks is None or type(embedding) is not nn.Embedding or embedding.weight.device.type != "cpu" \
+            or tuple(blocks.shape) != tuple(embedding.weight.shape):
+        return embedding
+    return CpuBlockEmbedding(embedding, blocks)
+
+
 def cpu_logits_head(head: nn.Module, blocks=None) -> nn.Module:
     """The logits-head method: ``head`` (a loaded ``nn.Linear``) as a :class:`CpuBlockLogitsHead`
-    when the checkpoint stored its weight as GGUF ``blocks`` (a bf16 model on the CPU, where the C
-    kernels are built), else as a :class:`CpuLogitsHead` where that is faster (a bf16 weight on a CPU
+    when the checkpoint stored its weight as GGUF ``blocks`` (from :func:`resident_blocks`), else as a :class:`CpuLogitsHead` where that is faster (a bf16 weight on a CPU
     with bf16 oneDNN, no bias), else ``head`` itself."""
     if type(head) is not nn.Linear or head.bias is not None or head.weight.device.type != "cpu":
         return head
-    if (blocks is not None and head.weight.dtype == torch.bfloat16 and blocks.input_order is None
-            and blocks.quant_type in GGUF_TYPES and tuple(blocks.shape) == tuple(head.weight.shape)
-            and gguf_cpu_native.available()):
+    if blocks is not None and head.weight.dtype == torch.bfloat16 and tuple(blocks.shape) == tuple(head.weight.shape):
         return CpuBlockLogitsHead(head, blocks)
     packed = cpu_ops.pack_dense_weight(head.weight)
     if packed is None:

@@ -39,7 +39,7 @@ from transformers import PretrainedConfig
 from . import fused_decode
 from .arch import ArchConfig
 from .attention import Attention, AttentionMetadata
-from .cpu_weights import cpu_logits_head
+from .cpu_weights import cpu_block_embedding, cpu_logits_head, resident_blocks
 from .linear import linear_layers
 from .mlp import GatedMLP
 from .norms import RMSNorm
@@ -313,10 +313,14 @@ class DecoderModel(nn.Module):
                 raise ValueError(f"checkpoint has weight {name!r} more than once")
             _load_one(params[param_name], tensor, shard_id, name)
             covered.setdefault(param_name, set()).update(expected[param_name] if shard_id is None else [shard_id])
+            # GGUF blocks of the embedding/head may stay blocks on the CPU (a tied pair shares them)
+            blocks = resident_blocks(tensor, params[param_name].dtype) \
+                if params[param_name] is self.embed_tokens.weight or params[param_name] is self.lm_head.weight else None
+            if params[param_name] is self.embed_tokens.weight:
+                self.embed_tokens = cpu_block_embedding(self.embed_tokens, blocks)
             if params[param_name] is self.lm_head.weight:
-                # now, while little else is resident; GGUF blocks (``quant_type``) may stay blocks
-                self.lm_head = cpu_logits_head(self.lm_head, tensor if hasattr(tensor, "quant_type") else None)
-            del tensor
+                self.lm_head = cpu_logits_head(self.lm_head, blocks)  # now, while little else is resident
+            del tensor, blocks
             module_name = param_name.rpartition(".")[0]
             if module_name in layers and _is_layer_complete(module_name, expected, covered):
                 for layer_param in [n for n in params if n.rpartition(".")[0] == module_name]:

@@ -3,8 +3,9 @@
 Chosen before loading for a linear layer whose every checkpoint shard is a Q4_0 or Q4_1 tensor
 (the checkpoint says so in ``weight_formats``). Loading takes each shard's codes and scales from
 its blocks (exact) into torch's int4 CPU layout, which decode steps of a few rows read: a quarter
-of a bf16 weight's bytes. Larger batches read a bf16 copy in oneDNN's layout, dequantized from the
-same blocks. The old path (dequantize, then search the dense weight for a 4-bit grid) is gone for
+of a bf16 weight's bytes. Larger batches decode tiles of those codes for oneDNN (the C kernels of
+``kernels/quant/gguf_cpu_native.py``), so the layer holds only its 4-bit copy (~1.0-1.1x the file's
+bytes); where those are not built, a bf16 copy in oneDNN's layout, dequantized from the same blocks. The old path (dequantize, then search the dense weight for a 4-bit grid) is gone for
 GGUF files.
 
 >>> configure_linears(model, lambda name, layer: GGUF_INT4 if GGUFInt4LinearMethod.supports(layer, "cpu", bf16) else None)
@@ -15,6 +16,7 @@ import torch
 
 from hearth_llm.engine.loader.gguf_blocks import BLOCK_SIZE, KEPT_TYPES, GGUFBlocks
 from hearth_llm.kernels import cpu_ops
+from hearth_llm.kernels.quant import gguf_cpu_native
 
 from .cpu_weights import CpuLinear
 from .linear_method import LinearMethod
@@ -36,14 +38,18 @@ class GGUFInt4LinearMethod(LinearMethod):
                 and layer.input_size_per_rank % BLOCK_SIZE == 0 and layer.output_size_per_rank % 16 == 0)
 
     def create_weights(self, layer) -> None:
-        layer.register_loadable("weight", torch.empty(layer.output_size_per_rank, layer.input_size_per_rank))
+        # Without the C kernels, large batches read a dense bf16 copy; with them, tiles decoded from
+        # the int4 codes (``cpu_weights.int4_tiled_linear``), so the dense weight is never made.
+        rows = layer.output_size_per_rank if not _tiles_from_codes(layer) else 0
+        layer.register_loadable("weight", torch.empty(rows, layer.input_size_per_rank if rows else 0))
 
     def load_weight(self, layer, name, param, loaded, offset) -> None:
         if not isinstance(loaded, GGUFBlocks):
             raise ValueError(f"{layer.prefix} was set up for GGUF {'/'.join(self.quant_types)} blocks (from the "
                              f"file's tensor types), got {type(loaded).__name__}")
         rows = loaded.shape[0]
-        param.data.narrow(0, offset, rows).copy_(loaded.dequantized(torch.float32))
+        if param.numel():
+            param.data.narrow(0, offset, rows).copy_(loaded.dequantized(torch.float32))
         codes, scales, zeros = _int4_parts(layer)
         shard_codes, shard_scales, shard_zeros = loaded.int4_parts()
         codes.narrow(0, offset, rows).copy_(shard_codes)
@@ -56,7 +62,8 @@ class GGUFInt4LinearMethod(LinearMethod):
         del codes
         # The kernel reads [num_groups, rows, (scale, zero)].
         scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(layer.weight.dtype)
-        layer.cpu_weight = CpuLinear(cpu_ops.pack_dense_weight(layer.weight), (packed, scales_and_zeros))
+        dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() else None
+        layer.cpu_weight = CpuLinear(dense, (packed, scales_and_zeros))
         del layer.weight
 
     def apply(self, layer, x, bias):
@@ -64,6 +71,12 @@ class GGUFInt4LinearMethod(LinearMethod):
 
     def forward_routine(self, layer):
         return layer.cpu_weight.routine(layer.bias)
+
+
+def _tiles_from_codes(layer) -> bool:
+    """Whether large batches will decode tiles from the int4 codes (see ``CpuLinear``): the C kernels
+    are built and the rows come in the int4 layout's blocks of 64."""
+    return layer.output_size_per_rank % 64 == 0 and gguf_cpu_native.available()
 
 
 def _int4_parts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

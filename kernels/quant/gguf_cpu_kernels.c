@@ -616,3 +616,26 @@ int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N
     return -1;
 #endif
 }
+
+/* Rows [n0, n1) of a weight in torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu: per
+   64 output rows, K groups of 32 bytes, byte i holding row i (low nibble) and row 32 + i (high))
+   with bf16 scales_and_zeros [K / group, N, 2], as float32: (code - 8) * scale + zero, the values
+   _weight_int4pack_mm_for_cpu multiplies by. For the int4 method's large batches (no dense copy). */
+int int4pack_dequant(const uint8_t *packed, const uint16_t *scales_and_zeros, int64_t N, int64_t K, int64_t group,
+                     int64_t n0, int64_t n1, float *out) {
+    if (N % 64 || n0 < 0 || n1 > N || group <= 0 || K % group) return -1;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *rows = packed + (n / 64) * K * 32 + (n % 32);
+        const int shift = (n % 64) < 32 ? 0 : 4;
+        for (int64_t g = 0; g < K / group; g++) {
+            uint32_t scale_bits = (uint32_t)scales_and_zeros[(g * N + n) * 2] << 16;
+            uint32_t zero_bits = (uint32_t)scales_and_zeros[(g * N + n) * 2 + 1] << 16;
+            float scale, zero;
+            memcpy(&scale, &scale_bits, 4);
+            memcpy(&zero, &zero_bits, 4);
+            for (int64_t k = g * group; k < (g + 1) * group; k++)
+                out[(n - n0) * K + k] = (float)((int)((rows[k * 32] >> shift) & 15) - 8) * scale + zero;
+        }
+    }
+    return 0;
+}

@@ -1,16 +1,20 @@
 """The C kernels of ``gguf_cpu_kernels.c`` (GGUF block rows read in place), built with the system's C
 compiler on first use and called through ctypes.
 
-Why C: on this kind of CPU a decode step is bound by reading the weight (one core streams ~7.5 GB/s),
-so the kernel must decode blocks as fast as they arrive. Measured against it (1 thread, [8192, 2048],
-one row): torch inductor's C++ codegen of a dequantize-and-dot function reached 7 G weights/s on
-Q8_0 (as this C does: the memory bound) but 0.2-3 G/s on the bit-packed types (its loops over
-nibbles and bit planes do not vectorize); the numba kernels (``gguf_numba.py``) were 0.2-0.4x
-llama.cpp end to end. The C is plain loops over 16 float32 lanes that gcc vectorizes for the
-machine it runs on (``-march=native``).
+Why C: a decode step is bound by decoding the weight's blocks as they stream in (one core reads
+~8 GB/s here), and nothing else measured here did that fast enough with the weights exact. Measured
+(1 thread, [8192, 2048], one row, Xeon with AVX-512 BF16/AMX, 2 shared cores): torch inductor's C++
+codegen of a dequantize-and-dot torch function reached 5.5-7 G weights/s on Q8_0 but 0.2-3 G/s on
+the bit-packed types (its loops over nibbles and bit planes do not vectorize) after 1-17 s of
+compiling per shape; torch's ``_weight_int4pack_mm_for_cpu`` runs 13-15 G/s but only with bf16
+scales (Q4's fp16 scales rounded: not exact; its float32 path is 0.4 G/s) and cannot hold 5/6/8-bit
+codes; ``_weight_int8pack_mm`` has per-row scales only (Q8_0 has one per 32); torchao has no wheel
+for this torch; the numba kernels (``gguf_numba.py``) ran 0.2-0.4x llama.cpp end to end. These
+AVX-512 kernels: Q4_K 10-12 G/s, Q8_0 ~13 G/s, Q6_K ~7 G/s (bf16 x). Elsewhere (no AVX-512) plain C
+loops that gcc vectorizes as it can.
 
 The shared library is cached under ``~/.cache/hearth_llm/kernels`` (``HEARTH_LLM_KERNEL_CACHE``),
-keyed by the source, the compiler flags, the compiler and this CPU's flags, so the compile (~1-2 s)
+keyed by the source, the compiler flags, the compiler and this CPU's flags, so the compile (~5 s)
 happens once per machine. :func:`available` is False where no compiler is found or the build fails
 (then ``gguf_cpu`` runs its torch path, slower but the same values).
 
@@ -36,7 +40,9 @@ QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "
 # The kernel keeps one accumulator set per row of x in registers; more rows take the tiled path.
 MAX_ROWS = 8
 # -ffp-contract=off: the weights are decoded with separate multiplies and adds, as the reference does.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+# -O2, not -O3: measured faster for Q4_K (1.35-1.64 vs 1.75-1.99 ms, [8192, 2048], one row), Q5_K and
+# Q8_0, the same for Q6_K in bf16, and compiles in ~5 s instead of ~6-23 s.
+FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _lock = threading.Lock()
 
 
@@ -125,6 +131,30 @@ def dequantize(data: torch.Tensor, quant_type: str, num_threads: int | None = No
     return out
 
 
+def int4pack_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, start: int,
+                        stop: int) -> torch.Tensor:
+    """float32 rows ``start:stop`` of a weight in torch's CPU int4 layout (``packed`` from
+    ``_convert_weight_to_int4pack_for_cpu``, bf16 ``scales_and_zeros`` ``[K / group_size, N, 2]``): the
+    values ``_weight_int4pack_mm_for_cpu`` multiplies by. Needs ``N % 64 == 0`` (the layout's row blocks)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
+    num_groups, num_rows, _ = scales_and_zeros.shape
+    num_columns = num_groups * group_size
+    if (packed.dtype != torch.uint8 or packed.numel() * 2 != num_rows * num_columns or num_rows % 64
+            or scales_and_zeros.dtype != torch.bfloat16 or not 0 <= start <= stop <= num_rows):
+        raise ValueError(f"int4pack_dequantize needs a uint8 int4 pack of [N, K] with N % 64 == 0, bf16 scales and "
+                         f"0 <= start <= stop <= N; got {packed.dtype} {tuple(packed.shape)}, "
+                         f"{scales_and_zeros.dtype} {tuple(scales_and_zeros.shape)}, rows {start}:{stop}")
+    packed, scales_and_zeros = packed.contiguous(), scales_and_zeros.contiguous()
+    out = torch.empty(stop - start, num_columns, dtype=torch.float32)
+    status = library.int4pack_dequant(packed.data_ptr(), scales_and_zeros.data_ptr(), num_rows, num_columns,
+                                      group_size, start, stop, out.data_ptr())
+    if status:
+        raise RuntimeError(f"int4pack_dequant failed (status {status})")
+    return out
+
+
 def _check(x, data: torch.Tensor, quant_type: str) -> tuple[int, int]:
     from .gguf_reference import block_format
 
@@ -155,6 +185,8 @@ def _library():
     library.gguf_dequant.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int)
     library.gguf_gemv_bf16.argtypes = library.gguf_gemv.argtypes
     library.gguf_has_bf16.argtypes = (ctypes.c_int,)
+    library.int4pack_dequant.argtypes = (ptr, ptr, i64, i64, i64, i64, i64, ptr)
+    library.int4pack_dequant.restype = ctypes.c_int
     library.gguf_gemv.restype = library.gguf_dequant.restype = ctypes.c_int
     library.gguf_gemv_bf16.restype = library.gguf_has_bf16.restype = ctypes.c_int
     return library
