@@ -161,6 +161,17 @@ static inline void decode_w4g128(const uint8_t *b, float *w) {
 
 /* ---- GEMV: rows [n0, n1) of W times M rows of x ------------------------------------------------ */
 
+/* The weight streams from DRAM once per step; asking for the bytes PREFETCH_BYTES ahead keeps more
+   reads in flight than the hardware prefetcher does at this kernel's pace. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096  /* measured on cold weights (12 x [16384, 2048]): Q4_K +30-40%, Q8_0 +70% vs none */
+#endif
+#define PREFETCH(p, size)                                                                            \
+    do {                                                                                             \
+        if (PREFETCH_BYTES)                                                                          \
+            for (int pf_ = 0; pf_ < (size); pf_ += 64) __builtin_prefetch((const char *)(p) + PREFETCH_BYTES + pf_, 0, 3); \
+    } while (0)
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* AVX-512: each DEC_* macro decodes one block straight into registers, 16 weights at a time, and
    hands each vector to EMIT(vector, offset in the block). The decode multiplies and adds exactly
@@ -319,6 +330,7 @@ static inline void k_scales_vec(const uint8_t *s, const float d, const float dmi
             for (int64_t blk = 0; blk < num_blocks; blk++) {                                         \
                 const uint8_t *block = row + blk * TS;                                               \
                 const float *xb = x + blk * BS;                                                      \
+                PREFETCH(block, TS);                                                                 \
                 DEC(block, EMIT_DOT)                                                                 \
             }                                                                                        \
             for (int m = 0; m < M; m++) {                                                            \
@@ -435,6 +447,7 @@ static inline __attribute__((always_inline)) void q4_k_bf16_rows(
         for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 144;
+            PREFETCH(b, 144);
             float scale[8], minimum[8];
             k_scales_vec(b + 4, f16(b), f16(b + 2), scale, minimum);
             for (int c = 0; c < 4; c++) {
@@ -458,12 +471,27 @@ static inline __attribute__((always_inline)) void q4_k_bf16_rows(
     }
 }
 
+/* Q6_K: element e = 128 h + 64 nib + 32 s2 + l takes nibble `nib` of ql[64 h + 32 s2 + l] and bits
+   2 (2 nib + s2) of qh[32 h + l] (see decode_q6_k). Each 32 elements of one (h, nib, s2) are one
+   vdpbf16ps; its lanes 0-7 sum elements of scale group e / 16, lanes 8-15 of the next. */
+#define Q6_HIGH(qh, shift) ((shift) < 4 ? _mm512_slli_epi16((qh), 4 - (shift)) :                        \
+                            (shift) > 4 ? _mm512_srli_epi16((qh), (shift) - 4) : (qh))
+#define Q6_GROUP(lo, qh, shift, e0, accumulator) {                                                   \
+    /* (lo) | (high bits << 4), high bits already at 0x30 after the shift: one ternary-logic op */   \
+    const __m512i idx = _mm512_ternarylogic_epi32((lo), Q6_HIGH(qh, shift), mask30, 0xF8);          \
+    const __m512i w = _mm512_permutex2var_epi16(low_table, idx, high_table);                         \
+    const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pair_index, _mm512_set1_epi32((e0) >> 4)), scales);  \
+    for (int m = 0; m < M; m++)                                                                      \
+        acc[m][accumulator] = _mm512_fmadd_ps(sv, DP(w, x + m * K + blk * 256 + (e0)), acc[m][accumulator]); }
+
 static inline __attribute__((always_inline)) void q6_k_bf16_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
         const float *xsum, const int M, float *out, int64_t out_stride) {
     (void)xsum;
     const __m512i low_table = bf16_table(0, 63), high_table = bf16_table(32, 63);  /* bf16(i - 32), i < 64 */
-    const __m512i fifteen = _mm512_set1_epi16(15), three = _mm512_set1_epi16(3);
+    const __m512i fifteen = _mm512_set1_epi16(15), mask30 = _mm512_set1_epi16(0x30);
+    /* lanes 0-7 -> scale group g, lanes 8-15 -> g + 1 */
+    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const int64_t num_blocks = K / 256;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
@@ -471,26 +499,18 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
         for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 210;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            const float d = f16(b + 208);
+            PREFETCH(b, 210);
+            /* the 16 scales d * sc (as the reference computes them), once per block */
+            const __m512 scales = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
             for (int h = 0; h < 2; h++) {
                 const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-                for (int s2 = 0; s2 < 2; s2++) {
-                    const __m512i ql = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * s2)));
-                    for (int nib = 0; nib < 2; nib++) {
-                        const int e0 = 128 * h + 64 * nib + 32 * s2;
-                        const __m512i lo = nib ? _mm512_srli_epi16(ql, 4) : _mm512_and_si512(ql, fifteen);
-                        const __m512i high = _mm512_and_si512(
-                            _mm512_srlv_epi16(qh, _mm512_set1_epi16((short)(2 * (2 * nib + s2)))), three);
-                        const __m512i idx = _mm512_or_si512(lo, _mm512_slli_epi16(high, 4));
-                        const __m512i w = _mm512_permutex2var_epi16(low_table, idx, high_table);
-                        /* lanes 0-7 sum elements e0..e0+15 (scale e0/16), lanes 8-15 the next 16 */
-                        const __m512 sv = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d * (float)sc[e0 >> 4]),
-                                                               _mm512_set1_ps(d * (float)sc[(e0 >> 4) + 1]));
-                        for (int m = 0; m < M; m++)
-                            acc[m][nib] = _mm512_fmadd_ps(sv, DP(w, x + m * K + blk * 256 + e0), acc[m][nib]);
-                    }
-                }
+                const __m512i ql0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h)));
+                const __m512i ql1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)));
+                Q6_GROUP(_mm512_and_si512(ql0, fifteen), qh, 0, 128 * h, 0)        /* nib 0, s2 0 */
+                Q6_GROUP(_mm512_and_si512(ql1, fifteen), qh, 2, 128 * h + 32, 1)   /* nib 0, s2 1 */
+                Q6_GROUP(_mm512_srli_epi16(ql0, 4), qh, 4, 128 * h + 64, 0)        /* nib 1, s2 0 */
+                Q6_GROUP(_mm512_srli_epi16(ql1, 4), qh, 6, 128 * h + 96, 1)        /* nib 1, s2 1 */
             }
         }
         for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
