@@ -81,6 +81,10 @@ class EngineConfig:
       them in FP8 e4m3 (1 byte each: twice the tokens per GiB, half the bytes each decode step reads),
       CUDA of compute capability >= 8.9 only. Each layer has its own key and value scale, fixed at 1.0
       (as vLLM's default without a calibrated checkpoint): values beyond +-448 saturate.
+    - ``release_caller_threads``: on the CPU, ``add_request`` ends the calling thread's idle OpenMP team (one
+      its own torch work left behind, :mod:`~.openmp_threads`), so the engine thread's team keeps spinning
+      between its parallel regions instead of sleeping in each; the caller's next parallel op starts a new
+      team. ``False`` (the default until measured on a quiet CPU): leave the caller's threads alone.
     """
 
     model: str = "default"
@@ -113,6 +117,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     engine_core: str = "thread"
     kv_cache_dtype: str = "auto"
+    release_caller_threads: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -137,7 +142,7 @@ class EngineConfig:
             self.num_threads = default_num_threads()
         _positive_int("num_threads", self.num_threads)
         for name in ("enable_prefix_caching", "allow_pickle", "trust_remote_code", "show_progress", "cuda_graphs",
-                     "adaptive_threads"):
+                     "adaptive_threads", "release_caller_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

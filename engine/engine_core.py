@@ -29,6 +29,7 @@ from .loader import load_checkpoint
 from .memory.holders import EngineMemory, plan_load
 from .memory.sleep import SleepState, check_sleep_level, deepen_sleep, put_to_sleep, wake_up
 from .model_info import ModelInfo, model_info_of
+from .openmp_threads import release_caller_threads
 from .output_processor import RequestDelta, mark_last, stream_output
 from .outputs import StreamOutput
 from .sampling_params import SamplingParams
@@ -113,6 +114,7 @@ class EngineCore(CoreFront):
         self._keep_alive = config.keep_alive
         self._sleep_level = config.sleep_level
         self._last_active = time.monotonic()
+        self._releases_caller_threads = config.release_caller_threads and config.torch_device.type == "cpu"
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -223,6 +225,8 @@ class EngineCore(CoreFront):
         checked = check_requests(prompts, sampling_params, request_ids, priorities, cache_salt, timeout,
                                  lora_requests)
         adds = [_AddRequest(self._make_stream(c.request_id, timeout), c) for c in checked]
+        if self._releases_caller_threads:
+            release_caller_threads()  # the caller's idle OpenMP team would throttle the engine's (see .openmp_threads)
         num_sequences = sum(add.input.sampling_params.n for add in adds)
         with self._lock:
             self._raise_if_stopped()

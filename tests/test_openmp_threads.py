@@ -68,3 +68,24 @@ def test_another_threads_team_is_left_alone(two_threads):
     assert len(teams["engine"]) == 1 and teams["engine"] <= alive
     done.set()
     thread.join(30)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_a_cpu_engine_ends_the_callers_team_when_it_is_handed_requests(tiny_model_dirs, make_llm, two_threads,
+                                                                       release):
+    from hearth_llm.engine import SamplingParams
+
+    llm = make_llm(tiny_model_dirs["llama"], device="cpu", kv_cache_memory="16MiB", release_caller_threads=release)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # loaded
+    _, team = _team_of_this_thread(torch.randn(1 << 22))  # this (the caller's) thread's torch work
+    outputs = llm.generate([[5, 6, 8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 2
+    assert len(team) == 1
+    assert (team & _thread_ids()) == (set() if release else team)
+
+
+def test_release_caller_threads_must_be_a_bool():
+    from hearth_llm.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="release_caller_threads"):
+        EngineConfig(release_caller_threads="yes")
