@@ -123,7 +123,8 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
             else:
                 unfused = cublas
             results = []
-            default = gemv.default_launch(outputs, reduction)
+            default = gemv.default_launch(outputs, reduction, {"norm": gemv.RMS_NORM, "silu": gemv.SILU_AND_MUL,
+                                                               "plain": gemv.PLAIN}[prologue])
             launches = {gemv.GemvLaunch(n, min(k, 1 << (reduction - 1).bit_length()), w) for n, k, w in LAUNCHES}
             for launch in [default] + sorted(launches - {default}, key=lambda g: (g.block_n, g.block_k, g.num_warps)):
                 if time.perf_counter() > budget_end:

@@ -75,7 +75,7 @@ def fused_on_this_device(monkeypatch):
     monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
     monkeypatch.setattr(fused_decode, "PLAIN_GEMV", True)
     if DEVICE == "cpu":  # the interpreter runs programs one by one: a tile covers a tiny layer
-        monkeypatch.setattr(triton_gemv, "default_launch", lambda n, k: triton_gemv.GemvLaunch(256, 128))
+        monkeypatch.setattr(triton_gemv, "default_launch", lambda n, k, prologue=0: triton_gemv.GemvLaunch(256, 128))
     return calls
 
 
@@ -115,7 +115,7 @@ def test_bf16_real_widths_are_close_to_reference(reduction, outputs):
                                rtol=2e-2, atol=2e-2)
 
 
-def test_only_plain_dense_single_process_layers_of_one_row_take_the_fused_kernels(monkeypatch):
+def test_only_plain_dense_single_process_small_layers_of_one_row_take_the_fused_kernels(monkeypatch):
     from hearth_llm.engine.models.linear import ColumnLinear, TensorParallel
     from hearth_llm.engine.models.linear_method import DenseLinearMethod
 
@@ -135,5 +135,9 @@ def test_only_plain_dense_single_process_layers_of_one_row_take_the_fused_kernel
     sharded = ColumnLinear(16, 8)
     sharded.parallel = TensorParallel(rank=0, size=2)
     assert fused_decode.dense_weight(sharded, one_row) is None
+    monkeypatch.setattr(fused_decode, "MAX_WEIGHT_NUMEL", 16 * 8 - 1)  # cuBLAS reads bigger weights faster
+    assert fused_decode.dense_weight(layer, one_row) is None
+    monkeypatch.setattr(fused_decode, "MAX_WEIGHT_NUMEL", 16 * 8)
+    assert fused_decode.dense_weight(layer, one_row) is layer.weight
     monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({"cuda"}))
     assert fused_decode.dense_weight(layer, one_row) is None

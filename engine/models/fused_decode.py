@@ -1,12 +1,14 @@
 """Batch-size-1 decode on CUDA: the RMSNorm before a projection and the SwiGLU before ``down_proj``
-run inside the matmul (``kernels/gemv``), three launches fewer per layer.
+run inside the matmul (``kernels/gemv``), three launches fewer per layer, and ``o_proj`` by the same
+GEMV (cuBLAS is slow on it at one row).
 
 A one-row step reads every weight once and is otherwise bound by its ~10 launches a layer; a
 Triton GEMV that recomputes the norm (or the activation) of its one row in every program replaces
 two kernels by one. It applies only where the result is the unfused one's: a dense weight
 (``DENSE`` method, so no quantization and no LoRA wrapper), no bias, a single process, CUDA
-tensors, at most :data:`MAX_ROWS` rows. Everything else takes the unfused ops, which are also
-the reference (``kernels/gemv/reference.py``).
+tensors, at most :data:`MAX_ROWS` rows; and where it is faster, a weight of at most
+:data:`MAX_WEIGHT_NUMEL` elements. Everything else takes the unfused ops, which are also the
+reference (``kernels/gemv/reference.py``).
 
 >>> qkv, residual = norm_and_linear(layer.input_layernorm, hidden, residual, layer.self_attn.qkv_proj)
 >>> out = act_and_down(layer.mlp, gate_up)
@@ -24,8 +26,14 @@ from .linear_method import DENSE
 MAX_ROWS = 1
 # Off: every step takes the unfused ops (benchmarks A/B it; graphs captured after a change follow it).
 ENABLED = True
-# o_proj by the Triton GEMV too (no prologue to fuse; on only where it beats cuBLAS at one row).
-PLAIN_GEMV = False
+# Weights up to this many elements take the GEMV; bigger ones read faster through cuBLAS even with the
+# norm or SwiGLU launch saved (H200, one row, µs in CUDA graphs: Llama-3-8B gate_up 28672x4096
+# 63.6 fused against 58.5 for RMSNorm + cuBLAS, down 4096x14336 34.0 against 33.5; at and below
+# 6144x4096 the GEMV wins: qkv 16.3 against 19.1, o_proj 10.8 against 13.5; Qwen3-0.6B's all win).
+MAX_WEIGHT_NUMEL = 1 << 25
+# o_proj by the Triton GEMV too (no prologue to fuse: it simply beats cuBLAS at one row, Qwen3-0.6B's
+# 1024x2048 3.4 µs against 12.7, which runs it at 331 GB/s).
+PLAIN_GEMV = True
 # Devices whose tensors take the fused kernels; tests add "cpu" to run them in the Triton interpreter.
 DEVICE_TYPES = frozenset({"cuda"})
 
@@ -41,9 +49,9 @@ def dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
     if layer.method is not DENSE or layer.bias is not None or layer.parallel.size != 1:
         return None
     weight = getattr(layer, "weight", None)
-    if weight is None or weight.device != x.device or weight.dtype != x.dtype or _gemv() is None:
+    if weight is None or weight.device != x.device or weight.dtype != x.dtype or weight.numel() > MAX_WEIGHT_NUMEL:
         return None
-    return weight
+    return weight if _gemv() is not None else None
 
 
 def norm_and_linear(norm, x: torch.Tensor, residual: torch.Tensor | None, layer):

@@ -31,12 +31,19 @@ class GemvLaunch:
     num_warps: int = 4
 
 
-def default_launch(num_outputs: int, reduction: int) -> GemvLaunch:
-    """The launch for an ``[num_outputs, reduction]`` weight (H200 sweep, bf16; see GPUKERN round 1):
-    enough programs to cover the SMs a few times over, each tile a few KiB."""
-    block_n = 4 if num_outputs <= 2048 else 8 if num_outputs <= 8192 else 16
-    # The fp32 accumulator tile stays at 64 registers a thread (4 warps): block_n * block_k <= 8192.
-    return GemvLaunch(block_n=block_n, block_k=min(8192 // block_n, triton.next_power_of_2(reduction)), num_warps=4)
+def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN) -> GemvLaunch:
+    """The launch for an ``[num_outputs, reduction]`` weight and this prologue, from the H200 sweep at
+    one row (bf16, 4 warps, µs per call in CUDA graphs; ``benchmarks/bs1_decode.py``, 2026-12-01):
+    an RMSNorm prologue reads the row twice in every program, so wide programs (16 outputs) pay
+    it least (Qwen3-0.6B qkv 5.4 / gate_up 6.3, Llama-3-8B qkv 16.3, against 6.1 / 9.7 / 28.1
+    with 8); without it narrow ones spread the weight over more programs (o_proj 1024x2048 3.4,
+    4096x4096 10.8 with 2 outputs); SwiGLU sits between (down 1024x3072 4.9 with 4 outputs, K 2048)."""
+    block_k = triton.next_power_of_2(reduction)
+    if prologue == RMS_NORM:
+        return GemvLaunch(block_n=16, block_k=min(1024, block_k), num_warps=4)
+    if prologue == SILU_AND_MUL:
+        return GemvLaunch(block_n=4, block_k=min(2048, block_k), num_warps=4)
+    return GemvLaunch(block_n=2, block_k=min(1024, block_k), num_warps=4)
 
 
 @triton.jit
@@ -119,7 +126,7 @@ def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prolo
     num_rows, num_outputs = out.shape
     if num_rows == 0 or num_outputs == 0:
         return
-    launch = launch or default_launch(num_outputs, reduction)
+    launch = launch or default_launch(num_outputs, reduction, prologue)
     grid = (triton.cdiv(num_outputs, launch.block_n), num_rows)
     _gemv_kernel[grid](
         out, summed, x, residual, norm_weight, weight, num_outputs, reduction, eps,
