@@ -19,6 +19,8 @@ import json
 import numpy as np
 import torch
 
+from .timing import graphed_us
+
 # name: (in_features, slice sizes): Llama-3-8B's qkv_proj, o_proj, gate_up_proj, down_proj
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
@@ -26,25 +28,8 @@ TOKENS = (1, 8, 64, 128, 256, 4096)
 
 
 def _graph_ms(fn, num_calls: int = 10, num_replays: int = 20) -> float:
-    """Device ms per call of ``fn``, from replays of a graph of ``num_calls`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(num_calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(num_replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (num_calls * num_replays)
+    """Device ms per call of ``fn``, from replays of a graph of ``num_calls`` calls (one warm-up call compiles)."""
+    return graphed_us([fn] * num_calls, num_replays, num_warmup=1) / 1000
 
 
 def _sequences(num_tokens: int, num_adapters: int) -> tuple[np.ndarray, np.ndarray]:
