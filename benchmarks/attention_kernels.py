@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import time
 
 import torch
+
+from .timing import graphed_us
 
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
 BLOCK_SIZE = 16
@@ -77,26 +80,7 @@ def time_per_call_us(fn_of_layer, num_layers: int, replays: int = 8) -> float:
         began = time.perf_counter()
         fn_of_layer(0)
         return (time.perf_counter() - began) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(num_layers):
-            fn_of_layer(layer)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for layer in range(num_layers):
-                fn_of_layer(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * num_layers)
+    return graphed_us([functools.partial(fn_of_layer, layer) for layer in range(num_layers)], replays)
 
 
 def _common(batch: PagedBatch, scale: float):
