@@ -8,9 +8,13 @@ slots than adapters, and for Phi-3, whose adapter B spans the fused q/k/v rows.
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import LlamaConfig, Phi3Config
 
 from hearth_llm.engine import LLM, LoRARequest
+from hearth_llm.engine.lora.adapter import ShardLoRA
+from hearth_llm.engine.models.linear import QKVLinear, RowLinear, TensorParallel
+from hearth_llm.engine.models.tp_lora import rank_shards
 
 from conftest import TINY_COMMON, assert_pool_whole, random_prompts
 from model_equality import save_tiny_model
@@ -71,3 +75,31 @@ def test_tp2_phi3_adapter_over_fused_qkv_matches_peft(tmp_path):
     for prompt, path, out in zip(prompts, [adapter, None, adapter], outputs):
         assert out.outputs[0].token_ids == peft_greedy(base, path, prompt), path
     assert outputs[0].outputs[0].token_ids != peft_greedy(base, None, prompts[0])
+
+
+@pytest.mark.parametrize("size", [2, 4])  # 4 ranks over 2 KV heads: each KV head's B columns on two ranks
+@pytest.mark.parametrize("fused", [False, True])  # one adapter over q, k and v (Phi-3's qkv_proj) or one per shard
+def test_each_ranks_adapter_cut_is_the_cut_of_its_weight_update(size, fused):
+    """The oracle is the layer's own weight loader: the update ``b.T @ a`` of the whole layer, loaded as a
+    weight, gives each rank's rows and columns; the rank's cut pieces must rebuild exactly that."""
+    torch.manual_seed(0)
+    rank_of_lora = 3
+    layers = {"qkv": lambda: QKVLinear(64, 16, num_heads=4, num_kv_heads=2), "down": lambda: RowLinear(96, 64)}
+    for kind, make in layers.items():
+        whole = make()
+        if kind == "qkv" and fused:
+            shard_ids, sizes = [None], [whole.output_size]
+        else:
+            shard_ids, sizes = whole.shard_ids, whole.output_sizes
+        starts = [sum(whole.output_sizes[:whole.shard_ids.index(s)]) if s is not None else 0 for s in shard_ids]
+        shards = [ShardLoRA(i, start, torch.randn(rank_of_lora, whole.input_size), torch.randn(rank_of_lora, rows))
+                  for i, (start, rows) in enumerate(zip(starts, sizes))]
+        for rank in range(size):
+            layer = make()
+            layer.configure(parallel=TensorParallel(rank=rank, size=size, all_reduce=lambda t: None))
+            for shard_id, shard in zip(shard_ids, shards):
+                layer.weight.weight_loader(layer.weight, shard.b_scaled.T @ shard.a, shard_id)
+            rebuilt = torch.zeros_like(layer.weight)
+            for piece in rank_shards(layer, shards):
+                rebuilt[piece.row_start:piece.row_start + piece.b_scaled.shape[1]] += piece.b_scaled.T @ piece.a
+            torch.testing.assert_close(rebuilt, layer.weight, rtol=1e-5, atol=1e-5)
