@@ -346,7 +346,9 @@ class DecodeLaunch:
     ``max_splits``: its cap (a power of two); ``min_split_tokens``: no piece of a context is shorter.
     ``use_dot``: scores and outputs by ``tl.dot`` (the group's heads padded to 16 rows), else by
     broadcast multiply-and-sum over the group's real heads only. ``fused_reduce``: the last piece of
-    each split context merges the pieces (a counter per layer cache), no reduce kernel. ``fp8_dot_in_fp16``: with an fp8
+    each split context merges the pieces (a counter per layer cache), no reduce kernel (H200, graphs
+    for 4,096 keys: 0.6B shape 256 x U[200,2048] 353.7 -> 324.7 us, 8B 32 x 8k 317.0 -> 292.5,
+    bs1 over 100 keys 7.4 -> 5.8, 64 x U[200,2048] and bs1 over 2k keys even). ``fp8_dot_in_fp16``: with an fp8
     cache and bf16 queries, dot in fp16 (see ``_as_fp16``).
     """
 
@@ -358,7 +360,7 @@ class DecodeLaunch:
     min_split_tokens: int = 256
     use_dot: bool = True
     fp8_dot_in_fp16: bool = True
-    fused_reduce: bool = False
+    fused_reduce: bool = True
 
 
 DEFAULT_LAUNCH = DecodeLaunch()
