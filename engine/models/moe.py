@@ -171,9 +171,9 @@ class FusedMoE(nn.Module):
         return moe_kernels.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
+        split = f" (of {self.intermediate_size})" if self.parallel.size > 1 else ""
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size_per_rank}/{self.intermediate_size}, "
-                f"renormalize={self.renormalize}")
+                f"intermediate={self.intermediate_size_per_rank}{split}, renormalize={self.renormalize}")
 
 
 def _as_shard(shard_id) -> ExpertShard | None:
