@@ -47,6 +47,8 @@ CONCURRENT_STREAMS = 32
 CONCURRENT_TOKENS = 32
 MATMUL_SIZE = 512
 DESIGNS = ("thread", "process")
+# Also accepted by --designs: the in-thread core with release_caller_threads on or off, whatever the default.
+VARIANTS = ("thread-release", "thread-keep")
 MEASURES = ("single_alone", "concurrent_alone", "matmul_alone", "single_after", "concurrent_after",
             "single_while", "matmul_while_single", "concurrent_while", "matmul_while_concurrent")
 
@@ -66,8 +68,12 @@ class _Engine:
         from hearth_llm.engine import LLM, SamplingParams, get_engine
 
         started = time.perf_counter()
-        self.llm = LLM("default", show_progress=False, engine_core=design)
-        self.core = get_engine("default", show_progress=False, engine_core=design)
+        engine_core, _, variant = design.partition("-")
+        kwargs = {"show_progress": False, "engine_core": engine_core}
+        if variant:
+            kwargs["release_caller_threads"] = variant == "release"
+        self.llm = LLM("default", **kwargs)
+        self.core = get_engine("default", **kwargs)
         self.load_s = time.perf_counter() - started
         self.tokenizer = self.llm.tokenizer
         self.single_params = SamplingParams(temperature=0, max_tokens=SINGLE_TOKENS, ignore_eos=True)
@@ -209,19 +215,21 @@ def print_goals(results: dict[str, list[dict]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per design, alternating designs")
-    parser.add_argument("--designs", default=",".join(DESIGNS), help="comma-separated: thread,process")
+    parser.add_argument("--designs", default=",".join(DESIGNS),
+                        help="comma-separated: thread,process (and thread-release, thread-keep: the in-thread core with "
+                             "release_caller_threads on / off)")
     parser.add_argument("--matmul-s", type=float, default=1.0, help="seconds of main-thread matmuls before 'after'")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="limit for one design's process")
     parser.add_argument("--json", help="also write every round's values to this file")
-    parser.add_argument("--worker", choices=DESIGNS, help=argparse.SUPPRESS)  # one design, in this process
+    parser.add_argument("--worker", choices=DESIGNS + VARIANTS, help=argparse.SUPPRESS)  # one design, in this process
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(run_design(args.worker, args.matmul_s)), flush=True)
         return
     designs = [d.strip() for d in args.designs.split(",") if d.strip()]
-    unknown = sorted(set(designs) - set(DESIGNS))
+    unknown = sorted(set(designs) - set(DESIGNS + VARIANTS))
     if unknown or not designs:
-        raise SystemExit(f"--designs must name some of {list(DESIGNS)}, got {args.designs!r}")
+        raise SystemExit(f"--designs must name some of {list(DESIGNS + VARIANTS)}, got {args.designs!r}")
     flags = _cpu_line()
     load_before = os.getloadavg()
     print(f"{flags}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; "
