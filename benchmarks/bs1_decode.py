@@ -42,27 +42,9 @@ def say(message: str) -> None:
 
 def graph_us(make_call, copies: int, calls: int = 40, replays: int = 5) -> float:
     """µs per call of ``make_call(i)`` (i cycles over ``copies`` inputs) replayed in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    call_list = [make_call(i % copies) for i in range(calls)]
-    with torch.cuda.stream(stream):
-        for index in range(min(copies, 3)):
-            make_call(index)()  # compile / warm up, on the capturing stream
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            for call in call_list:
-                call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
+    from .timing import graphed_us
+
+    return graphed_us([make_call(i % copies) for i in range(calls)], replays, num_warmup=min(copies, 3))
 
 
 def check(gemv, reference) -> bool:
