@@ -6,14 +6,14 @@ weight with per-output-row scales, and ``out = (x_codes @ W_codes.T) * x_scale *
 
 - :func:`quantize_rows` — one launch per call (``fp8.quantize_rows`` in torch is seven: abs, amax,
   divide, clamp, divide, clamp, cast), the same e4m3 codes and scales.
-- :func:`fused_gemv` — bf16 ``x`` and the e4m3 weight in one launch, the quantization inside
-  (each program takes the rows' amax itself), float32 products on the CUDA cores.
-- :func:`dot_gemv` — the same fused quantization, then the tensor cores with the operands swapped
-  (weight rows on the MMA's M side, up to 16 tokens padded on its N side), so the weight streams
-  through ``tl.dot``'s pipelined loads.
+- :func:`dot_gemv` — bf16 ``x`` and the e4m3 weight in one launch: each program takes the rows'
+  amax itself and quantizes its ``x`` slices, then the tensor cores multiply with the operands
+  swapped (weight rows on the MMA's M side, up to 16 tokens padded on its N side), so the weight
+  streams through ``tl.dot``'s pipelined asynchronous loads (a CUDA-core GEMV could not keep
+  enough bytes in flight: 1.0-1.4 TB/s against 2-3.4).
 - The old GEMV of pre-quantized codes (``_fp8_gemv_kernel``) and ``torch._scaled_mm``
   (cuBLASLt row-wise), which wins once the step is compute-bound.
-``fp8_linear`` picks by the number of rows (``DOT_MAX_ROWS``, ``FUSED_MAX_ROWS``, ``GEMV_MAX_ROWS``).
+``fp8_linear`` picks by the number of rows (``DOT_MAX_ROWS``, then ``GEMV_MAX_ROWS``).
 
 >>> out = fp8_linear(x.cuda(), weight_fp8.cuda(), weight_scale.cuda())  # ≈ fp8.fp8_linear_reference(...)
 """
@@ -30,19 +30,21 @@ from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 # 16.8, but gate_up 59.3 vs 49.4 and down 56.9 vs 50.9; at 4-8 rows the GEMV falls to ~200-390 GB/s.
 GEMV_MAX_ROWS = 1
 GEMV_MAX_WEIGHTS = 1 << 25
-# The fused GEMV (bf16 x and the e4m3 weight in, one launch) takes steps of up to this many rows,
-# every layer size.
-FUSED_MAX_ROWS = 1
-FUSED_BLOCK_N = 16
-FUSED_BLOCK_K = 256
-FUSED_NUM_WARPS = 4
-# The tensor-core GEMV takes steps of up to this many rows (0: off), before the fused one.
-DOT_MAX_ROWS = 0
+# Steps of up to DOT_MAX_ROWS rows take the tensor-core GEMV, the rest the quantizer + _scaled_mm.
+# H200, CUDA graphs, weights cycling past L2, Llama-3-8B layers (qkv / o / gate_up / down, us):
+#   M=1: bf16 15.5 / 13.4 / 56.0 / 31.4; quantizer + _scaled_mm 21.9 / 18.3 / 49.5 / 52.6;
+#        dot 11.3 / 10.6 / 34.3 / 28.6 (2.2 / 1.6 / 3.4 / 2.1 TB/s) -> layer 85 vs bf16's 116
+#   M=4: _scaled_mm 141 per layer, dot 116;  M=16: _scaled_mm 136, dot 155 (the amax pass is per row).
+#   A CUDA-core fused GEMV (e4m3 -> f32 converts, same fused quantization) ran 175 per layer at M=1.
+DOT_MAX_ROWS = 4
 DOT_BLOCK_N = 64
-DOT_BLOCK_K = 256
 DOT_NUM_WARPS = 4
-DOT_NUM_STAGES = 4
-DOT_RECIP = False
+# (block_k, stages) by output rows: 512/3 won on the 4096-6144-row layers, 256/4 on gate_up's 28672.
+DOT_WIDE_N = 8192
+DOT_TILES = {False: (512, 3), True: (256, 4)}
+# Quantize by multiplying with the reciprocal of the scale (as torch's CUDA division by a scalar
+# does); div_rn in this loop made the kernel 5-8x slower (its slow path is a call).
+DOT_RECIP = True
 
 
 @triton.jit
@@ -90,76 +92,13 @@ def _fp8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, num_rows_
 
 
 @triton.jit
-def _fp8_fused_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-                           FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           AMAX_BLOCK: tl.constexpr):
-    """The W8A8 product of ``fp8.fp8_linear_reference`` for up to ``M_PAD`` rows of the
-    high-precision ``x``, the activation quantization fused in: every program takes each row's
-    ``amax`` over all of ``K`` itself (``x`` is a few KiB, read from L2, while the first weight tile
-    is already on its way), then per step quantizes its ``[M_PAD, BLOCK_K]`` slice exactly as
-    ``_quantize_rows_kernel`` does (``div_rn``, clamp, round-to-nearest-even cast) and multiplies the
-    codes by the streamed ``[BLOCK_N, BLOCK_K]`` e4m3 tile in float32; the next tile's load is issued
-    before the current one's math. Products accumulate element-wise and are reduced once at the end."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, M_PAD)
-    x_rows = x_ptr + tl.minimum(m, M - 1)[:, None].to(tl.int64) * stride_x                 # [MP, 1]
-    # Rows past N read the last row (no load mask); their results are not stored.
-    w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w                 # [BN, 1]
-    k0 = tl.arange(0, BLOCK_K)
-    w_next = tl.load(w_rows + k0[None, :], mask=k0[None, :] < K, other=0.0)
-    ka = tl.arange(0, AMAX_BLOCK)
-    amax = tl.zeros((M_PAD, AMAX_BLOCK), dtype=tl.float32)
-    for start in range(0, K, AMAX_BLOCK):
-        v = tl.load(x_rows + (start + ka)[None, :], mask=(start + ka)[None, :] < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=1), FP8_MAX_C), MIN_SCALE_C)     # [MP]
-    scale_b = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32) + scale[:, None]
-    acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    v_next = tl.load(x_rows + k0[None, :], mask=k0[None, :] < K, other=0.0)
-    for start in range(0, K, BLOCK_K):
-        w = w_next
-        v = v_next.to(tl.float32)
-        k = start + BLOCK_K + k0
-        w_next = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-        v_next = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-        q = tl.clamp(tl.math.div_rn(v, scale_b), -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty).to(tl.float32)
-        acc += q[:, None, :] * w.to(tl.float32)[None, :, :]
-    w_scale = tl.load(ws_ptr + n, mask=n < N, other=0.0)
-    out = tl.sum(acc, axis=2) * scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * stride_out + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(m[:, None] < M) & (n[None, :] < N))
-
-
-def fused_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
-               num_warps: int | None = None) -> torch.Tensor:
-    """``fp8.fp8_linear_reference(x, ...)`` for a few rows of CUDA ``x`` in one launch (the
-    quantization fused, see ``_fp8_fused_gemv_kernel``); the result in ``x``'s dtype."""
-    x = x.contiguous()
-    m, k = x.shape
-    num_rows = weight_fp8.shape[0]
-    out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    block_n = block_n or FUSED_BLOCK_N
-    block_k = min(block_k or FUSED_BLOCK_K, triton.next_power_of_2(k))
-    _fp8_fused_gemv_kernel[(triton.cdiv(num_rows, block_n),)](
-        x, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out, m, num_rows, k,
-        x.stride(0), weight_fp8.stride(0), out.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        AMAX_BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=num_warps or FUSED_NUM_WARPS)
-    return out
-
-
-@triton.jit
 def _fp8_dot_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
                          FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          AMAX_BLOCK: tl.constexpr, RECIP: tl.constexpr):
-    """The fused GEMV's math on the tensor cores, operands swapped: ``out.T = W @ x_codes.T`` with
+    """``fp8.fp8_linear_reference``'s math with the activation quantization fused in (every program
+    takes each live row's amax over all of ``K`` itself, ``x`` being a few KiB in L2, and quantizes
+    its slices), on the tensor cores with the operands swapped: ``out.T = W @ x_codes.T`` with
     ``BLOCK_N`` weight rows as the MMA's M side and the ``M <= BLOCK_T`` tokens (zero-padded) as its
     N side, so the weight tiles stream through the pipelined loads that feed ``tl.dot`` and no
     weight is converted on the CUDA cores. The e4m3 products are exact; the accumulation is the
@@ -206,7 +145,8 @@ def _fp8_dot_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, strid
 def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int | None = None, recip: bool | None = None) -> torch.Tensor:
-    """``fused_gemv`` through ``_fp8_dot_gemv_kernel`` (tensor cores; up to 16 rows at once)."""
+    """``fp8.fp8_linear_reference(x, ...)`` for up to 16 rows of CUDA ``x`` in one launch (the
+    quantization fused, see ``_fp8_dot_gemv_kernel``); the result in ``x``'s dtype."""
     x = x.contiguous()
     m, k = x.shape
     num_rows = weight_fp8.shape[0]
@@ -214,14 +154,15 @@ def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     if m == 0:
         return out
     block_n = block_n or DOT_BLOCK_N
-    block_k = min(block_k or DOT_BLOCK_K, triton.next_power_of_2(k))
+    tile_k, stages = DOT_TILES[num_rows > DOT_WIDE_N]
+    block_k = min(block_k or tile_k, triton.next_power_of_2(k))
     _fp8_dot_gemv_kernel[(triton.cdiv(num_rows, block_n),)](
         x, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out, m, num_rows, k,
         x.stride(0), weight_fp8.stride(0), out.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         HAS_BIAS=bias is not None, BLOCK_T=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         AMAX_BLOCK=min(4096, triton.next_power_of_2(k)), RECIP=DOT_RECIP if recip is None else recip,
         num_warps=num_warps or DOT_NUM_WARPS,
-        num_stages=num_stages or DOT_NUM_STAGES)
+        num_stages=num_stages or stages)
     return out
 
 
@@ -239,7 +180,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, *, gemv_max_rows: int = GEMV_MAX_ROWS,
-               fused_max_rows: int = FUSED_MAX_ROWS, dot_max_rows: int = DOT_MAX_ROWS) -> torch.Tensor:
+               dot_max_rows: int = DOT_MAX_ROWS) -> torch.Tensor:
     """``x @ W.T + bias`` for CUDA ``x`` ``[M, K]`` and the e4m3 ``weight_fp8`` ``[N, K]`` with
     float32 ``weight_scale`` ``[N]``; the result in ``x``'s dtype (see the module docstring)."""
     if x.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
@@ -247,8 +188,6 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     m = x.shape[0]
     if 0 < m <= min(dot_max_rows, 16) and x.shape[1] >= 32:  # tl.dot takes e4m3 K tiles of 32+
         return dot_gemv(x, weight_fp8, weight_scale, bias)
-    if 0 < m <= fused_max_rows:
-        return fused_gemv(x, weight_fp8, weight_scale, bias)
     x_fp8, x_scale = quantize_rows(x)
     if m > gemv_max_rows or weight_fp8.numel() > GEMV_MAX_WEIGHTS:
         out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale[:, None],

@@ -25,13 +25,16 @@ import triton.language as tl
 
 GROUP = 128
 GROUP_WORDS = 17  # 68 bytes
-GEMV_MAX_ROWS = 4
-# GEMV tiling (H200 sweep, Llama-3-8B layers, M=1; see benchmarks in the module docstring).
-GEMV_BLOCK_N = 16
-GEMV_GROUPS_PER_ITER = 8
-GEMV_NUM_WARPS = 4
+# H200, CUDA graphs, weights cycling past L2, Llama-3-8B layers (qkv / o / gate_up / down, us):
+#   M=1: bf16 16.4 / 13.3 / 56.7 / 31.8; v1 BN8 20.1 / 19.5 / 82.2 / 59.2; j4 BN16 22.6 / 18.0 / 100.3 / 56.2;
+#        j4 BN16 split-K 2 30.3 / 17.8 / 95.1 / 46.8 (~500-760 GB/s of packed weight: latency-bound);
+#   M=4: j4 393-455 per layer; M=16: dequantize + cuBLAS 292 per layer (bf16 119).
+GEMV_MAX_ROWS = 2
 GEMV_PREFETCH = True
-GEMV_VARIANT = "j4"
+# The GEMV's tiling by output rows: layers of up to 4096 rows (o, down) take j4 with split-K 2.
+GEMV_NARROW_N = 4096
+GEMV_CONFIGS = {True: dict(variant="j4", block_n=16, groups_per_iter=8, num_warps=4, split_k=2),
+                False: dict(variant="v1", block_n=8, groups_per_iter=8, num_warps=4, split_k=1)}
 
 
 @triton.jit
@@ -218,7 +221,7 @@ def dequantize(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None = None, *,
                   gemv_max_rows: int = GEMV_MAX_ROWS, block_n: int | None = None, groups_per_iter: int | None = None,
-                  num_warps: int | None = None, split_k: int = 1, prefetch: bool | None = None,
+                  num_warps: int | None = None, split_k: int | None = None, prefetch: bool | None = None,
                   variant: str | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` and ``W`` as uint8 ``W4G128`` rows ``data``
     ``[N, K / 128 * 68]``; the result in ``x``'s dtype. Up to ``gemv_max_rows`` rows take the GEMV
@@ -236,15 +239,17 @@ def w4g128_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None
     if m == 0:
         return out
     m_pad = triton.next_power_of_2(m)
-    block_n = block_n or GEMV_BLOCK_N
-    groups_per_iter = groups_per_iter or GEMV_GROUPS_PER_ITER
+    config = GEMV_CONFIGS[num_rows <= GEMV_NARROW_N]
+    block_n = block_n or config["block_n"]
+    groups_per_iter = groups_per_iter or config["groups_per_iter"]
+    split_k = split_k or config["split_k"]
     groups_per_split = triton.cdiv(triton.cdiv(num_groups, split_k), groups_per_iter) * groups_per_iter
     split_k = triton.cdiv(num_groups, groups_per_split)
     target = out if split_k == 1 else torch.zeros(m, num_rows, dtype=torch.float32, device=x.device)
-    kernel = _w4g128_gemv_j4_kernel if (variant or GEMV_VARIANT) == "j4" else _w4g128_gemv_kernel
+    kernel = _w4g128_gemv_j4_kernel if (variant or config["variant"]) == "j4" else _w4g128_gemv_kernel
     kernel[(triton.cdiv(num_rows, block_n), split_k)](
         x, words, bias if bias is not None else out, target, m, num_rows, num_groups, groups_per_split, x.stride(0),
         words.stride(0), target.stride(0), HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n,
         GROUPS_PER_ITER=groups_per_iter, SPLIT_K=split_k, PREFETCH=GEMV_PREFETCH if prefetch is None else prefetch,
-        num_warps=num_warps or GEMV_NUM_WARPS)
+        num_warps=num_warps or config["num_warps"])
     return out if split_k == 1 else target.to(x.dtype)
