@@ -43,7 +43,8 @@ def _qk_norm_rope_and_cache_kernel(
     HAS_QK_NORM: tl.constexpr, IS_FP8: tl.constexpr, HAS_KV_SCALES: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    """One program per token: its query heads to ``query_out``, its key and value heads to the cache."""
+    """Per token: its query heads to ``query_out`` (program 0 of axis 1), its key and value heads to
+    the cache (program 1); a one-token decode step's latency is then the longer of the two halves."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     head_dim = 2 * half_dim
@@ -55,43 +56,45 @@ def _qk_norm_rope_and_cache_kernel(
     storage = qkv_ptr.dtype.element_ty
     row = qkv_ptr + token * qkv_stride_token
 
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    mask = (heads < num_heads) & pair_mask[None, :]
-    first = tl.load(row + heads * head_dim + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
-    second = tl.load(row + heads * head_dim + half_dim + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
-    first, second = _norm_and_rotate_heads(first, second, q_norm_weight_ptr, cos, sin, pairs, pair_mask, half_dim,
-                                           eps, HAS_NORM=HAS_QK_NORM, STORAGE=storage)
-    out = query_out_ptr + token * query_out_stride_token + heads * head_dim + pairs[None, :]
-    tl.store(out, first.to(query_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + half_dim, second.to(query_out_ptr.dtype.element_ty), mask=mask)
-
-    # A slot of -1 marks a padding token of a CUDA-graph batch: it owns no cache slot.
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
-        block = slot // block_size
-        slot_in_block = slot % block_size
-        kv_heads = tl.arange(0, BLOCK_KV)[:, None]
-        kv_mask = (kv_heads < num_kv_heads) & pair_mask[None, :]
-        key_row = row + num_heads * head_dim + kv_heads * head_dim + pairs[None, :]
-        key_first = tl.load(key_row, mask=kv_mask, other=0.0).to(tl.float32)
-        key_second = tl.load(key_row + half_dim, mask=kv_mask, other=0.0).to(tl.float32)
-        key_first, key_second = _norm_and_rotate_heads(key_first, key_second, k_norm_weight_ptr, cos, sin, pairs,
-                                                       pair_mask, half_dim, eps, HAS_NORM=HAS_QK_NORM, STORAGE=storage)
-        key_dest = (key_cache_ptr + block * key_cache_stride_block + slot_in_block * key_cache_stride_slot
-                    + kv_heads * key_cache_stride_head + pairs[None, :])
-        key_first = as_cache_rows(key_first, kv_scales_ptr, 0, IS_FP8, HAS_KV_SCALES, ROUND_IN_FP32)
-        key_second = as_cache_rows(key_second, kv_scales_ptr, 0, IS_FP8, HAS_KV_SCALES, ROUND_IN_FP32)
-        tl.store(key_dest, key_first.to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(key_dest + half_dim, key_second.to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
-        value_row = row + (num_heads + num_kv_heads) * head_dim + kv_heads * head_dim + pairs[None, :]
-        value_dest = (value_cache_ptr + block * value_cache_stride_block + slot_in_block * value_cache_stride_slot
-                      + kv_heads * value_cache_stride_head + pairs[None, :])
-        value_first = as_cache_rows(tl.load(value_row, mask=kv_mask), kv_scales_ptr, 1, IS_FP8, HAS_KV_SCALES,
-                                    ROUND_IN_FP32)
-        value_second = as_cache_rows(tl.load(value_row + half_dim, mask=kv_mask), kv_scales_ptr, 1, IS_FP8,
-                                     HAS_KV_SCALES, ROUND_IN_FP32)
-        tl.store(value_dest, value_first.to(value_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(value_dest + half_dim, value_second.to(value_cache_ptr.dtype.element_ty), mask=kv_mask)
+    # Two programs per token, in parallel: its query heads (part 0), its key and value heads (part 1).
+    if tl.program_id(1) == 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        mask = (heads < num_heads) & pair_mask[None, :]
+        first = tl.load(row + heads * head_dim + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
+        second = tl.load(row + heads * head_dim + half_dim + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
+        first, second = _norm_and_rotate_heads(first, second, q_norm_weight_ptr, cos, sin, pairs, pair_mask, half_dim,
+                                               eps, HAS_NORM=HAS_QK_NORM, STORAGE=storage)
+        out = query_out_ptr + token * query_out_stride_token + heads * head_dim + pairs[None, :]
+        tl.store(out, first.to(query_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + half_dim, second.to(query_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # A slot of -1 marks a padding token of a CUDA-graph batch: it owns no cache slot.
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            block = slot // block_size
+            slot_in_block = slot % block_size
+            kv_heads = tl.arange(0, BLOCK_KV)[:, None]
+            kv_mask = (kv_heads < num_kv_heads) & pair_mask[None, :]
+            key_row = row + num_heads * head_dim + kv_heads * head_dim + pairs[None, :]
+            key_first = tl.load(key_row, mask=kv_mask, other=0.0).to(tl.float32)
+            key_second = tl.load(key_row + half_dim, mask=kv_mask, other=0.0).to(tl.float32)
+            key_first, key_second = _norm_and_rotate_heads(key_first, key_second, k_norm_weight_ptr, cos, sin, pairs,
+                                                           pair_mask, half_dim, eps, HAS_NORM=HAS_QK_NORM, STORAGE=storage)
+            key_dest = (key_cache_ptr + block * key_cache_stride_block + slot_in_block * key_cache_stride_slot
+                        + kv_heads * key_cache_stride_head + pairs[None, :])
+            key_first = as_cache_rows(key_first, kv_scales_ptr, 0, IS_FP8, HAS_KV_SCALES, ROUND_IN_FP32)
+            key_second = as_cache_rows(key_second, kv_scales_ptr, 0, IS_FP8, HAS_KV_SCALES, ROUND_IN_FP32)
+            tl.store(key_dest, key_first.to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(key_dest + half_dim, key_second.to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
+            value_row = row + (num_heads + num_kv_heads) * head_dim + kv_heads * head_dim + pairs[None, :]
+            value_dest = (value_cache_ptr + block * value_cache_stride_block + slot_in_block * value_cache_stride_slot
+                          + kv_heads * value_cache_stride_head + pairs[None, :])
+            value_first = as_cache_rows(tl.load(value_row, mask=kv_mask), kv_scales_ptr, 1, IS_FP8, HAS_KV_SCALES,
+                                        ROUND_IN_FP32)
+            value_second = as_cache_rows(tl.load(value_row + half_dim, mask=kv_mask), kv_scales_ptr, 1, IS_FP8,
+                                         HAS_KV_SCALES, ROUND_IN_FP32)
+            tl.store(value_dest, value_first.to(value_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(value_dest + half_dim, value_second.to(value_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def supports_fused_rotary(head_dim: int, rotary_dim: int, is_neox_style: bool) -> bool:
@@ -142,7 +145,7 @@ def qk_norm_rope_and_cache(
         return query
     has_norm = q_norm_weight is not None
     block_h, block_half = next_power_of_2(num_heads), next_power_of_2(head_dim // 2)
-    _qk_norm_rope_and_cache_kernel[(num_tokens,)](
+    _qk_norm_rope_and_cache_kernel[(num_tokens, 2)](
         query, qkv, positions, cos_sin_cache,
         q_norm_weight.contiguous() if has_norm else qkv, k_norm_weight.contiguous() if has_norm else qkv,
         key_cache, value_cache, slot_mapping, kv_scales if kv_scales is not None else qkv,
