@@ -151,7 +151,7 @@ def all_types_file(tmp_path_factory):
 
 def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_weights(all_types_file):
     path, tensor_bytes, hf_dir = all_types_file
-    prompts = random_prompts(3, [5, 19, 2], seed=31)  # 19 tokens: a prefill of more than 8 rows (tiled path)
+    prompts = random_prompts(3, [5, 100, 2], seed=31)  # 100 tokens: a prefill on the tiled paths
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False) as llm:
         model = llm.engine.runner.model
@@ -194,3 +194,11 @@ def test_bundled_smollm2_in_bf16_holds_about_the_files_bytes():
         assert resident <= 1.15 * tensor_bytes, (resident, tensor_bytes)
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_transposed_int4_tiles_equal_the_row_major_ones():
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(11))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_and_zeros = torch.randn(2, 128, 2, generator=torch.Generator().manual_seed(12)).bfloat16()
+    rows = gguf_cpu_native.int4pack_dequantize(packed, scales_and_zeros, 32, 64, 128)
+    assert torch.equal(gguf_cpu_native.int4pack_dequantize_t(packed, scales_and_zeros, 32, 64, 128), rows.T)

@@ -3,7 +3,7 @@
 Chosen before loading for a linear layer whose every checkpoint shard is a Q4_0 or Q4_1 tensor
 (the checkpoint says so in ``weight_formats``). Loading takes each shard's codes and scales from
 its blocks (exact) into torch's int4 CPU layout, which decode steps of a few rows read: a quarter
-of a bf16 weight's bytes. Larger batches decode tiles of those codes for oneDNN (the C kernels of
+of a bf16 weight's bytes. Batches of 96+ rows decode tiles of those codes for oneDNN (the C kernels of
 ``kernels/quant/gguf_cpu_native.py``), so the layer holds only its 4-bit copy (~1.0-1.1x the file's
 bytes); where those are not built, a bf16 copy in oneDNN's layout, dequantized from the same blocks. The old path (dequantize, then search the dense weight for a 4-bit grid) is gone for
 GGUF files.

@@ -659,3 +659,49 @@ int int4pack_dequant(const uint8_t *packed, const uint16_t *scales_and_zeros, in
     }
     return 0;
 }
+
+/* The same values transposed, out[k, n - n0] for k < K (rows of out n1 - n0 wide), which the int4
+   layout yields 16 rows at a time: vector loads and stores instead of one nibble at a time.
+   n0 and n1 multiples of 64. */
+int int4pack_dequant_t(const uint8_t *packed, const uint16_t *scales_and_zeros, int64_t N, int64_t K, int64_t group,
+                       int64_t n0, int64_t n1, float *out) {
+    if (N % 64 || n0 % 64 || n1 % 64 || n0 < 0 || n1 > N || group <= 0 || K % group) return -1;
+    const int64_t width = n1 - n0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    for (int64_t nb = n0 / 64; nb < n1 / 64; nb++) {
+        for (int64_t g = 0; g < K / group; g++) {
+            __m512 scale[4], zero[4];
+            for (int q = 0; q < 4; q++) {  /* rows 64 nb + 16 q .. + 15: (scale, zero) bf16 pairs */
+                const __m512i pairs = _mm512_loadu_si512((const void *)(scales_and_zeros + (g * N + nb * 64 + 16 * q) * 2));
+                scale[q] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));                  /* low halves */
+                zero[q] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+            }
+            for (int64_t k = g * group; k < (g + 1) * group; k++) {
+                const uint8_t *bytes = packed + (nb * K + k) * 32;
+                float *dst = out + k * width + (nb * 64 - n0);
+                const __m512i lo0 = U8X16(bytes), lo1 = U8X16(bytes + 16);
+                const __m512i codes[4] = {LOW4(lo0), LOW4(lo1), HIGH4(lo0), HIGH4(lo1)};
+                for (int q = 0; q < 4; q++)  /* as the scalar loop: (code - 8) * scale + zero, unfused */
+                    _mm512_storeu_ps(dst + 16 * q, _mm512_add_ps(_mm512_mul_ps(
+                        _mm512_sub_ps(_mm512_cvtepi32_ps(codes[q]), eight), scale[q]), zero[q]));
+            }
+        }
+    }
+#else
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *rows = packed + (n / 64) * K * 32 + (n % 32);
+        const int shift = (n % 64) < 32 ? 0 : 4;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t g = k / group;
+            uint32_t scale_bits = (uint32_t)scales_and_zeros[(g * N + n) * 2] << 16;
+            uint32_t zero_bits = (uint32_t)scales_and_zeros[(g * N + n) * 2 + 1] << 16;
+            float scale, zero;
+            memcpy(&scale, &scale_bits, 4);
+            memcpy(&zero, &zero_bits, 4);
+            out[k * width + (n - n0)] = (float)((int)((rows[k * 32] >> shift) & 15) - 8) * scale + zero;
+        }
+    }
+#endif
+    return 0;
+}

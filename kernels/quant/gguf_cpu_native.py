@@ -155,6 +155,29 @@ def int4pack_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, gr
     return out
 
 
+def int4pack_dequantize_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, start: int,
+                          stop: int) -> torch.Tensor:
+    """:func:`int4pack_dequantize` transposed, ``[K, stop - start]`` (``start``/``stop`` multiples of
+    64): the layout gives 16 rows' codes per vector, so this is the fast one (``x @ tile``)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
+    num_groups, num_rows, _ = scales_and_zeros.shape
+    num_columns = num_groups * group_size
+    if (packed.dtype != torch.uint8 or packed.numel() * 2 != num_rows * num_columns or num_rows % 64 or start % 64
+            or stop % 64 or scales_and_zeros.dtype != torch.bfloat16 or not 0 <= start <= stop <= num_rows):
+        raise ValueError(f"int4pack_dequantize_t needs a uint8 int4 pack of [N, K] with N % 64 == 0, bf16 scales and "
+                         f"row bounds in multiples of 64; got {packed.dtype} {tuple(packed.shape)}, "
+                         f"{scales_and_zeros.dtype} {tuple(scales_and_zeros.shape)}, rows {start}:{stop}")
+    packed, scales_and_zeros = packed.contiguous(), scales_and_zeros.contiguous()
+    out = torch.empty(num_columns, stop - start, dtype=torch.float32)
+    status = library.int4pack_dequant_t(packed.data_ptr(), scales_and_zeros.data_ptr(), num_rows, num_columns,
+                                        group_size, start, stop, out.data_ptr())
+    if status:
+        raise RuntimeError(f"int4pack_dequant_t failed (status {status})")
+    return out
+
+
 def _check(x, data: torch.Tensor, quant_type: str) -> tuple[int, int]:
     from .gguf_reference import block_format
 
@@ -186,7 +209,8 @@ def _library():
     library.gguf_gemv_bf16.argtypes = library.gguf_gemv.argtypes
     library.gguf_has_bf16.argtypes = (ctypes.c_int,)
     library.int4pack_dequant.argtypes = (ptr, ptr, i64, i64, i64, i64, i64, ptr)
-    library.int4pack_dequant.restype = ctypes.c_int
+    library.int4pack_dequant_t.argtypes = library.int4pack_dequant.argtypes
+    library.int4pack_dequant.restype = library.int4pack_dequant_t.restype = ctypes.c_int
     library.gguf_gemv.restype = library.gguf_dequant.restype = ctypes.c_int
     library.gguf_gemv_bf16.restype = library.gguf_has_bf16.restype = ctypes.c_int
     return library
