@@ -117,11 +117,12 @@ def bench_fp8(rows, configs) -> None:
                     [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=1, dot_max_rows=0) for c in copies])
             if m <= 16:
                 for kind, config in (configs if m == 1 else configs[:2]):
-                    bn, bk, warps, stages, recip = config
-                    label = f"dot BN{bn}/K{bk}/W{warps}/st{stages}" + ("/recip" if recip else "/div")
-                    fn = (lambda c, cfg=config: triton_fp8.dot_gemv(
+                    bn, bk, warps, stages, recip, split = (tuple(config) + (1,))[:6]
+                    label = (f"dot BN{bn}/K{bk}/W{warps}/st{stages}" + ("/recip" if recip else "/div")
+                             + (f"/S{split}" if split > 1 else ""))
+                    fn = (lambda c, cfg=(bn, bk, warps, stages, recip, split): triton_fp8.dot_gemv(
                         x, c[0], c[1], block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
-                        recip=bool(cfg[4])))
+                        recip=bool(cfg[4]), split_k=cfg[5]))
                     results[label] = graphed_us([lambda c=c, fn=fn: fn(c) for c in copies])
             for label, us in results.items():
                 totals[(m, label)] = totals.get((m, label), 0) + us
@@ -148,11 +149,13 @@ def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
         codes, xs = triton_fp8.quantize_rows(x) if device == "cuda" else fp8.quantize_rows(x)
         exact = ((codes.float() @ wq.float().t()) * xs[:, None] * ws[None, :] + bias.float())
         for recip in (False, True):
-            out = triton_fp8.dot_gemv(x, wq, ws, bias, recip=recip)
+            out = triton_fp8.dot_gemv(x, wq, ws, bias, recip=recip, split_k=2 if recip else 1)
+            out = triton_fp8.dot_gemv(x, wq, ws, bias, recip=recip, split_k=2 if recip else 1)  # buffers reset?
             err = ((out.float() - exact).abs().max() / exact.abs().max()).item()
             good = err <= 1e-2 and out.dtype == torch.bfloat16  # bf16 output, tensor-core accumulation
             ok &= good
-            print(f"{'PASS' if good else 'FAIL'} fp8 dot gemv N={n} K={k} M={m} recip={recip}: rel err {err:.2e}",
+            print(f"{'PASS' if good else 'FAIL'} fp8 dot gemv N={n} K={k} M={m} recip={recip} "
+                  f"split={2 if recip else 1} (2nd call): rel err {err:.2e}",
                   flush=True)
     # (rows, split_k, dtype): each a compile, so few; 20 rows take the dequantize + matmul path.
     cases = [(1, 1, torch.bfloat16), (4, 1, torch.bfloat16), (1, 2, torch.bfloat16), (1, 1, torch.float32),
@@ -178,7 +181,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="*", default=None,
                         help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH[,J4]]; fp8 (tensor-core GEMV): "
-                             "d:BN,BK,WARPS,STAGES,RECIP; several")
+                             "d:BN,BK,WARPS,STAGES,RECIP[,SPLIT]; several")
     args = parser.parse_args(argv)
     if args.part == "check":
         print("check " + ("PASS" if check() else "FAIL"), flush=True)

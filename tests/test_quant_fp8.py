@@ -60,12 +60,13 @@ def test_triton_fp8_gemv_multiplies_the_codes_like_the_float32_reference(num_row
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_rows, recip", [(1, True), (5, False)])
-def test_tensor_core_fp8_gemv_quantizes_and_multiplies_like_the_reference(num_rows, recip):
+@pytest.mark.parametrize("num_rows, recip, split_k", [(1, True, 2), (5, False, 1), (3, True, 3)])
+def test_tensor_core_fp8_gemv_quantizes_and_multiplies_like_the_reference(num_rows, recip, split_k):
     """The GEMV that takes high-precision x and quantizes it itself (TRITON_INTERPRET here). x is
     made of e4m3 codes times a per-row scale, so the right quantizer gives back exactly those codes
     and that scale (the interpreter's own float32 -> e4m3 cast does not round to nearest even, so
-    inputs between codes would test the interpreter); K = 96 leaves the last K tile part masked."""
+    inputs between codes would test the interpreter). Split-K runs with K = 96 in 32-column tiles:
+    three parts of one tile each; the last part to finish reduces."""
     from hearth_llm.kernels.quant import triton_fp8
 
     generator = torch.Generator().manual_seed(5 + num_rows)
@@ -76,9 +77,11 @@ def test_tensor_core_fp8_gemv_quantizes_and_multiplies_like_the_reference(num_ro
     scale = 2.0 ** -torch.arange(3, 3 + num_rows, dtype=torch.float32)
     x = codes.float() * scale[:, None]
     bias = torch.randn(40, generator=generator)
-    out = triton_fp8.dot_gemv(x, weight_fp8, weight_scale, bias, block_n=16, block_k=64, num_warps=1, recip=recip)
     expected = (codes.float() @ weight_fp8.float().t()) * scale[:, None] * weight_scale[None, :] + bias
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    for _ in range(2):  # split-K's workspace and counters must be clean again for the second call
+        out = triton_fp8.dot_gemv(x, weight_fp8, weight_scale, bias, block_n=16, block_k=32, num_warps=1,
+                                  recip=recip, split_k=split_k)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.fixture(scope="module")

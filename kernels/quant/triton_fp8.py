@@ -45,6 +45,10 @@ DOT_TILES = {False: (512, 3), True: (256, 4)}
 # Quantize by multiplying with the reciprocal of the scale (as torch's CUDA division by a scalar
 # does); div_rn in this loop made the kernel 5-8x slower (its slow path is a call).
 DOT_RECIP = True
+# Layers of up to DOT_SPLIT_MAX_N output rows (qkv, o, down: 96 or 64 tiles of 64 rows for 132 SMs)
+# split K in DOT_SPLIT_K parts (see the kernel: the last part reduces, no extra launch).
+DOT_SPLIT_K = 2
+DOT_SPLIT_MAX_N = 8192
 
 
 @triton.jit
@@ -95,7 +99,8 @@ def _fp8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, num_rows_
 def _fp8_dot_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
                          FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         AMAX_BLOCK: tl.constexpr, RECIP: tl.constexpr):
+                         AMAX_BLOCK: tl.constexpr, RECIP: tl.constexpr, SPLIT_K: tl.constexpr,
+                         ws_ptr32, count_ptr, k_per_split):
     """``fp8.fp8_linear_reference``'s math with the activation quantization fused in (every program
     takes each live row's amax over all of ``K`` itself, ``x`` being a few KiB in L2, and quantizes
     its slices), on the tensor cores with the operands swapped: ``out.T = W @ x_codes.T`` with
@@ -103,7 +108,13 @@ def _fp8_dot_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, strid
     N side, so the weight tiles stream through the pipelined loads that feed ``tl.dot`` and no
     weight is converted on the CUDA cores. The e4m3 products are exact; the accumulation is the
     tensor cores' (as ``torch._scaled_mm``'s). ``RECIP``: quantize by multiplying with the rounded
-    reciprocal of the scale (what torch's CUDA division by a scalar does) instead of ``div_rn``."""
+    reciprocal of the scale (what torch's CUDA division by a scalar does) instead of ``div_rn``.
+
+    ``SPLIT_K > 1`` (layers with few output rows fill more SMs): program axis 1 takes
+    ``k_per_split`` columns and adds its float32 partial into the zeroed workspace ``ws_ptr32``
+    ``[BLOCK_T, N]``; the last program of an output tile (a per-tile counter in ``count_ptr``)
+    reads the sums back (an atomic add of zero), zeroes the workspace and the counter and writes
+    the output: no extra launch, the buffers clean for the next call."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     x_rows = x_ptr + tl.minimum(t, M - 1)[:, None].to(tl.int64) * stride_x                 # [BT, 1]
@@ -125,26 +136,62 @@ def _fp8_dot_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, strid
         scale_b = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32) + scale[:, None]
     k0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for start in range(k_start, k_end, BLOCK_K):
         k = start + k0
-        w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)                  # [BN, BK] e4m3
-        v = tl.load(x_rows + k[None, :], mask=live & (k[None, :] < K), other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=k[None, :] < k_end, other=0.0)              # [BN, BK] e4m3
+        v = tl.load(x_rows + k[None, :], mask=live & (k[None, :] < k_end), other=0.0).to(tl.float32)
         if RECIP:
             q = tl.clamp(v * scale_b, -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty)
         else:
             q = tl.clamp(tl.math.div_rn(v, scale_b), -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty)
         acc = tl.dot(w, tl.trans(q), acc)                                                  # [BN, BT]
-    w_scale = tl.load(ws_ptr + n, mask=n < N, other=0.0)
-    out = acc * w_scale[:, None] * scale[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty),
-             mask=(t[None, :] < M) & (n[:, None] < N))
+    store_mask = (t[None, :] < M) & (n[:, None] < N)
+    if SPLIT_K > 1:
+        partial = ws_ptr32 + t[None, :] * N + tl.minimum(n, N - 1)[:, None]               # [BN, BT]
+        tl.atomic_add(partial, acc, mask=n[:, None] < N, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is in before the count says so
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            # The sums, read where the atomics landed (L2), then zeroed for the next call.
+            zeros = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            acc = tl.atomic_add(partial, zeros, mask=n[:, None] < N, sem="acquire")
+            tl.store(partial, zeros, mask=n[:, None] < N)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed")
+            w_scale = tl.load(ws_ptr + n, mask=n < N, other=0.0)
+            out = acc * w_scale[:, None] * scale[None, :]
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        w_scale = tl.load(ws_ptr + n, mask=n < N, other=0.0)
+        out = acc * w_scale[:, None] * scale[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+_SPLIT_BUFFERS: dict = {}
+
+
+def _split_buffers(device: torch.device, block_t: int, num_rows: int, num_tiles: int):
+    """The zeroed float32 workspace ``[block_t, num_rows]`` and int32 tile counters of the split-K
+    GEMV, one pair per (device, shape), kept: each call leaves them zero. ``(None, None)`` when
+    first asked for inside a CUDA graph capture (the caller then runs unsplit)."""
+    key = (device, block_t, num_rows, num_tiles)
+    if key not in _SPLIT_BUFFERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None, None
+        _SPLIT_BUFFERS[key] = (torch.zeros(block_t, num_rows, dtype=torch.float32, device=device),
+                               torch.zeros(num_tiles, dtype=torch.int32, device=device))
+    return _SPLIT_BUFFERS[key]
 
 
 def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
-             num_warps: int | None = None, num_stages: int | None = None, recip: bool | None = None) -> torch.Tensor:
+             num_warps: int | None = None, num_stages: int | None = None, recip: bool | None = None,
+             split_k: int | None = None) -> torch.Tensor:
     """``fp8.fp8_linear_reference(x, ...)`` for up to 16 rows of CUDA ``x`` in one launch (the
     quantization fused, see ``_fp8_dot_gemv_kernel``); the result in ``x``'s dtype."""
     x = x.contiguous()
@@ -156,11 +203,21 @@ def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     block_n = block_n or DOT_BLOCK_N
     tile_k, stages = DOT_TILES[num_rows > DOT_WIDE_N]
     block_k = min(block_k or tile_k, triton.next_power_of_2(k))
-    _fp8_dot_gemv_kernel[(triton.cdiv(num_rows, block_n),)](
+    block_t = max(16, triton.next_power_of_2(m))
+    num_tiles = triton.cdiv(num_rows, block_n)
+    if split_k is None:
+        split_k = DOT_SPLIT_K if num_rows <= DOT_SPLIT_MAX_N else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x.device, block_t, num_rows, num_tiles)
+    if workspace is None:  # first met inside a CUDA graph capture: no persistent buffers there
+        split_k, k_per_split, workspace, counts = 1, k, out, out
+    _fp8_dot_gemv_kernel[(num_tiles, split_k)](
         x, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out, m, num_rows, k,
         x.stride(0), weight_fp8.stride(0), out.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        HAS_BIAS=bias is not None, BLOCK_T=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         AMAX_BLOCK=min(4096, triton.next_power_of_2(k)), RECIP=DOT_RECIP if recip is None else recip,
+        SPLIT_K=split_k, ws_ptr32=workspace, count_ptr=counts, k_per_split=k_per_split,
         num_warps=num_warps or DOT_NUM_WARPS,
         num_stages=num_stages or stages)
     return out
