@@ -15,8 +15,9 @@
    a machine shared with other work (1 thread: the forward passes run on that thread), and
    ``--clock both`` reports CPU time and wall time of the same runs side by side, with the load
    average after each prompt. The n-gram engine uses lookup lengths ``--lookup-min``..``--lookup-max``
-   (default 1..4) with ``prompt_lookup_backoff`` (``--no-lookup-backoff`` turns it off);
-   ``--baseline-ngram 2-4`` adds the previous setting (2..4, no backoff) to the same runs. The
+   (default 2..4), ``--lookup-backoff`` turns ``prompt_lookup_backoff`` on, and
+   ``--baseline-ngram 2-4`` adds an engine with those lengths and no backoff to the same runs (so
+   ``--lookup-min 1 --lookup-backoff --baseline-ngram 2-4`` compares the two policies). The
    systems take turns run by run. Outputs are checked token-equal to the plain run (in bfloat16
    a verify step's logits can round differently from a decode step's, so a near-tie may flip;
    float32 is exact).
@@ -265,13 +266,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--lookup-min", type=int, default=1)
+    parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
-    parser.add_argument("--lookup-backoff", action=argparse.BooleanOptionalAction, default=True,
-                        help="speculative.prompt_lookup_backoff (default: on)")
+    parser.add_argument("--lookup-backoff", action=argparse.BooleanOptionalAction, default=False,
+                        help="speculative.prompt_lookup_backoff (default: off)")
     parser.add_argument("--baseline-ngram", default=None, metavar="MIN-MAX",
-                        help="also an ngram engine with these lookup lengths and no backoff (e.g. 2-4, the "
-                             "previous session's setting), interleaved with the others")
+                        help="also an ngram engine with these lookup lengths and no backoff (e.g. 2-4), "
+                             "interleaved with the others")
     parser.add_argument("--draft", default=None, help="a draft model ('default': SmolLM2 drafts for itself)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)

@@ -60,11 +60,11 @@ def test_finished_requests_are_forgotten_and_a_reused_id_starts_fresh():
 
 # ---- config ------------------------------------------------------------------------------------
 
-def test_backoff_is_on_by_default_for_ngram_and_checked():
+def test_backoff_is_an_ngram_option_off_by_default_and_checked():
     spec = SpeculativeConfig.coerce({"method": "ngram"})
-    assert (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_backoff) == (1, 4, True)
-    assert EngineConfig(speculative={"method": "ngram", "prompt_lookup_backoff": False}).speculative \
-        .prompt_lookup_backoff is False
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_backoff) == (2, 5, False)
+    assert EngineConfig(speculative={"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_backoff": True}) \
+        .speculative.prompt_lookup_backoff is True
     with pytest.raises(ValueError, match="prompt_lookup_backoff"):
         SpeculativeConfig.coerce({"method": "ngram", "prompt_lookup_backoff": 1})
     with pytest.raises(ValueError, match="backoff"):

@@ -19,13 +19,17 @@ class SpeculativeConfig:
       the sequence's last n tokens) or ``"draft_model"`` (a small model sharing the tokenizer
       proposes greedily).
     - ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths tried, longest first
-      (ngram only). Give one and the other takes its value; neither: 1 and 4.
-    - ``prompt_lookup_backoff`` (ngram only, default True): after a verification step that
+      (ngram only). Give one and the other takes its value; neither: 2 and 5.
+    - ``prompt_lookup_backoff`` (ngram only, default False): after a verification step that
       accepted none of a request's proposals, its next proposal needs an n-gram one token longer
       than ``prompt_lookup_min``, until a proposal token is accepted again (see
-      :class:`.NgramProposer`). Measured on SmolLM2 over the demo questions and 10 more handbook
-      questions (CPU, where a verification step costs 1.3-1.5 decode steps): 1 to 4 with backoff
-      was the best of the ranges tried with and without it (benchmarks/spec_decode.py).
+      :class:`.NgramProposer`). Measured on SmolLM2 (bench spec: the demo questions, extraction and
+      10 more handbook questions; each policy's steps and proposal lengths, which the engine's
+      acceptance matched exactly, priced at the CPU's measured step costs): with
+      ``prompt_lookup_min=1`` it keeps short answers whose 1-token matches miss from falling below
+      plain decoding (worst question 0.89x -> 0.97x); against 2..4 without it, 1..4 with it took
+      fewer steps on 3 of the 4 bench prompts but was a wash over all 14 (4 better, 5 worse), so
+      it is not the default.
     - ``model``: the draft's path or hub id (draft_model only); it runs on the target's device
       and dtype with its own KV pool of ``kv_cache_memory`` bytes (default: the runner's default).
     Frozen, so an engine's config stays hashable (engines are shared by config).
@@ -66,7 +70,7 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         if self.method == "ngram":
             self._fill_lookup_range()
-            backoff = True if self.prompt_lookup_backoff is None else self.prompt_lookup_backoff
+            backoff = False if self.prompt_lookup_backoff is None else self.prompt_lookup_backoff
             if not isinstance(backoff, bool):
                 raise ValueError(f"speculative.prompt_lookup_backoff must be True or False, got {backoff!r}")
             object.__setattr__(self, "prompt_lookup_backoff", backoff)
@@ -88,7 +92,7 @@ class SpeculativeConfig:
     def _fill_lookup_range(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
-            low, high = 1, 4
+            low, high = 2, 5
         low = high if low is None else low
         high = low if high is None else high
         _check_int("prompt_lookup_min", low, 1, None)

@@ -4,9 +4,9 @@ several tokens right with no second model.
 
 Short matches are cheap to find and often right, but a proposal that misses still costs a
 verification step of ``1 + k`` rows, which on a CPU is far dearer than a decode step (SmolLM2, 1
-thread: ~1.3-1.5x at k=4). So with ``backoff`` a request whose last verified proposal was rejected
-outright needs a match one token longer for its next proposal; one accepted proposal token lifts
-that again. A step with no proposal is an ordinary decode step.
+thread: ~1.3-1.5x at k=4). So with ``backoff`` (off by default) a request whose last verified
+proposal was rejected outright needs a match one token longer for its next proposal; one accepted
+proposal token lifts that again. A step with no proposal is an ordinary decode step.
 """
 from __future__ import annotations
 
