@@ -17,32 +17,16 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import timing
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 WORKING_SET = 256 << 20  # bytes of weight copies per timing: well above the H200's 50 MiB L2
 
 
-def graphed_us(calls, replays: int = 10) -> float:
-    """Microseconds per call of ``calls`` (zero-argument functions), captured once into a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / replays / len(calls)
+def graphed_us(calls) -> float:
+    """Microseconds per call (:func:`.timing.graphed_us`); the calls differ only in their weight
+    copy, so two warm-up calls compile and pick everything."""
+    return timing.graphed_us(calls, num_warmup=2)
 
 
 def copies_for(nbytes: int) -> int:
