@@ -209,8 +209,11 @@ class LinearBase(nn.Module):
             columns = self.input_size_per_rank
             loaded_weight = self.method.narrow_input(loaded_weight, self.parallel.rank * columns, columns)
         offset, _ = self.shard_rows(shard_id)
-        if name == "bias":  # a row-parallel layer's bias is whole on every rank, added once after the all-reduce
-            param.data.narrow(0, offset, num_rows).copy_(dense_value(loaded_weight, param.dtype))
+        if name == "bias":
+            if self.splits_input and self.parallel.rank != 0:
+                param.data.zero_()  # in rank 0's partial sum only: the all-reduce adds it once
+            else:
+                param.data.narrow(0, offset, num_rows).copy_(dense_value(loaded_weight, param.dtype))
             return
         self.method.load_weight(self, name, param, loaded_weight, offset)
 
@@ -313,10 +316,9 @@ class QKVLinear(ColumnLinear):
 
 
 class RowLinear(LinearBase):
-    """Input columns split across ranks; each rank's partial product is summed by an all-reduce
-    and the bias (whole on every rank) added once, after it. ``reduce_results = False`` leaves
-    the partial sum (bias in rank 0's part only) to the caller's own all-reduce: an MoE block
-    reduces its shared expert with its routed experts in one."""
+    """Input columns split across ranks; each rank's partial product (the bias in rank 0's only)
+    is summed by an all-reduce. ``reduce_results = False`` leaves the partial sum to the caller's
+    own all-reduce: an MoE block reduces its shared expert with its routed experts in one."""
 
     splits_input = True
     reduce_results = True
@@ -328,13 +330,12 @@ class RowLinear(LinearBase):
         routine = self.routine  # bound only in a single process
         if routine is not None:
             return routine(x)
-        if self.parallel.size == 1:
-            return self.method.apply(self, x, self.bias)
-        if not self.reduce_results:  # the caller's all-reduce sums the ranks: the bias joins rank 0's part
-            return self.method.apply(self, x, self.bias if self.parallel.rank == 0 else None)
-        out = self.method.apply(self, x, None)
-        self.parallel.all_reduce(out)
-        return out if self.bias is None else out.add_(self.bias)
+        # Ranks other than 0 hold a zero bias: each partial sum carries it from rank 0 only, before the
+        # all-reduce (adding it after, on every rank, would give ranks other than 0 no bias at all).
+        out = self.method.apply(self, x, self.bias)
+        if self.parallel.size > 1 and self.reduce_results:  # else the caller's all-reduce sums the ranks
+            self.parallel.all_reduce(out)
+        return out
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, LinearBase]]:
