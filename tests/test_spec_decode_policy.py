@@ -101,3 +101,85 @@ def test_a_lone_speculating_sequence_keeps_one_run_of_blocks_and_matches_hf(tiny
         stats = engine.stats()
         assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"], stats
         assert tokens == hf_greedy(target, prompt, 24)
+
+
+# ---- abort mid-run; requests that never speculate ------------------------------------------------
+
+class RepeatLastProposer:
+    """Always proposes (the last token, repeated): tiny random models seldom repeat themselves, so
+    n-gram lookups would find little."""
+
+    def propose(self, requests, max_num_tokens: list[int]) -> list[list[int]]:
+        return [[r.token_ids[-1]] * room for r, room in zip(requests, max_num_tokens)]
+
+    def forget_finished(self) -> None:
+        pass
+
+
+def _self_draft(path) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, "kv_cache_memory": "4MiB"}
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_aborting_a_speculating_request_frees_its_blocks_and_spares_the_others(method, tiny_model_dirs,
+                                                                               make_engine):
+    target = tiny_model_dirs["llama"]
+    speculative = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+                   if method == "ngram" else _self_draft(target))
+    engine = make_engine(target, dtype="float32", block_size=4, kv_cache_memory="4MiB", speculative=speculative)
+    if method == "ngram":
+        engine.proposer = RepeatLastProposer()
+    prompts = random_prompts(2, [9, 14], seed=46)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kept, doomed = (engine.add_request(prompt, params) for prompt in prompts)
+    tokens = {kept: [], doomed: []}
+    for _ in range(3):
+        for delta in engine.step():
+            tokens[delta.request.request_id] += delta.new_token_ids
+    assert engine.abort_request(doomed) and engine.stats()["spec_decode_num_drafts"] > 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens[delta.request.request_id] += delta.new_token_ids
+    assert tokens[kept] == hf_greedy(target, prompts[0], 20)
+    assert 0 < len(tokens[doomed]) < 20
+    if method == "self_draft":  # the draft's shadow of the aborted request is gone too
+        assert doomed not in engine.proposer.shadows and engine.proposer.kv_cache.num_free_blocks == \
+            engine.proposer.kv_cache.num_total_blocks - sum(len(s.block_ids) for _, s, _ in
+                                                            engine.proposer.shadows.values())
+    # (make_engine checks that the target's pool is whole once the test ends)
+
+
+def test_penalties_and_min_tokens_run_without_proposals_and_match_the_plain_engine(tiny_model_dirs, make_llm):
+    target = tiny_model_dirs["llama"]
+    prompts = random_prompts(2, [12, 6], seed=47)
+    params = [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=12, min_tokens=12)]
+    plain = make_llm(target, dtype="float32", kv_cache_memory="4MiB")
+    speculating = make_llm(target, dtype="float32", kv_cache_memory="4MiB",
+                           speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    speculating.engine.proposer = RepeatLastProposer()
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    got = speculating.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert speculating.stats()["spec_decode_num_drafts"] == 0
+    # the same prompts without those settings do get proposals
+    speculating.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert speculating.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_grammar_requests_are_not_speculated():
+    from hearth_llm.engine.llm_engine import LLMEngine
+    from hearth_llm.engine.request import Request
+
+    def decoding(params, **state):
+        request = Request("r", [5, 6, 7], params, frozenset())
+        request.num_computed_tokens = request.num_tokens - 1
+        for name, value in state.items():
+            setattr(request, name, value)
+        return request
+
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    assert LLMEngine._may_speculate(decoding(greedy))
+    assert not LLMEngine._may_speculate(decoding(greedy, grammar_future=object()))  # compiling
+    assert not LLMEngine._may_speculate(decoding(greedy, matcher=object()))         # compiled
+    assert not LLMEngine._may_speculate(decoding(SamplingParams(temperature=0, max_tokens=8, speculative=False)))
