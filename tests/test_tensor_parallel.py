@@ -90,7 +90,8 @@ def test_tp2_qwen3_matches_hf_and_single_process(model_dirs, tp_llms):
 def test_tp2_row_parallel_biases_and_plain_mlp_match_hf(tmp_path):
     # StarCoder2: biases on every projection (o_proj's and c_proj's added once, after their all-reduce, on
     # every rank: a bias kept on rank 0 only made the ranks' hidden states drift apart), LayerNorm, up/down MLP.
-    config = Starcoder2Config(**TINY_COMMON, sliding_window=12, norm_epsilon=1e-5, architectures=["Starcoder2ForCausalLM"])
+    config = Starcoder2Config(**TINY_COMMON, sliding_window=12, norm_epsilon=1e-5,
+                              architectures=["Starcoder2ForCausalLM"])
     path = save_tiny_model(config, tmp_path / "starcoder2", seed=10)
     prompts = random_prompts(4, [3, 30, 11, 1], seed=41)
     with LLM(str(path), **TP_KWARGS) as llm:

@@ -77,8 +77,8 @@ def _write_adapter(base_config: LlamaConfig, path, seed: int, r: int = 4) -> str
     """A PEFT-format LoRA directory with random A/B on every projection (peft is not on the GPU image)."""
     hidden, inter = base_config.hidden_size, base_config.intermediate_size
     head_dim = hidden // base_config.num_attention_heads
-    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (base_config.num_key_value_heads * head_dim, hidden),
-              "self_attn.v_proj": (base_config.num_key_value_heads * head_dim, hidden),
+    kv_rows = base_config.num_key_value_heads * head_dim
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv_rows, hidden), "self_attn.v_proj": (kv_rows, hidden),
               "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
               "mlp.down_proj": (hidden, inter)}
     generator = torch.Generator().manual_seed(seed)

@@ -426,5 +426,5 @@ def checked_mlp_only_layers(config) -> list[int]:
 
 
 __all__ = ["GGUF_EXPERT_TENSOR_NAMES", "GGUF_SHARED_EXPERT_TENSOR_NAMES", "ExpertShard", "FusedMoE", "MoeArch", "MoeDecoderLayer", "MoeDecoderModel", "SparseMoeBlock",
-           "checked_mlp_only_layers", "checked_sparse_step", "config_num_experts", "gguf_moe_config_fields", "shard_experts",
-           "sparse_layer_pattern"]
+           "checked_mlp_only_layers", "checked_sparse_step", "config_num_experts", "gguf_moe_config_fields",
+           "shard_experts", "sparse_layer_pattern"]
