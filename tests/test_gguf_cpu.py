@@ -202,3 +202,12 @@ def test_transposed_int4_tiles_equal_the_row_major_ones():
     scales_and_zeros = torch.randn(2, 128, 2, generator=torch.Generator().manual_seed(12)).bfloat16()
     rows = gguf_cpu_native.int4pack_dequantize(packed, scales_and_zeros, 32, 64, 128)
     assert torch.equal(gguf_cpu_native.int4pack_dequantize_t(packed, scales_and_zeros, 32, 64, 128), rows.T)
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_c_bf16_tiles_are_the_float32_values_rounded(quant_type):
+    data = random_blocks(quant_type, 35, 2 * BLOCK_FORMATS[quant_type].block_size, seed=13)
+    tile = gguf_cpu_native.dequantize_bf16(data, quant_type)
+    if tile is None:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    assert torch.equal(tile, gguf_reference.dequantize(data, quant_type).bfloat16())

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from . import gguf_cpu_native, gguf_numba
 from .gguf_reference import block_format, dequantize
 
-# Dequantized values per tile: 1 Mi float32 = 4 MiB (2 MiB once cast to bf16). Large enough that
-# each tile's matmul runs near full speed on a prefill batch, small next to any weight worth keeping
-# quantized.
+# Dequantized values per tile: 1 Mi (2 MiB in bf16, 4 MiB in float32). Large enough that each tile's
+# matmul runs near full speed on a prefill batch, small next to any weight worth keeping quantized.
 TILE_ELEMENTS = 1 << 20
 # The bf16 kernels (Q4_K, Q6_K) win for one or two rows of x; for more, the float32 ones did
 # (1 thread, [8192, 2048], ms: Q4_K 1.70 vs 1.99 at 1 row, 3.85 vs 2.21 at 4; Q6_K 2.28 vs 2.82, 3.99 vs 4.00).
@@ -49,7 +48,7 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bias: torc
     if gemv_rows and gguf_numba.AVAILABLE and x.shape[0] <= NUMBA_MAX_ROWS:
         out = gguf_numba.gguf_gemv(x, data, quant_type).to(x.dtype)
         return out if bias is None else out.add_(bias)
-    decode = gguf_cpu_native.dequantize if gguf_cpu_native.available() else dequantize
+    decode = _tile_decoder(x.dtype)
     rows_per_tile = max(1, (tile_elements or TILE_ELEMENTS) // num_columns)
     if rows_per_tile >= num_rows:
         return F.linear(x, decode(data, quant_type).to(x.dtype), bias)
@@ -59,6 +58,21 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bias: torc
         tile_bias = None if bias is None else bias[start:start + rows.shape[0]]
         out[..., start:start + rows.shape[0]] = F.linear(x, decode(rows, quant_type).to(x.dtype), tile_bias)
     return out
+
+
+def _tile_decoder(dtype: torch.dtype):
+    """``(data, quant_type) -> tile``: the C dequantizer (straight to bf16 for bf16 batches: half the
+    bytes, no cast pass; the same values as ``.to(torch.bfloat16)``), else the reference decoders."""
+    if not gguf_cpu_native.available():
+        return dequantize
+    if dtype == torch.bfloat16:
+        return lambda data, quant_type: _bf16_or_float32_tile(data, quant_type)
+    return gguf_cpu_native.dequantize
+
+
+def _bf16_or_float32_tile(data: torch.Tensor, quant_type: str) -> torch.Tensor:
+    tile = gguf_cpu_native.dequantize_bf16(data, quant_type)
+    return gguf_cpu_native.dequantize(data, quant_type) if tile is None else tile
 
 
 def gguf_linear_routine(runs, bias: torch.Tensor | None = None):

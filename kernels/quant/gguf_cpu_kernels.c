@@ -314,6 +314,24 @@ static inline void k_scales_vec(const uint8_t *s, const float d, const float dmi
         acc[m][((offset) >> 4) & (NACC(M) - 1)] = _mm512_fmadd_ps(                                   \
             w_, _mm512_loadu_ps(xb + m * K + (offset)), acc[m][((offset) >> 4) & (NACC(M) - 1)]); }
 #define EMIT_STORE(vector, offset) _mm512_storeu_ps(dst + (offset), (vector));
+#if defined(__AVX512BF16__)
+/* the float32 values rounded to bf16 (to nearest even, as torch's .to(torch.bfloat16)) */
+#define EMIT_STORE_BF16(vector, offset) \
+    _mm256_storeu_si256((__m256i *)(dst16 + (offset)), (__m256i)_mm512_cvtneps_pbh(vector));
+#define DEQUANT_BF16_FN(NAME, DEC, BS, TS)                                                           \
+    static void NAME##_dequant_bf16(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, \
+                                    int64_t K, uint16_t *out) {                                      \
+        for (int64_t n = n0; n < n1; n++)                                                            \
+            for (int64_t blk = 0; blk < K / BS; blk++) {                                             \
+                const uint8_t *block = data + n * row_stride + blk * TS;                             \
+                uint16_t *dst16 = out + (n - n0) * K + blk * BS;                                     \
+                DEC(block, EMIT_STORE_BF16)                                                          \
+            }                                                                                        \
+    }
+#define HAS_DEQUANT_BF16 1
+#else
+#define DEQUANT_BF16_FN(NAME, DEC, BS, TS)
+#endif
 
 /* M is a compile-time constant in each call of NAME##_rows from the switch, so the accumulators
    stay in registers. */
@@ -361,7 +379,8 @@ static inline void k_scales_vec(const uint8_t *s, const float d, const float dmi
                 float *dst = out + (n - n0) * K + blk * BS;                                          \
                 DEC(block, EMIT_STORE)                                                               \
             }                                                                                        \
-    }
+    }                                                                                                \
+    DEQUANT_BF16_FN(NAME, DEC, BS, TS)
 
 GEMV_FN(gemv_q4_0, DEC_Q4_0, 32, 18)
 GEMV_FN(gemv_q4_1, DEC_Q4_1, 32, 20)
@@ -704,4 +723,32 @@ int int4pack_dequant_t(const uint8_t *packed, const uint16_t *scales_and_zeros, 
     }
 #endif
     return 0;
+}
+
+/* W[n0:n1] as bf16 (the dequantized float32 values rounded to nearest even): the tiled path's
+   tiles for bf16 batches, half the bytes of float32 and no separate cast. -1 without AVX-512 BF16. */
+int gguf_dequant_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, uint16_t *out,
+                      int num_threads) {
+#if defined(HAS_DEQUANT_BF16)
+    typedef void (*fn_t)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, uint16_t *);
+    static const fn_t FNS[] = {gemv_q4_0_dequant_bf16, gemv_q4_1_dequant_bf16, gemv_q5_0_dequant_bf16,
+                               gemv_q5_1_dequant_bf16, gemv_q8_0_dequant_bf16, gemv_q4_k_dequant_bf16,
+                               gemv_q5_k_dequant_bf16, gemv_q6_k_dequant_bf16, gemv_w4g128_dequant_bf16};
+    if (qtype < 0 || qtype > W4G128) return -1;
+    const fn_t fn = FNS[qtype];
+    if (num_threads <= 1 || N < 32) {
+        fn(data, row_stride, 0, N, K, out);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int part = 0; part < num_threads; part++) {
+        int64_t n0, n1;
+        split(N, num_threads, part, &n0, &n1);
+        fn(data, row_stride, n0, n1, K, out + n0 * K);
+    }
+    return 0;
+#else
+    (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)out; (void)num_threads;
+    return -1;
+#endif
 }

@@ -131,6 +131,19 @@ def dequantize(data: torch.Tensor, quant_type: str, num_threads: int | None = No
     return out
 
 
+def dequantize_bf16(data: torch.Tensor, quant_type: str, num_threads: int | None = None) -> torch.Tensor | None:
+    """bf16 ``[N, K]`` values of block rows ``data``: :func:`dequantize` rounded to bf16 (nearest even,
+    as ``.to(torch.bfloat16)``) in one pass; None where this build has no AVX-512 BF16."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
+    num_rows, num_columns = _check(None, data, quant_type)
+    out = torch.empty(num_rows, num_columns, dtype=torch.bfloat16)
+    status = library.gguf_dequant_bf16(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
+                                       out.data_ptr(), num_threads or torch.get_num_threads())
+    return None if status else out
+
+
 def int4pack_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, start: int,
                         stop: int) -> torch.Tensor:
     """float32 rows ``start:stop`` of a weight in torch's CPU int4 layout (``packed`` from
@@ -210,6 +223,8 @@ def _library():
     library.gguf_has_bf16.argtypes = (ctypes.c_int,)
     library.int4pack_dequant.argtypes = (ptr, ptr, i64, i64, i64, i64, i64, ptr)
     library.int4pack_dequant_t.argtypes = library.int4pack_dequant.argtypes
+    library.gguf_dequant_bf16.argtypes = library.gguf_dequant.argtypes
+    library.gguf_dequant_bf16.restype = ctypes.c_int
     library.int4pack_dequant.restype = library.int4pack_dequant_t.restype = ctypes.c_int
     library.gguf_gemv.restype = library.gguf_dequant.restype = ctypes.c_int
     library.gguf_gemv_bf16.restype = library.gguf_has_bf16.restype = ctypes.c_int
