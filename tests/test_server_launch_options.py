@@ -29,7 +29,7 @@ def test_a_switch_interval_that_is_not_positive_is_refused_before_anything_chang
 def test_serve_sets_the_switch_interval_before_it_builds_the_app(monkeypatch):
     seen = []
     monkeypatch.setattr(launch, "create_app", lambda *a, **k: seen.append(sys.getswitchinterval()) or object())
-    monkeypatch.setattr(launch.uvicorn, "Server", lambda config: type("S", (), {"run": lambda self: None})())
+    monkeypatch.setattr(launch, "_HeapFreezingServer", lambda config: type("S", (), {"run": lambda self: None})())
     monkeypatch.setattr(launch.uvicorn, "Config", lambda *a, **k: None)
     before = sys.getswitchinterval()
     try:
@@ -37,3 +37,19 @@ def test_serve_sets_the_switch_interval_before_it_builds_the_app(monkeypatch):
         assert seen and abs(seen[0] - 0.0007) < 1e-9
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_served_process_freezes_its_heap_once_the_app_started(monkeypatch):
+    import asyncio
+    import gc
+
+    calls = []
+    monkeypatch.setattr(launch.uvicorn.Server, "startup", lambda self, sockets=None: _noop(calls))
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    server = launch._HeapFreezingServer(launch.uvicorn.Config(app=None))
+    asyncio.run(server.startup())
+    assert calls == ["started", "freeze"]  # after the app's start (the model load), not before
+
+
+async def _noop(calls: list) -> None:
+    calls.append("started")

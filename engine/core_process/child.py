@@ -10,6 +10,7 @@ after its engine stopped.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import signal
@@ -178,6 +179,10 @@ def _report_start(core: ChildEngineCore, link: _Link) -> None:
     except BaseException as error:  # noqa: BLE001 - the parent's wait_until_started raises it
         link.send(Started(error=error))
         return
+    # This process lives for its engine: keep the loaded model's objects out of every later full
+    # collection, which would otherwise walk them all (tens to hundreds of ms) with the GIL held.
+    gc.collect()
+    gc.freeze()
     try:
         engine = core.engine
         view = EngineView(tokenizer=engine.tokenizer, hf_config=_picklable_config(engine.hf_config),
