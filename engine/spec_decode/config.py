@@ -28,8 +28,9 @@ class SpeculativeConfig:
       acceptance matched exactly, priced at the CPU's measured step costs): with
       ``prompt_lookup_min=1`` it keeps short answers whose 1-token matches miss from falling below
       plain decoding (worst question 0.89x -> 0.97x); against 2..4 without it, 1..4 with it took
-      fewer steps on 3 of the 4 bench prompts but was a wash over all 14 (4 better, 5 worse), so
-      it is not the default.
+      fewer steps on 3 of the 4 bench prompts but was a wash over all 14 (4 better, 5 worse), and
+      in the engine (CPU, 1 thread, interleaved runs) 2..4 without it was faster on the three RAG
+      questions in 4 of 4 runs, so it is not the default.
     - ``model``: the draft's path or hub id (draft_model only); it runs on the target's device
       and dtype with its own KV pool of ``kv_cache_memory`` bytes (default: the runner's default).
     Frozen, so an engine's config stays hashable (engines are shared by config).
