@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from . import gguf_cpu_native, gguf_numba
 from .gguf_reference import block_format, dequantize
 
-# Dequantized values per tile: 1 Mi (2 MiB in bf16, 4 MiB in float32). Large enough that each tile's
-# matmul runs near full speed on a prefill batch, small next to any weight worth keeping quantized.
-TILE_ELEMENTS = 1 << 20
+# Dequantized values per tile: 4 Mi (8 MiB in bf16), small next to any weight worth keeping quantized.
+# Each tile is a oneDNN call, and smaller tiles cost more calls: 500 rows x [16384, 2048] Q4_K, CPU ms
+# (1 / 2 threads, shared cores): 1 Mi 156 / 282, 2 Mi 145 / 294, 4 Mi 57-114 / 149-237, 8 Mi 87-134 / 114-145.
+TILE_ELEMENTS = 1 << 22
 # The bf16 kernels (Q4_K, Q6_K) win for one or two rows of x; for more, the float32 ones did
 # (1 thread, [8192, 2048], ms: Q4_K 1.70 vs 1.99 at 1 row, 3.85 vs 2.21 at 4; Q6_K 2.28 vs 2.82, 3.99 vs 4.00).
 BF16_MAX_ROWS = 2
