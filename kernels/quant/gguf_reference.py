@@ -95,7 +95,7 @@ def pack_w4g128(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
     num_rows, num_columns = codes.shape
     groups = codes.to(torch.uint8).reshape(num_rows, num_columns // 128, 2, 64)
     packed = groups[:, :, 0] | (groups[:, :, 1] << 4)                              # [N, G, 64]
-    header = torch.zeros(num_rows, num_columns // 128, 4, dtype=torch.uint8)
+    header = torch.zeros(num_rows, num_columns // 128, 4, dtype=torch.uint8, device=codes.device)
     # flatten first: a [N, 1] tensor can be "contiguous" with a last stride of N, which view() refuses
     header[..., 0:2] = scales.to(torch.float16).reshape(-1).contiguous().view(torch.uint8).reshape(num_rows, -1, 2)
     header[..., 2] = zeros.to(torch.uint8)
