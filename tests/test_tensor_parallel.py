@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, Olmo2Config, Qwen3Config, Starcoder2Config
+from transformers import LlamaConfig, Qwen3Config, Starcoder2Config
 
 from hearth_llm.engine import LLM, EngineDeadError, SamplingParams
 from hearth_llm.engine.memory.weights import weights_bytes
@@ -154,14 +154,6 @@ def test_a_worker_refusing_its_checkpoint_raises_value_error_in_the_driver(model
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="tensor-parallel rank [01]: .*shape"):
         LLM(str(path), **TP_KWARGS)
-
-
-def test_olmo2_is_refused_by_name_before_workers_start(tmp_path):
-    # MoE models split now (tests/test_tensor_parallel_moe.py); OLMo 2's q/k norms over all heads do not.
-    config = Olmo2Config(**TINY_COMMON, architectures=["Olmo2ForCausalLM"])
-    path = save_tiny_model(config, tmp_path / "olmo2")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Olmo2ForCausalLM: its q/k"):
-        LLM(str(path), **CPU, tensor_parallel_size=2)
 
 
 def test_killed_worker_fails_pending_requests_with_engine_dead_and_reaps_workers(model_dirs, tp_llms):

@@ -22,13 +22,14 @@ from ..models.moe import FusedMoE
 
 # Modules whose tensors every rank may hold whole (replicated) without changing the math: norms and
 # rotary tables; the embedding and the LM head (split by vocabulary rows when loaded: models/vocab_parallel).
-_REPLICATED_MODULES = ("RMSNorm", "LayerNorm", "GemmaRMSNorm", "RotaryEmbedding", "Embedding", "Linear")
+# Cohere's PerHeadLayerNorm (Command-R+) and OLMo 2's q/k RMSNorms stay whole too: each rank scales by its heads'
+# rows (OLMo 2 all-reduces its sums of squares).
+_REPLICATED_MODULES = ("RMSNorm", "LayerNorm", "GemmaRMSNorm", "RotaryEmbedding", "Embedding", "Linear",
+                       "PerHeadLayerNorm")
 
 
 # Modules whose math needs every rank's heads at once, which no split here provides (yet): why, by class name.
-_UNSPLIT_MODULES = {
-    "Olmo2Attention": "its q/k RMSNorms normalize over all heads together (they would need an all-gather)",
-}
+_UNSPLIT_MODULES: dict[str, str] = {}
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,

@@ -36,9 +36,12 @@ class PerHeadLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_heads, head_dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, first_head: int = 0) -> torch.Tensor:
+        """``first_head``: the row of ``weight`` that ``x``'s first head uses (a tensor-parallel
+        rank holds heads ``first_head .. first_head + H``)."""
         normed = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        weight = self.weight.narrow(0, first_head, x.shape[-2])
+        return (normed * weight.float()).to(x.dtype)
 
 
 class CohereQKNormAttention(Attention):
@@ -51,13 +54,16 @@ class CohereQKNormAttention(Attention):
         self.k_norm = PerHeadLayerNorm(qkv.num_kv_heads, self.head_dim, qk_norm_eps)
 
     def forward(self, positions, hidden, kv_cache, meta):
-        if self.qkv_proj.parallel.size != 1:
-            raise ValueError("CohereForCausalLM: use_qk_norm with tensor parallelism is not supported")
-        num_tokens, num_heads, num_kv_heads = hidden.shape[0], self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        # Under tensor parallelism this rank holds some query heads and some (maybe replicated) key
+        # heads; the norm weights stay whole (tiny) and each rank scales by its heads' rows.
+        qkv = self.qkv_proj
+        num_tokens, num_heads, num_kv_heads = hidden.shape[0], qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        query = self.q_norm(query.view(num_tokens, num_heads, self.head_dim)).flatten(1)
-        key = self.k_norm(key.view(num_tokens, num_kv_heads, self.head_dim)).flatten(1)
+        query, key, value = qkv(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        query = self.q_norm(query.view(num_tokens, num_heads, self.head_dim),
+                            first_head=qkv.rank_rows("q")[0] // self.head_dim).flatten(1)
+        key = self.k_norm(key.view(num_tokens, num_kv_heads, self.head_dim),
+                          first_head=qkv.rank_rows("k")[0] // self.head_dim).flatten(1)
         key_cache, value_cache = kv_cache
         kv_scales = self.kv_scales_for(key_cache)
         query = kernels.qk_norm_rope_and_cache(torch.cat((query, key, value), dim=-1), positions,

@@ -3,7 +3,8 @@
 A layer is ``h += post_attention_layernorm(attn(h)); h += post_feedforward_layernorm(mlp(h))``:
 no norm in front of either block. The q and k norms normalize all of a token's queries (keys)
 together, over ``num_heads * head_dim``, before the split into heads (Qwen3 norms each head).
-That norm spans every head, so the projection cannot be split across tensor-parallel ranks.
+That norm spans every head: under tensor parallelism each rank sums the squares of its slice, one
+all-reduce adds the ranks' sums, and each rank scales by its slice of the (whole, replicated) weight.
 """
 from __future__ import annotations
 
@@ -29,19 +30,43 @@ class Olmo2Attention(Attention):
         self.k_norm = RMSNorm(self.kv_size, rms_norm_eps)
 
     def forward(self, positions, hidden, kv_cache, meta):
-        if self.qkv_proj.parallel.size != 1:
-            raise ValueError("Olmo2ForCausalLM: its q/k norms span all heads; tensor parallelism is not supported")
-        query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        qkv = torch.cat((self.q_norm(query), self.k_norm(key), value), dim=-1)
+        qkv_proj = self.qkv_proj
+        if qkv_proj.parallel.size == 1:
+            query, key, value = qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat((self.q_norm(query), self.k_norm(key), value), dim=-1)
+        else:
+            qkv = self._split_norms(qkv_proj(hidden))
         key_cache, value_cache = kv_cache
         kv_scales = self.kv_scales_for(key_cache)
         query = kernels.qk_norm_rope_and_cache(qkv, positions, self.rotary.cos_sin_cache, key_cache, value_cache,
-                                               meta.slot_mapping, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
+                                               meta.slot_mapping, qkv_proj.num_heads_per_rank,
+                                               qkv_proj.num_kv_heads_per_rank,
                                                kv_scales=kv_scales)
         out = kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens,
                                       meta.query_start_loc, meta.max_query_len, meta.max_context_len, self.scale,
                                       self.sliding_window, kv_scales=kv_scales)
-        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+        return self.o_proj(out.reshape(hidden.shape[0], qkv_proj.num_heads_per_rank * self.head_dim))
+
+    def _split_norms(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The q/k RMSNorms of this rank's slice of the projection, over the WHOLE q (k) widths.
+
+        Every rank holds as many q (k) values as the others, so the whole mean of squares is the
+        all-reduced sum over ``width * size``; replicated key heads (fewer than the ranks) are
+        counted once per copy on both sides of that division, so the mean stays exact.
+        """
+        qkv_proj, head_dim = self.qkv_proj, self.head_dim
+        q_width, kv_width = qkv_proj.num_heads_per_rank * head_dim, qkv_proj.num_kv_heads_per_rank * head_dim
+        query, key, value = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        query, key = query.float(), key.float()
+        sums = torch.stack((query.square().sum(-1), key.square().sum(-1)), dim=-1)  # one all-reduce for both
+        qkv_proj.parallel.all_reduce(sums)
+        size = qkv_proj.parallel.size
+        q_first, k_first = qkv_proj.rank_rows("q")[0], qkv_proj.rank_rows("k")[0]
+        query = query * torch.rsqrt(sums[:, :1] / (q_width * size) + self.q_norm.eps)
+        key = key * torch.rsqrt(sums[:, 1:] / (kv_width * size) + self.k_norm.eps)
+        query = (query * self.q_norm.weight.narrow(0, q_first, q_width).float()).to(qkv.dtype)
+        key = (key * self.k_norm.weight.narrow(0, k_first, kv_width).float()).to(qkv.dtype)
+        return torch.cat((query, key, value), dim=-1)
 
 
 class Olmo2DecoderLayer(nn.Module):
