@@ -211,3 +211,19 @@ def test_c_bf16_tiles_are_the_float32_values_rounded(quant_type):
     if tile is None:
         pytest.skip("this CPU has no AVX-512 BF16")
     assert torch.equal(tile, gguf_reference.dequantize(data, quant_type).bfloat16())
+
+
+def test_block_head_gives_float32_logits_of_the_exact_weights_for_bf16_and_float32_rows():
+    from types import SimpleNamespace
+
+    from hearth_llm.engine.loader.gguf_blocks import GGUFBlocks
+
+    blocks = GGUFBlocks("Q6_K", random_blocks("Q6_K", 96, 256, seed=14))
+    head = CpuBlockLogitsHead(SimpleNamespace(in_features=256, out_features=96), blocks)
+    for rows in (1, 2, 5, 12):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        logits = head(x)
+        expected = _exact(x, blocks.data, "Q6_K")
+        assert logits.dtype == torch.float32 and logits.shape == (rows, 96)
+        tolerance = 2e-6 if rows <= 8 else 1e-2  # the tiled path multiplies bf16-rounded tiles
+        torch.testing.assert_close(logits.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())

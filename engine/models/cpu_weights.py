@@ -157,10 +157,16 @@ class CpuBlockLogitsHead(nn.Module):
         self.weight = None  # no dense copy
         self.register_buffer("blocks", blocks.data)  # resident_blocks' copy, shared with a tied embedding
         self.routine = gguf_cpu.gguf_linear_routine([(self.quant_type, self.blocks)])
+        # bf16 hidden states straight into the bf16 kernel (Q4_K/Q6_K), float32 logits out
+        self.bf16_gemv = gguf_cpu_native.gemv_routine(self.blocks, self.quant_type, bf16=True) \
+            if gguf_cpu_native.has_bf16(self.quant_type) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_rows = x.reshape(-1, x.shape[-1]).shape[0]
+        if self.bf16_gemv is not None and x.dtype == torch.bfloat16 and 0 < num_rows <= gguf_cpu.BF16_MAX_ROWS:
+            return self.bf16_gemv(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], self.out_features)
         x32 = x.float()
-        if self.routine is not None and 0 < x32.reshape(-1, x32.shape[-1]).shape[0] <= gguf_cpu_native.MAX_ROWS:
+        if self.routine is not None and 0 < num_rows <= gguf_cpu_native.MAX_ROWS:
             return self.routine(x32)
         return gguf_cpu.gguf_linear(x32, self.blocks, self.quant_type)
 
