@@ -73,10 +73,18 @@ class GGUFInt4LinearMethod(LinearMethod):
         return layer.cpu_weight.routine(layer.bias)
 
 
+# Whether pure Q4_0/Q4_1 layers drop their dense copy (prefill then runs the int4 codes: the int4 kernel up
+# to INT4_TILES_MIN_ROWS rows, decoded tiles from there). Off: the int4 layout holds the block scales rounded
+# to bf16, so a prefill of 9-95 rows on it is not the file's weights, and the bundled SmolLM2's greedy answer
+# to "What is the capital of France?" changed ("The capital of France is Paris." -> "L'Étoile, la
+# Marseillaise,"). With the dense copy, prefill multiplies the exactly dequantized weights, as before.
+DROP_DENSE_COPY = False
+
+
 def _tiles_from_codes(layer) -> bool:
-    """Whether large batches will decode tiles from the int4 codes (see ``CpuLinear``): the C kernels
-    are built and the rows come in the int4 layout's blocks of 64."""
-    return layer.output_size_per_rank % 64 == 0 and gguf_cpu_native.available()
+    """Whether large batches will decode tiles from the int4 codes (see ``CpuLinear``): only with
+    ``DROP_DENSE_COPY``, where the C kernels are built and the rows come in the int4 layout's blocks of 64."""
+    return DROP_DENSE_COPY and layer.output_size_per_rank % 64 == 0 and gguf_cpu_native.available()
 
 
 def _int4_parts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
