@@ -379,9 +379,9 @@ def test_stacked_weight_moves_with_the_model_as_one_storage():
     assert method.stack_a_under_weight(layer)
     layer.method = method
     method.load_slot(1, [ShardLoRA(0, 0, torch.ones(4, 16), torch.ones(4, 64))])
-    weight, old_address = layer.weight.detach().clone(), layer.weight.data_ptr()
+    weight = layer.weight.detach().clone()
     offload_weights(layer, pin_memory=False).restore(torch.device("cpu"))
-    assert layer.weight.data_ptr() != old_address  # (moved: copied twice)
+    # (no check that the address changed: the allocator may hand the same address back after the two copies)
     assert method.stacked_weight.data_ptr() == layer.weight.data_ptr()
     assert method.lora_a.untyped_storage().data_ptr() == layer.weight.untyped_storage().data_ptr()
     assert torch.equal(layer.weight, weight) and torch.equal(method.lora_a[1, :4], torch.ones(4, 16))
