@@ -62,6 +62,38 @@ def _nibbles_minus(half, zero, P: tl.constexpr):
 
 
 @triton.jit
+def _words_dot(lo, hi, z0, z1, z2, z3, xcol, xm):
+    """``sum((q - zero) * x)`` term by term for code words whose low halves are ``lo`` and high
+    halves ``hi`` (8 nibbles a word): word j of a group holds bytes 4j..4j+3, byte b is column
+    4j + b (low nibble) and 4j + b + 64 (high nibble); ``xcol`` points at column 4j of each row."""
+    d = _nibbles_minus(lo, z0, 0)[None] * tl.load(xcol, mask=xm, other=0.0).to(tl.float32)[:, None]
+    d += _nibbles_minus(lo, z1, 1)[None] * tl.load(xcol + 64, mask=xm, other=0.0).to(tl.float32)[:, None]
+    d += _nibbles_minus(lo, z2, 2)[None] * tl.load(xcol + 1, mask=xm, other=0.0).to(tl.float32)[:, None]
+    d += _nibbles_minus(lo, z3, 3)[None] * tl.load(xcol + 65, mask=xm, other=0.0).to(tl.float32)[:, None]
+    d += _nibbles_minus(hi, z0, 0)[None] * tl.load(xcol + 2, mask=xm, other=0.0).to(tl.float32)[:, None]
+    d += _nibbles_minus(hi, z1, 1)[None] * tl.load(xcol + 66, mask=xm, other=0.0).to(tl.float32)[:, None]
+    d += _nibbles_minus(hi, z2, 2)[None] * tl.load(xcol + 3, mask=xm, other=0.0).to(tl.float32)[:, None]
+    d += _nibbles_minus(hi, z3, 3)[None] * tl.load(xcol + 67, mask=xm, other=0.0).to(tl.float32)[:, None]
+    return d
+
+
+@triton.jit
+def _store_rows(result, bias_ptr, out_ptr, rm, rn, M, N, split, stride_om, HAS_BIAS: tl.constexpr,
+                SPLIT_K: tl.constexpr):
+    """``result`` ([M_PAD, BLOCK_N] float32) plus the bias (once, by split 0) into ``out``: stored, or
+    added in float32 when the groups are split over programs."""
+    if HAS_BIAS:
+        if split == 0:
+            result += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out, result.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, result, mask=mask, sem="relaxed")
+
+
+@triton.jit
 def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, groups_per_split, stride_xm, stride_w32,
                         stride_om, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                         GROUPS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr):
@@ -113,25 +145,10 @@ def _w4g128_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, group
         z1 = (zero + 524288.0)[:, :, None]
         z2 = (zero + 32768.0)[:, :, None]
         z3 = (zero + 2048.0)[:, :, None]
-        d = _nibbles_minus(lo, z0, 0)[None] * tl.load(xcol, mask=xm, other=0.0).to(tl.float32)[:, None]
-        d += _nibbles_minus(lo, z1, 1)[None] * tl.load(xcol + 64, mask=xm, other=0.0).to(tl.float32)[:, None]
-        d += _nibbles_minus(lo, z2, 2)[None] * tl.load(xcol + 1, mask=xm, other=0.0).to(tl.float32)[:, None]
-        d += _nibbles_minus(lo, z3, 3)[None] * tl.load(xcol + 65, mask=xm, other=0.0).to(tl.float32)[:, None]
-        d += _nibbles_minus(hi, z0, 0)[None] * tl.load(xcol + 2, mask=xm, other=0.0).to(tl.float32)[:, None]
-        d += _nibbles_minus(hi, z1, 1)[None] * tl.load(xcol + 66, mask=xm, other=0.0).to(tl.float32)[:, None]
-        d += _nibbles_minus(hi, z2, 2)[None] * tl.load(xcol + 3, mask=xm, other=0.0).to(tl.float32)[:, None]
-        d += _nibbles_minus(hi, z3, 3)[None] * tl.load(xcol + 67, mask=xm, other=0.0).to(tl.float32)[:, None]
+        d = _words_dot(lo, hi, z0, z1, z2, z3, xcol, xm)
         acc += scale[None, :, :, None] * d
-    result = tl.sum(tl.sum(acc, axis=3), axis=2)                                          # [MP, BN]
-    if HAS_BIAS:
-        if split == 0:
-            result += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        tl.store(out, result.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, result, mask=mask, sem="relaxed")
+    _store_rows(tl.sum(tl.sum(acc, axis=3), axis=2), bias_ptr, out_ptr, rm, rn, M, N, split, stride_om,
+                HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -173,25 +190,10 @@ def _w4g128_gemv_j4_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, num_groups, gr
             # Word j of a group holds bytes 4j..4j+3: byte b is column 4j + b (low nibble) and 4j + b + 64.
             xcol = x_rows[:, None, None] + (group * 128)[None, :, None] + 4 * (4 * jo + ji)[None, None, :]
             hi = words >> 16
-            dot = _nibbles_minus(words, z0, 0)[None] * tl.load(xcol, mask=xm, other=0.0).to(tl.float32)[:, None]
-            dot += _nibbles_minus(words, z1, 1)[None] * tl.load(xcol + 64, mask=xm, other=0.0).to(tl.float32)[:, None]
-            dot += _nibbles_minus(words, z2, 2)[None] * tl.load(xcol + 1, mask=xm, other=0.0).to(tl.float32)[:, None]
-            dot += _nibbles_minus(words, z3, 3)[None] * tl.load(xcol + 65, mask=xm, other=0.0).to(tl.float32)[:, None]
-            dot += _nibbles_minus(hi, z0, 0)[None] * tl.load(xcol + 2, mask=xm, other=0.0).to(tl.float32)[:, None]
-            dot += _nibbles_minus(hi, z1, 1)[None] * tl.load(xcol + 66, mask=xm, other=0.0).to(tl.float32)[:, None]
-            dot += _nibbles_minus(hi, z2, 2)[None] * tl.load(xcol + 3, mask=xm, other=0.0).to(tl.float32)[:, None]
-            dot += _nibbles_minus(hi, z3, 3)[None] * tl.load(xcol + 67, mask=xm, other=0.0).to(tl.float32)[:, None]
+            dot = _words_dot(words, hi, z0, z1, z2, z3, xcol, xm)
             acc += scale4 * dot
-    result = tl.sum(tl.sum(acc, axis=3), axis=2)                                          # [MP, BN]
-    if HAS_BIAS:
-        if split == 0:
-            result += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        tl.store(out, result.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, result, mask=mask, sem="relaxed")
+    _store_rows(tl.sum(tl.sum(acc, axis=3), axis=2), bias_ptr, out_ptr, rm, rn, M, N, split, stride_om,
+                HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
