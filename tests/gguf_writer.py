@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import gguf
+import numpy as np
 import torch
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -51,7 +52,48 @@ def write_tensors_and_close(writer: gguf.GGUFWriter, tensors: dict[str, torch.Te
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         writer.add_tensor(name, tensor.float().numpy())
+    write_and_close(writer)
+
+
+def write_and_close(writer: gguf.GGUFWriter) -> None:
+    """Header, metadata and tensors to the file, then closed."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# A Llama layer's linear tensors under llama.cpp's names, in (q, k, v, o, gate, up, down) order.
+LLAMA_LINEAR_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def tiny_llama_writer(path, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> gguf.GGUFWriter:
+    """A writer for a tiny Llama GGUF with its shape fields, rope base, norm epsilon and the tiny
+    tokenizer written; the tensors come next.
+
+    >>> writer = tiny_llama_writer(path, 256, 512, 2, 4, 2)
+    """
+    writer = gguf.GGUFWriter(path, "llama")
+    write_shape_fields(writer, dict(max_position_embeddings=256, hidden_size=hidden, intermediate_size=intermediate,
+                                    num_hidden_layers=layers, num_attention_heads=heads,
+                                    num_key_value_heads=kv_heads, vocab_size=TINY_VOCAB))
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    write_tiny_tokenizer(writer)
+    return writer
+
+
+def add_block_layers(writer: gguf.GGUFWriter, layer_types, hidden: int,
+                     blocks_of: Callable[[str, str, int], np.ndarray]) -> dict[str, int]:
+    """Each layer's two norms (ones) and its linears in the block types ``layer_types[layer]`` (one per
+    ``LLAMA_LINEAR_NAMES`` entry), ``blocks_of(quant_type, name, seed)`` making each tensor's blocks;
+    returns the bytes of each linear tensor by ``"blk.{layer}.{name}"``."""
+    tensor_bytes = {}
+    for layer, types in enumerate(layer_types):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        for index, (name, quant_type) in enumerate(zip(LLAMA_LINEAR_NAMES, types)):
+            blocks = blocks_of(quant_type, name, 10 * layer + index)
+            tensor_bytes[f"blk.{layer}.{name}"] = blocks.nbytes
+            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType[quant_type])
+    return tensor_bytes

@@ -6,7 +6,6 @@ and its greedy tokens equal HF transformers' (fp32) on the dequantized weights. 
 and head from blocks are also covered on the bundled SmolLM2, whose tied Q8_0 pair shares one copy.)"""
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -22,8 +21,8 @@ from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
 from hearth_llm.kernels.quant import BLOCK_FORMATS, gguf_cpu, gguf_cpu_native, gguf_reference
 
 from conftest import TINY_VOCAB, hf_greedy, random_prompts
-from gguf_writer import write_shape_fields, write_tiny_tokenizer
-from test_quant_gguf import GGUF_NAMES, HIDDEN, INTERMEDIATE, KV_HEADS, LAYER_TYPES, LAYERS, HEADS, _quantized, _shape
+from gguf_writer import add_block_layers, tiny_llama_writer, write_and_close
+from test_quant_gguf import HIDDEN, INTERMEDIATE, KV_HEADS, LAYER_TYPES, LAYERS, HEADS, _layer_blocks
 from test_quant_gguf import random_blocks
 
 pytestmark = pytest.mark.skipif(not gguf_cpu_native.available(), reason="no C compiler: the GGUF CPU kernels "
@@ -115,13 +114,7 @@ def all_types_file(tmp_path_factory):
     its dequantized weights (the reference: HF runs what the file dequantizes to)."""
     root = tmp_path_factory.mktemp("gguf_cpu")
     path = root / "all-types.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    write_shape_fields(writer, dict(max_position_embeddings=256, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                                    num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                    num_key_value_heads=KV_HEADS, vocab_size=TINY_VOCAB))
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    write_tiny_tokenizer(writer)
+    writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
     generator = torch.Generator().manual_seed(0)
     embedding = gguf_reference.quantize(torch.randn(TINY_VOCAB, HIDDEN, generator=generator), "Q8_0").numpy()
     writer.add_tensor("token_embd.weight", embedding, raw_dtype=GGMLQuantizationType.Q8_0)
@@ -129,17 +122,8 @@ def all_types_file(tmp_path_factory):
     head = random_blocks("Q6_K", TINY_VOCAB, HIDDEN, seed=98, scale=3e-3).numpy()
     writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType.Q6_K)
     tensor_bytes = {"output": head.nbytes, "token_embd": embedding.nbytes}
-    for layer, types in enumerate(LAYER_TYPES):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        for index, (name, quant_type) in enumerate(zip(GGUF_NAMES, types)):
-            blocks = _quantized(quant_type, _shape(name), seed=10 * layer + index)
-            tensor_bytes[f"blk.{layer}.{name}"] = blocks.nbytes
-            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=GGMLQuantizationType[quant_type])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tensor_bytes.update(add_block_layers(writer, LAYER_TYPES, HIDDEN, _layer_blocks))
+    write_and_close(writer)
     checkpoint = load_checkpoint(str(path), torch.float32, progress=False)
     hf_dir = root / "dequantized-hf"
     checkpoint.config.save_pretrained(hf_dir)

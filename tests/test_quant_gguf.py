@@ -5,7 +5,6 @@ log-probabilities as the same file dequantized at load, its linear weights resid
 bytes."""
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -19,7 +18,7 @@ from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
 from hearth_llm.kernels.quant import BLOCK_FORMATS, GGUF_TYPES, gguf_cpu, gguf_reference
 
 from conftest import TINY_VOCAB, random_prompts
-from gguf_writer import write_shape_fields, write_tiny_tokenizer
+from gguf_writer import add_block_layers, tiny_llama_writer, write_and_close
 
 TYPES = sorted(BLOCK_FORMATS)  # llama.cpp's eight and W4G128 (AWQ/GPTQ repacked)
 # The float16 fields of each block (scales, minimums), by byte offset.
@@ -98,7 +97,6 @@ HEAD_DIM = HIDDEN // HEADS
 # Per layer: (q, k, v, o, gate, up, down). Layer 0's fused qkv mixes Q4_K and Q6_K, as Q4_K_M files do.
 LAYER_TYPES = [("Q4_K", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "Q4_1", "Q8_0"),
                ("Q5_0", "Q5_0", "Q5_1", "Q8_0", "Q6_K", "Q6_K", "Q5_K")]
-GGUF_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def _shape(name: str) -> tuple[int, int]:
@@ -116,34 +114,23 @@ def _quantized(quant_type: str, shape, seed: int) -> np.ndarray:
     return gguf_reference.quantize(weight, quant_type).numpy()
 
 
+def _layer_blocks(quant_type: str, name: str, seed: int) -> np.ndarray:
+    """The blocks of linear tensor ``name`` of the tiny Llama (for ``gguf_writer.add_block_layers``)."""
+    return _quantized(quant_type, _shape(name), seed)
+
+
 @pytest.fixture(scope="module")
 def all_types_gguf(tmp_path_factory):
     """The file and the bytes of its linear tensors."""
     path = tmp_path_factory.mktemp("quant") / "all-types.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    write_shape_fields(writer, dict(max_position_embeddings=256, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                                    num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                    num_key_value_heads=KV_HEADS, vocab_size=TINY_VOCAB))
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    write_tiny_tokenizer(writer)
+    writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
     generator = torch.Generator().manual_seed(0)
     writer.add_tensor("token_embd.weight", (torch.randn(TINY_VOCAB, HIDDEN, generator=generator)).numpy())
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     writer.add_tensor("output.weight", _quantized("Q8_0", (TINY_VOCAB, HIDDEN), seed=99),
                       raw_dtype=GGMLQuantizationType.Q8_0)
-    linear_bytes = 0
-    for layer, types in enumerate(LAYER_TYPES):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        for index, (name, quant_type) in enumerate(zip(GGUF_NAMES, types)):
-            blocks = _quantized(quant_type, _shape(name), seed=10 * layer + index)
-            linear_bytes += blocks.nbytes
-            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=GGMLQuantizationType[quant_type])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    linear_bytes = sum(add_block_layers(writer, LAYER_TYPES, HIDDEN, _layer_blocks).values())
+    write_and_close(writer)
     return path, linear_bytes
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -22,18 +21,15 @@ from transformers import LlamaConfig
 
 from hearth_llm.engine import LLM, SamplingParams
 from hearth_llm.engine.memory.weights import weights_bytes
-from hearth_llm.kernels.quant import gguf_reference
 
 from conftest import TINY_COMMON, TINY_VOCAB, hf_greedy, random_prompts
-from gguf_writer import write_shape_fields, write_tiny_tokenizer
+from gguf_writer import add_block_layers, tiny_llama_writer, write_and_close
 from model_equality import save_tiny_model
 from test_quant_awq_gptq import AWQ_CONFIG, GPTQ_CONFIG, LINEARS, awq_pack, dequantized, gptq_pack, quantize_groups
-from test_quant_gguf import random_blocks
+from test_quant_gguf import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, _layer_blocks, _quantized
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 CPU = dict(device="cpu", dtype="float32", show_progress=False)
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-GGUF_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # (q, k, v, o, gate, up, down) per layer: all eight types; row-parallel o (128 columns per rank) in
 # 32-value blocks, down (256 per rank) also in a K-quant; layer 0's qkv mixes Q4_K and Q6_K.
 SPLITTABLE = [("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_K"),
@@ -42,44 +38,15 @@ SPLITTABLE = [("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_K"),
 CUT_INSIDE_A_BLOCK = [("Q4_K", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "Q4_1", "Q8_0")] * 2
 
 
-def _shape(name: str) -> tuple[int, int]:
-    kv_rows = KV_HEADS * HIDDEN // HEADS
-    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv_rows, HIDDEN), "attn_v": (kv_rows, HIDDEN),
-            "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN),
-            "ffn_down": (HIDDEN, INTERMEDIATE)}[name]
-
-
-def _blocks(quant_type: str, shape, seed: int) -> np.ndarray:
-    if quant_type.endswith("_K"):  # gguf-py has no K-quant quantizer: hand-built blocks
-        scale = {"Q4_K": 4e-4, "Q5_K": 2e-4, "Q6_K": 1e-4}[quant_type]
-        return random_blocks(quant_type, *shape, seed=seed, scale=scale).numpy()
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.15
-    return gguf_reference.quantize(weight, quant_type).numpy()
-
-
 def write_gguf(path, layer_types) -> str:
-    writer = gguf.GGUFWriter(path, "llama")
-    write_shape_fields(writer, dict(max_position_embeddings=256, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                                    num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                    num_key_value_heads=KV_HEADS, vocab_size=TINY_VOCAB))
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    write_tiny_tokenizer(writer)
+    writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
     generator = torch.Generator().manual_seed(0)
     writer.add_tensor("token_embd.weight", torch.randn(TINY_VOCAB, HIDDEN, generator=generator).numpy())
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.add_tensor("output.weight", _blocks("Q8_0", (TINY_VOCAB, HIDDEN), seed=99),
+    writer.add_tensor("output.weight", _quantized("Q8_0", (TINY_VOCAB, HIDDEN), seed=99),
                       raw_dtype=GGMLQuantizationType.Q8_0)
-    for layer, types in enumerate(layer_types):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        for index, (name, quant_type) in enumerate(zip(GGUF_NAMES, types)):
-            writer.add_tensor(f"blk.{layer}.{name}.weight", _blocks(quant_type, _shape(name), seed=10 * layer + index),
-                              raw_dtype=GGMLQuantizationType[quant_type])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_block_layers(writer, layer_types, HIDDEN, _layer_blocks)
+    write_and_close(writer)
     return str(path)
 
 
