@@ -18,31 +18,20 @@ import signal
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import LlamaConfig, Qwen3Config
 
 from hearth_llm.engine import LLM, EngineDeadError, LoRARequest, SamplingParams
 
 from conftest import TINY_COMMON, random_prompts
 from model_equality import save_tiny_model
+from test_tensor_parallel_moe import CONFIGS as MOE_CONFIGS  # the CPU tests' MoE models
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
-THREE_LAYERS = {**TINY_COMMON, "num_hidden_layers": 3}
-QWEN_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY_COMMON, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]),
     "qwen3": lambda: Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=True,
                                  architectures=["Qwen3ForCausalLM"]),
-}
-MOE_CONFIGS = {
-    "mixtral": lambda: MixtralConfig(**{**TINY_COMMON, "intermediate_size": 48}, num_local_experts=4,
-                                     num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**THREE_LAYERS, **QWEN_EXPERTS, head_dim=16, norm_topk_prob=True,
-                                        mlp_only_layers=[1], tie_word_embeddings=False,
-                                        architectures=["Qwen3MoeForCausalLM"]),
-    "qwen2_moe": lambda: Qwen2MoeConfig(**THREE_LAYERS, **QWEN_EXPERTS, shared_expert_intermediate_size=48,
-                                        decoder_sparse_step=2, tie_word_embeddings=False,
-                                        architectures=["Qwen2MoeForCausalLM"]),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 GPU = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB", show_progress=False)
