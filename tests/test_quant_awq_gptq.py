@@ -70,12 +70,10 @@ GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act
                "checkpoint_format": "gptq"}
 
 
-@pytest.fixture(scope="module")
-def quantized_dirs(tmp_path_factory):
-    """(dense dir with the dequantized weights, {"awq": dir, "gptq": dir}, bytes of the linear parts)."""
-    root = tmp_path_factory.mktemp("int4")
-    config = LlamaConfig(**{**TINY_COMMON, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=False,
-                         architectures=["LlamaForCausalLM"])
+def write_int4_dirs(config, root) -> dict:
+    """A tiny model of ``config`` with random weights, written three times under ``root``: ``"dense"``
+    with each linear's dequantized weights (the reference HF runs), ``"awq"`` and ``"gptq"`` with the
+    same groups packed as AutoAWQ / AutoGPTQ pack them and their ``quantization_config``."""
     source = save_tiny_model(config, root / "source", std=0.05)
     tensors = load_file(source / "model.safetensors")
     dense, packed = dict(tensors), {"awq": dict(tensors), "gptq": dict(tensors)}
@@ -100,6 +98,15 @@ def quantized_dirs(tmp_path_factory):
             (path / "config.json").write_text(json.dumps(hf_config))
         dirs[method] = path
     return dirs
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory):
+    """(dense dir with the dequantized weights, {"awq": dir, "gptq": dir}, bytes of the linear parts)."""
+    root = tmp_path_factory.mktemp("int4")
+    config = LlamaConfig(**{**TINY_COMMON, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    return write_int4_dirs(config, root)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

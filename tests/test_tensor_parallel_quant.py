@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from hearth_llm.engine import LLM, SamplingParams
@@ -24,8 +23,7 @@ from hearth_llm.engine.memory.weights import weights_bytes
 
 from conftest import TINY_COMMON, TINY_VOCAB, hf_greedy, random_prompts
 from gguf_writer import add_block_layers, tiny_llama_writer, write_and_close
-from model_equality import save_tiny_model
-from test_quant_awq_gptq import AWQ_CONFIG, GPTQ_CONFIG, LINEARS, awq_pack, dequantized, gptq_pack, quantize_groups
+from test_quant_awq_gptq import write_int4_dirs
 from test_quant_gguf import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, _layer_blocks, _quantized
 
 CPU = dict(device="cpu", dtype="float32", show_progress=False)
@@ -100,30 +98,7 @@ def build_int4_dirs(root) -> dict:
     input (128) and down_proj input (256) are whole 128-groups (also tests/test_tensor_parallel_gpu.py)."""
     config = LlamaConfig(**{**TINY_COMMON, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE},
                          tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    source = save_tiny_model(config, root / "source", std=0.05)
-    tensors = load_file(source / "model.safetensors")
-    dense, packed = dict(tensors), {"awq": dict(tensors), "gptq": dict(tensors)}
-    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
-        prefix = name[:-len(".weight")]
-        parts = quantize_groups(tensors[name])
-        dense[name] = dequantized(*parts)
-        for method, pack in (("awq", awq_pack), ("gptq", gptq_pack)):
-            del packed[method][name]
-            packed[method].update({f"{prefix}.{part}": value for part, value in pack(*parts).items()})
-    dirs = {}
-    for method, method_tensors in [("dense", dense)] + list(packed.items()):
-        path = root / method
-        path.mkdir()
-        for file in source.iterdir():
-            if file.name != "model.safetensors":
-                (path / file.name).write_bytes(file.read_bytes())
-        save_file(method_tensors, path / "model.safetensors")
-        if method != "dense":
-            hf_config = json.loads((path / "config.json").read_text())
-            hf_config["quantization_config"] = AWQ_CONFIG if method == "awq" else GPTQ_CONFIG
-            (path / "config.json").write_text(json.dumps(hf_config))
-        dirs[method] = path
-    return dirs
+    return write_int4_dirs(config, root)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
