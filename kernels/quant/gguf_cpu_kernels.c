@@ -574,20 +574,28 @@ static inline void split(int64_t N, int parts, int part, int64_t *n0, int64_t *n
     *n1 = (first + count) * 16 < N ? (first + count) * 16 : N;
 }
 
+/* CALL, an expression of the rows [n0, n1), over all N rows: on this thread for one thread or few
+   rows, else in whole chunks of 16 (split) over num_threads OpenMP threads. */
+#define OVER_ROW_PARTS(N, num_threads, CALL)                                           \
+    do {                                                                               \
+        if ((num_threads) <= 1 || (N) < 32) {                                          \
+            const int64_t n0 = 0, n1 = (N);                                            \
+            CALL;                                                                      \
+        } else {                                                                       \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static, 1)")   \
+            for (int part = 0; part < (num_threads); part++) {                         \
+                int64_t n0, n1;                                                        \
+                split((N), (num_threads), part, &n0, &n1);                             \
+                CALL;                                                                  \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
 int gguf_gemv(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const float *x,
               int M, float *out, int64_t out_stride, int num_threads) {
     if (qtype < 0 || qtype > W4G128 || M < 1 || M > 8) return -1;
     const gemv_fn fn = GEMV[qtype];
-    if (num_threads <= 1 || N < 32) {
-        fn(data, row_stride, 0, N, K, x, M, out, out_stride);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-    for (int part = 0; part < num_threads; part++) {
-        int64_t n0, n1;
-        split(N, num_threads, part, &n0, &n1);
-        fn(data, row_stride, n0, n1, K, x, M, out, out_stride);
-    }
+    OVER_ROW_PARTS(N, num_threads, fn(data, row_stride, n0, n1, K, x, M, out, out_stride));
     return 0;
 }
 
@@ -595,16 +603,7 @@ int gguf_dequant(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, 
                  int num_threads) {
     if (qtype < 0 || qtype > W4G128) return -1;
     const dequant_fn fn = DEQUANT[qtype];
-    if (num_threads <= 1 || N < 32) {
-        fn(data, row_stride, 0, N, K, out);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-    for (int part = 0; part < num_threads; part++) {
-        int64_t n0, n1;
-        split(N, num_threads, part, &n0, &n1);
-        fn(data, row_stride, n0, n1, K, out + n0 * K);
-    }
+    OVER_ROW_PARTS(N, num_threads, fn(data, row_stride, n0, n1, K, out + n0 * K));
     return 0;
 }
 
@@ -638,16 +637,7 @@ int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N
             xsum[m * (K / 32) + g] = total;
         }
     const bf16_rows_fn fn = qtype == Q4_K ? q4_k_bf16 : q6_k_bf16;
-    if (num_threads <= 1 || N < 32) {
-        fn(data, row_stride, 0, N, K, x, xsum, M, out, out_stride);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-    for (int part = 0; part < num_threads; part++) {
-        int64_t n0, n1;
-        split(N, num_threads, part, &n0, &n1);
-        fn(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride);
-    }
+    OVER_ROW_PARTS(N, num_threads, fn(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride));
     return 0;
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
@@ -736,16 +726,7 @@ int gguf_dequant_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_
                                gemv_q5_k_dequant_bf16, gemv_q6_k_dequant_bf16, gemv_w4g128_dequant_bf16};
     if (qtype < 0 || qtype > W4G128) return -1;
     const fn_t fn = FNS[qtype];
-    if (num_threads <= 1 || N < 32) {
-        fn(data, row_stride, 0, N, K, out);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-    for (int part = 0; part < num_threads; part++) {
-        int64_t n0, n1;
-        split(N, num_threads, part, &n0, &n1);
-        fn(data, row_stride, n0, n1, K, out + n0 * K);
-    }
+    OVER_ROW_PARTS(N, num_threads, fn(data, row_stride, n0, n1, K, out + n0 * K));
     return 0;
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)out; (void)num_threads;
