@@ -10,6 +10,7 @@ from hearth_llm.engine.block_pool import BlockPool
 from hearth_llm.engine.spec_decode import NgramProposer, SpeculativeConfig
 
 from conftest import hf_greedy, random_prompts
+from test_spec_decode_graphs import CopyLastTokenProposer, _self_draft
 
 
 @dataclass
@@ -105,21 +106,6 @@ def test_a_lone_speculating_sequence_keeps_one_run_of_blocks_and_matches_hf(tiny
 
 # ---- abort mid-run; requests that never speculate ------------------------------------------------
 
-class RepeatLastProposer:
-    """Always proposes (the last token, repeated): tiny random models seldom repeat themselves, so
-    n-gram lookups would find little."""
-
-    def propose(self, requests, max_num_tokens: list[int]) -> list[list[int]]:
-        return [[r.token_ids[-1]] * room for r, room in zip(requests, max_num_tokens)]
-
-    def forget_finished(self) -> None:
-        pass
-
-
-def _self_draft(path) -> dict:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, "kv_cache_memory": "4MiB"}
-
-
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])
 def test_aborting_a_speculating_request_frees_its_blocks_and_spares_the_others(method, tiny_model_dirs,
                                                                                make_engine):
@@ -128,7 +114,7 @@ def test_aborting_a_speculating_request_frees_its_blocks_and_spares_the_others(m
                    if method == "ngram" else _self_draft(target))
     engine = make_engine(target, dtype="float32", block_size=4, kv_cache_memory="4MiB", speculative=speculative)
     if method == "ngram":
-        engine.proposer = RepeatLastProposer()
+        engine.proposer = CopyLastTokenProposer()
     prompts = random_prompts(2, [9, 14], seed=46)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     kept, doomed = (engine.add_request(prompt, params) for prompt in prompts)
@@ -157,7 +143,7 @@ def test_penalties_and_min_tokens_run_without_proposals_and_match_the_plain_engi
     plain = make_llm(target, dtype="float32", kv_cache_memory="4MiB")
     speculating = make_llm(target, dtype="float32", kv_cache_memory="4MiB",
                            speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
-    speculating.engine.proposer = RepeatLastProposer()
+    speculating.engine.proposer = CopyLastTokenProposer()
     expected = plain.generate(prompts, params, use_tqdm=False)
     got = speculating.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
