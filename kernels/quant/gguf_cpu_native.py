@@ -119,13 +119,7 @@ def gemv_routine(data: torch.Tensor, quant_type: str, bf16: bool = False):
 
 def dequantize(data: torch.Tensor, quant_type: str, num_threads: int | None = None) -> torch.Tensor:
     """float32 ``[N, K]`` values of uint8 block rows ``data`` (bit-equal to ``gguf_reference.dequantize``)."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
-    num_rows, num_columns = _check(None, data, quant_type)
-    out = torch.empty(num_rows, num_columns, dtype=torch.float32)
-    status = library.gguf_dequant(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
-                                  out.data_ptr(), num_threads or torch.get_num_threads())
+    out, status = _dequantize_with("gguf_dequant", data, quant_type, torch.float32, num_threads)
     if status:
         raise RuntimeError(f"gguf_dequant failed for {quant_type} (status {status})")
     return out
@@ -134,14 +128,21 @@ def dequantize(data: torch.Tensor, quant_type: str, num_threads: int | None = No
 def dequantize_bf16(data: torch.Tensor, quant_type: str, num_threads: int | None = None) -> torch.Tensor | None:
     """bf16 ``[N, K]`` values of block rows ``data``: :func:`dequantize` rounded to bf16 (nearest even,
     as ``.to(torch.bfloat16)``) in one pass; None where this build has no AVX-512 BF16."""
+    out, status = _dequantize_with("gguf_dequant_bf16", data, quant_type, torch.bfloat16, num_threads)
+    return None if status else out
+
+
+def _dequantize_with(function: str, data: torch.Tensor, quant_type: str, dtype: torch.dtype,
+                     num_threads: int | None) -> tuple[torch.Tensor, int]:
+    """``[N, K]`` values of block rows ``data`` in ``dtype`` by the library's ``function``, and its status."""
     library = _library()
     if library is None:
         raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
     num_rows, num_columns = _check(None, data, quant_type)
-    out = torch.empty(num_rows, num_columns, dtype=torch.bfloat16)
-    status = library.gguf_dequant_bf16(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
-                                       out.data_ptr(), num_threads or torch.get_num_threads())
-    return None if status else out
+    out = torch.empty(num_rows, num_columns, dtype=dtype)
+    status = getattr(library, function)(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
+                                        out.data_ptr(), num_threads or torch.get_num_threads())
+    return out, status
 
 
 def int4pack_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, start: int,
