@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hearth_llm.kernels.attention import flash_prefill
+
 from .batch import ForwardOutput, ScheduledBatch
 from .cuda_graphs import as_single_token_rows
 from .loader.model_loader import load_model
@@ -44,6 +46,7 @@ class ModelRunner:
                        self.num_kv_heads, self.arch.head_dim)
         self.kv_cache = _zeros(cache_shape, self.kv_cache_dtype, device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_hidden_layers)]
+        self.has_flash_prefill = flash_prefill.is_usable(device, dtype, self.kv_cache_dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -172,6 +175,9 @@ class ModelRunner:
             max_context_len=max(context_lens),
             seq_lens=on_device[9],
         )
+        if self.has_flash_prefill:  # long prefills on FlashAttention-2 (kernels/attention/flash_prefill.py)
+            meta.flash_prefill = flash_prefill.plan_flash_prefill(num_new_tokens, context_lens, table, block_size,
+                                                                  self._copy_to_device)
         row_tables = row_context_lens = None
         if is_verify:
             row_tables, row_context_lens = on_device[10].view(num_tokens, table.shape[1]), on_device[11]

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from hearth_llm import kernels
+from hearth_llm.kernels.attention import flash_prefill
+from hearth_llm.kernels.attention.flash_prefill import FlashPrefillPlan
 
 from .linear import QKVLinear, RowLinear
 from .norms import RMSNorm
@@ -31,6 +33,9 @@ class AttentionMetadata:
     # [B] tokens each sequence has in all (prompt, output, one in flight), when the runner knows:
     # Phi-3's longrope picks its factors by it. None (decode graphs): read context_lens.
     seq_lens: torch.Tensor | None = None
+    # Which sequences run on FlashAttention-2 this step (long prefills and chunks, CUDA): built
+    # by the runner from host lengths; None: every sequence runs on kernels.paged_attention.
+    flash_prefill: FlashPrefillPlan | None = None
 
 
 class Attention(nn.Module):
@@ -103,8 +108,19 @@ class Attention(nn.Module):
             self.k_norm.weight if has_qk_norm else None, self.q_norm.eps if has_qk_norm else 1e-6,
             rotary.is_neox_style, kv_scales,
         )
-        out = kernels.paged_attention(
-            query, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_context_len, self.scale, self.sliding_window, self.soft_cap, kv_scales,
-        )
+        out = paged_attention(query, key_cache, value_cache, meta, self.scale, self.sliding_window, self.soft_cap,
+                              kv_scales)
         return out.reshape(num_tokens, num_heads * self.head_dim)
+
+
+def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None, soft_cap: float | None, kv_scales: torch.Tensor | None):
+    """``kernels.paged_attention`` over ``meta``; the step's long prefills on FlashAttention-2 when
+    the runner planned them and this layer's options allow it (see ``kernels/attention/flash_prefill.py``)."""
+    plan = meta.flash_prefill
+    if plan is not None and flash_prefill.supports(query, key_cache, value_cache, soft_cap, kv_scales):
+        return flash_prefill.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens, plan,
+                                             scale, sliding_window, attend_rest=kernels.paged_attention)
+    return kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens,
+                                   meta.query_start_loc, meta.max_query_len, meta.max_context_len, scale,
+                                   sliding_window, soft_cap, kv_scales)

@@ -1,0 +1,145 @@
+"""Long prefills on FlashAttention-2 (kernels/attention/flash_prefill.py): the per-step plan, and the
+routed attention against the torch reference over the whole batch. On the CPU the varlen forward is
+a plain-torch stand-in (FlashAttention exists only on CUDA); on CUDA the real op, in bf16."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hearth_llm.kernels.attention import flash_prefill, reference
+
+BLOCK_SIZE = 16
+
+
+def to_device_of(device):
+    return lambda arrays: [torch.as_tensor(np.asarray(a, dtype=np.int64)).to(device) for a in arrays]
+
+
+def paged_step(query_lens, context_lens, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+               device="cpu", seed=0):
+    """A step's queries and a paged cache whose blocks are shuffled, with the host lengths and table."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-c // BLOCK_SIZE) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    table = np.zeros((len(context_lens), max(blocks_per_seq)), dtype=np.int64)
+    for seq, n in enumerate(blocks_per_seq):
+        table[seq, :n] = [order.pop() for _ in range(n)]
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    step = dict(
+        query=torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(device, dtype),
+        key_cache=(2 * torch.randn(cache_shape, generator=generator)).to(device, dtype),
+        value_cache=torch.randn(cache_shape, generator=generator).to(device, dtype),
+        block_tables=torch.as_tensor(table).to(device),
+        context_lens=torch.tensor(context_lens, device=device),
+        query_start_loc=torch.tensor([0, *query_lens]).cumsum(0).to(device),
+        max_query_len=max(query_lens), max_context_len=max(context_lens), scale=head_dim ** -0.5,
+    )
+    return step, table
+
+
+def varlen_stand_in(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len, max_context_len, scale,
+                    sliding_window):
+    """What FlashAttention's varlen forward computes (causal, bottom-right, GQA), one sequence at a time."""
+    outs = []
+    for seq in range(len(cu_seqlens_q) - 1):
+        q = query[cu_seqlens_q[seq]:cu_seqlens_q[seq + 1]].transpose(0, 1)
+        k = key[cu_seqlens_k[seq]:cu_seqlens_k[seq + 1]].transpose(0, 1)
+        v = value[cu_seqlens_k[seq]:cu_seqlens_k[seq + 1]].transpose(0, 1)
+        query_pos = torch.arange(k.shape[1] - q.shape[1], k.shape[1])[:, None]
+        key_pos = torch.arange(k.shape[1])[None, :]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=scale,
+                                                   enable_gqa=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def routed(step, table, sliding_window=None, varlen_attention=varlen_stand_in, min_query_len=8):
+    query_lens = torch.diff(step["query_start_loc"]).tolist()
+    plan = flash_prefill.plan_flash_prefill(query_lens, step["context_lens"].tolist(), table, BLOCK_SIZE,
+                                            to_device_of(step["query"].device), min_query_len=min_query_len)
+    out = flash_prefill.paged_attention(step["query"], step["key_cache"], step["value_cache"], step["block_tables"],
+                                        step["context_lens"], plan, step["scale"], sliding_window,
+                                        attend_rest=reference.paged_attention, varlen_attention=varlen_attention)
+    return plan, out
+
+
+def expected(step, sliding_window=None):
+    return reference.paged_attention(step["query"], step["key_cache"], step["value_cache"], step["block_tables"],
+                                     step["context_lens"], step["query_start_loc"], step["max_query_len"],
+                                     step["max_context_len"], step["scale"], sliding_window)
+
+
+def test_plan_routes_only_sequences_with_enough_new_tokens():
+    table = np.arange(12).reshape(3, 4)
+    plan = flash_prefill.plan_flash_prefill([1, 40, 5], [30, 60, 9], table, BLOCK_SIZE, to_device_of("cpu"),
+                                            min_query_len=8)
+    assert plan.query_rows == slice(1, 41)
+    assert plan.cu_seqlens_q.tolist() == [0, 40] and plan.cu_seqlens_k.tolist() == [0, 60]
+    assert plan.cu_seqlens_q.dtype == torch.int32
+    assert plan.key_slots.tolist() == list(range(4 * BLOCK_SIZE, 4 * BLOCK_SIZE + 60))
+    assert plan.rest.seqs.tolist() == [0, 2] and plan.rest.token_rows.tolist() == [0, 41, 42, 43, 44, 45]
+    assert plan.rest.query_start_loc.tolist() == [0, 1, 6]
+    assert (plan.rest.max_query_len, plan.rest.max_context_len, plan.num_tokens) == (5, 30, 46)
+
+
+def test_plan_is_none_without_a_long_prefill_or_when_disabled(monkeypatch):
+    table = np.arange(4).reshape(2, 2)
+    assert flash_prefill.plan_flash_prefill([1, 1], [20, 9], table, BLOCK_SIZE, to_device_of("cpu")) is None
+    monkeypatch.setattr(flash_prefill, "ENABLED", False)
+    assert flash_prefill.plan_flash_prefill([300], [300], np.arange(19)[None], BLOCK_SIZE, to_device_of("cpu")) is None
+
+
+def test_plan_gathers_keys_in_position_order_across_shuffled_blocks():
+    table = np.array([[7, 2, 5]])
+    plan = flash_prefill.plan_flash_prefill([10], [40], table, BLOCK_SIZE, to_device_of("cpu"), min_query_len=8)
+    slots = plan.key_slots.tolist()
+    assert slots[:16] == list(range(7 * 16, 8 * 16)) and slots[16:32] == list(range(2 * 16, 3 * 16))
+    assert slots[32:] == list(range(5 * 16, 5 * 16 + 8)) and plan.rest is None
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([40, 33], [40, 33]),                       # fresh prompts only
+    ([1, 1, 50, 1], [70, 3, 120, 41]),          # a chunk over cached keys among decode rows
+    ([20, 1, 9, 2, 64], [20, 30, 100, 2, 64]),  # routed sequences apart: their rows are gathered too
+])
+def test_routed_attention_equals_the_reference_over_the_whole_batch(query_lens, context_lens):
+    step, table = paged_step(query_lens, context_lens)
+    plan, out = routed(step, table)
+    assert plan is not None
+    torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)
+
+
+def test_routed_attention_keeps_the_sliding_window():
+    step, table = paged_step([1, 48, 12], [90, 80, 12])
+    _, out = routed(step, table, sliding_window=24)
+    torch.testing.assert_close(out, expected(step, sliding_window=24), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_is_not_used_on_cpu_or_for_layers_it_cannot_run():
+    assert not flash_prefill.is_usable(torch.device("cpu"), torch.bfloat16, torch.bfloat16)
+    cache = torch.zeros(2, BLOCK_SIZE, 1, 64, dtype=torch.bfloat16)
+    query = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    assert not flash_prefill.supports(query, cache, cache, None, None)  # a CPU query
+    if torch.cuda.is_available():
+        query, cache = query.cuda(), cache.cuda()
+        assert flash_prefill.supports(query, cache, cache, None, None)
+        assert not flash_prefill.supports(query, cache, cache, 30.0, None)  # a soft cap
+        fp8 = cache.to(torch.float8_e4m3fn)
+        assert not flash_prefill.supports(query, fp8, fp8, None, torch.ones(2, device="cuda"))
+        assert not flash_prefill.supports(query, cache[:, :8], cache[:, :8], None, None)  # slots not flat
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention runs on CUDA only")
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_flash_attention_on_cuda_is_close_to_the_reference_in_bf16(sliding_window):
+    step, table = paged_step([1, 300, 1, 200, 7], [900, 812, 5, 200, 40], num_heads=32, num_kv_heads=8,
+                             head_dim=128, dtype=torch.bfloat16, device="cuda")
+    _, out = routed(step, table, sliding_window, varlen_attention=flash_prefill.flash_varlen_attention,
+                    min_query_len=128)
+    want = expected(step, sliding_window)
+    assert (out.float() - want.float()).abs().max().item() < 2e-2
