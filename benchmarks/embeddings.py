@@ -268,11 +268,12 @@ DECODER_PASSAGE_SHAPES = {  # Qwen3Config fields (Qwen3-Embedding-0.6B's, and a 
 }
 
 
-def write_passage_encoder(path: str, shape: str, device: str = "cpu") -> str:
+def write_passage_encoder(path: str, shape: str, device: str = "cpu", dtype: torch.dtype | None = None) -> str:
     """A random XLM-R encoder of ``shape`` as a sentence-transformers directory (CLS pooling,
     Normalize), or for a decoder shape a random Qwen3 (last-token pooling, Normalize). Written
     without sentence-transformers or the bundled MiniLM (:func:`write_bert_tokenizer`), so our side
-    runs where neither is installed."""
+    runs where neither is installed. ``dtype``: the weights are stored in it (a bf16 run need not
+    write and read float32 files)."""
     from transformers import AutoModel, Qwen3Config, XLMRobertaConfig
 
     from hearth_llm.embeddings.model_dir import write_pipeline_files
@@ -285,12 +286,62 @@ def write_passage_encoder(path: str, shape: str, device: str = "cpu") -> str:
         fields, pooling = PASSAGE_SHAPES[shape], "cls"
         config = XLMRobertaConfig(**fields, pad_token_id=1, type_vocab_size=1)
     with torch.device(device):            # random init of a 0.6B model: seconds on a CPU, instant on a GPU
-        AutoModel.from_config(config).save_pretrained(path)
+        model = AutoModel.from_config(config)
+        (model if dtype is None else model.to(dtype)).save_pretrained(path)
     write_bert_tokenizer(path)
     return str(write_pipeline_files(path, fields["hidden_size"], pooling, normalize=True, max_seq_length=512))
 
 
 PASSAGES_WARM_UP = 1000   # passages each side embeds before timing, spread over every length
+ST_SWEEP_PASSAGES = 1000  # passages each of sentence-transformers' candidate batch sizes embeds
+
+
+def make_passages(count: int, passage_tokens: int, mixed_lengths: bool = False) -> list[str]:
+    """``count`` texts that each tokenize to more than ``passage_tokens`` tokens (both sides cut
+    them there), each one sentence repeated only as often as that needs, so that neither side
+    tokenizes much text it then drops. ``mixed_lengths``: every sentence twelve times instead
+    (the older workload: 46 % of them end below 256 tokens, 62-256, 211 on average)."""
+    sentences = make_sentences(count, seed=2)
+    if mixed_lengths:
+        return [text * 12 for text in sentences]
+    # every word is one token of both tokenizers, the full stop one more
+    return [text * (passage_tokens // (len(text.split()) + 1) + 1) for text in sentences]
+
+
+def sentence_transformers_passages(model_path: str, args, dtype: torch.dtype):
+    """sentence-transformers in its documented GPU setting: the model in ``dtype`` through
+    ``model_kwargs`` and transformers' SDPA attention (flash-attn is not installed here), outputs
+    kept on the device (``convert_to_tensor``); None where it is not installed."""
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        print("sentence-transformers is not installed: only our side runs")
+        return None
+    theirs = SentenceTransformer(model_path, device=args.device,
+                                 model_kwargs={"dtype": dtype, "attn_implementation": "sdpa"})
+    theirs.max_seq_length = args.passage_tokens
+    return theirs
+
+
+def best_st_batch_size(theirs, passages: list[str], batch_sizes: list[int], device: str) -> tuple[int, dict]:
+    """The fastest of ``batch_sizes`` for sentence-transformers on ``passages`` (each timed on its
+    second call), and every rate."""
+    rates = {}
+    for batch_size in batch_sizes:
+        for _ in range(2):
+            seconds = _timed(lambda: theirs.encode(passages, batch_size=batch_size, convert_to_tensor=True), device)
+        rates[batch_size] = round(len(passages) / seconds, 1)
+    return max(rates, key=rates.get), rates
+
+
+def _timed(run, device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def passages_row(args) -> dict:
@@ -299,59 +350,111 @@ def passages_row(args) -> dict:
 
     from hearth_llm.embeddings import EmbeddingConfig, EmbeddingEngine
 
-    # each text is longer than passage_tokens; both sides cut it there (max_seq_length)
-    passages = [text * 12 for text in make_sentences(args.num_passages, seed=2)]
+    passages = make_passages(args.num_passages, args.passage_tokens, args.mixed_lengths)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     with tempfile.TemporaryDirectory() as path:
-        model_path = write_passage_encoder(path, args.shape, args.device)
-        options = {} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}
-        ours = EmbeddingEngine(EmbeddingConfig(model=model_path, device=args.device, dtype=args.dtype,
-                                               max_seq_length=args.passage_tokens, show_progress=False,
-                                               compile=args.compile, **options))
-        load_start = time.perf_counter()
-        ours.start()
-        load_seconds = time.perf_counter() - load_start
+        model_path = write_passage_encoder(path, args.shape, args.device, dtype)
+
+        def our_engine(compile: bool) -> tuple[EmbeddingEngine, float]:
+            options = {} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}
+            engine = EmbeddingEngine(EmbeddingConfig(model=model_path, device=args.device, dtype=args.dtype,
+                                                     max_seq_length=args.passage_tokens, show_progress=False,
+                                                     compile=compile, **options))
+            start = time.perf_counter()
+            engine.start()
+            return engine, time.perf_counter() - start
+
+        ours, load_seconds = our_engine(args.compile)
         sides = {"hearth": lambda texts: ours.embed(texts)}
-        try:
-            from sentence_transformers import SentenceTransformer
-        except ImportError:
-            print("sentence-transformers is not installed: only our side runs")
-        else:
-            theirs = SentenceTransformer(model_path, device=args.device, model_kwargs={"dtype": dtype})
-            theirs.max_seq_length = args.passage_tokens
-            sides["sentence_transformers"] = lambda texts: theirs.encode(
-                texts, batch_size=args.st_batch_size, convert_to_tensor=True).float().cpu()
+        theirs = sentence_transformers_passages(model_path, args, dtype)
         # Warm both sides up on every batch shape they will meet: after 64 passages only,
         # sentence-transformers' first timed round of 4000 ran at 948 passages/s on the H200 against
         # 2405 in its later rounds (each new padded length meets its kernels for the first time).
         warm_up = sorted(passages, key=len)[::max(1, len(passages) // PASSAGES_WARM_UP)]
-        for side in sides.values():
-            side(warm_up)
-        rates: dict[str, list[float]] = {name: [] for name in sides}
-        vectors = {}
-        for round_index in range(args.rounds):
-            for name in (reversed(sides) if round_index % 2 == 0 else sides):
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                vectors[name] = sides[name](passages)
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                rates[name].append(len(passages) / (time.perf_counter() - start))
+        ours.embed(warm_up)
         row = {"shape": args.shape, "device": args.device, "dtype": args.dtype, "num_passages": len(passages),
-               "num_warm_up_passages": len(warm_up),
-               "passage_tokens": args.passage_tokens, "rounds": args.rounds, "implementation": ours.implementation,
-               "precision": ours.precision, "compile": args.compile, "max_batch_tokens": ours.config.batch_token_budget,
-               "hearth_load_seconds": round(load_seconds, 1), "hearth_passages_per_s": round(statistics.median(rates["hearth"]), 1),
-               "hearth_rounds": [round(rate, 1) for rate in rates["hearth"]]}
-        if "sentence_transformers" in sides:
+               "num_warm_up_passages": len(warm_up), "passage_tokens": args.passage_tokens,
+               "rounds": args.rounds, "implementation": ours.implementation, "precision": ours.precision,
+               "compile": args.compile, "max_batch_tokens": ours.config.batch_token_budget,
+               "hearth_load_seconds": round(load_seconds, 1), "versions": _versions(args.device)}
+        if theirs is not None:
+            theirs.encode(warm_up, batch_size=args.st_batch_size, convert_to_tensor=True)
+            st_batch_size, sweep = args.st_batch_size, None
+            if args.st_batch_sizes:
+                st_batch_size, sweep = best_st_batch_size(theirs, passages[:ST_SWEEP_PASSAGES],
+                                                          args.st_batch_sizes, args.device)
+            sides["sentence_transformers"] = lambda texts: theirs.encode(
+                texts, batch_size=st_batch_size, convert_to_tensor=True).float().cpu()
+            transformer = theirs[0].auto_model
+            row["sentence_transformers_setting"] = {
+                "dtype": str(next(transformer.parameters()).dtype).removeprefix("torch."),
+                "attn_implementation": transformer.config._attn_implementation, "batch_size": st_batch_size,
+                "batch_size_sweep_passages_per_s": sweep}
+        before = ours.stats()
+        rates, vectors = alternate_rounds(sides, passages, args.rounds, args.device)
+        after = ours.stats()
+        row["mean_tokens"] = round((after["num_tokens"] - before["num_tokens"])
+                                   / max(1, after["num_texts"] - before["num_texts"]), 1)
+        row.update(hearth_passages_per_s=round(statistics.median(rates["hearth"]), 1),
+                   hearth_rounds=[round(rate, 1) for rate in rates["hearth"]])
+        if theirs is not None:
             ratios = [a / b for a, b in zip(rates["hearth"], rates["sentence_transformers"], strict=True)]
             row.update(sentence_transformers_passages_per_s=round(statistics.median(rates["sentence_transformers"]), 1),
                        speedup=round(statistics.median(ratios), 2), speedup_rounds=[round(r, 2) for r in ratios],
                        min_cosine=min_cosine(vectors["hearth"].tolist(), vectors["sentence_transformers"].tolist()))
+        _progress(row)
+        if args.breakdown and args.shape in PASSAGE_SHAPES:
+            from .embeddings_breakdown import passages_breakdown
+
+            row["breakdown"] = passages_breakdown(ours, passages, row.get("sentence_transformers_passages_per_s"))
+            _progress({"breakdown": row["breakdown"]})
+        if args.also_compile and not args.compile:
+            # one round of ours only (the ratio is to sentence-transformers' median above): a
+            # cold compile already takes seconds
+            ours.close()
+            ours, compiled_load = our_engine(compile=True)
+            ours.embed(warm_up)
+            rate = len(passages) / _timed(lambda: ours.embed(passages), args.device)
+            row["compiled"] = {"load_seconds": round(compiled_load, 1), "hearth_passages_per_s": round(rate, 1)}
+            if theirs is not None:
+                row["compiled"]["speedup"] = round(rate / row["sentence_transformers_passages_per_s"], 2)
+            _progress({"compiled": row["compiled"]})
         row["load_average"] = [round(load, 2) for load in os.getloadavg()]
         ours.close()
     return row
+
+
+def _versions(device: str) -> dict:
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import sentence_transformers
+        versions["sentence_transformers"] = sentence_transformers.__version__
+    except ImportError:
+        pass
+    if device.startswith("cuda"):
+        versions["device"] = torch.cuda.get_device_name(torch.device(device))
+    return versions
+
+
+def _progress(part: dict) -> None:
+    """Print a finished part of the row at once: a run cut short by its time limit keeps it."""
+    print("passages:", json.dumps(part), flush=True)
+
+
+def alternate_rounds(sides: dict, passages: list[str], rounds: int, device: str) -> tuple[dict, dict]:
+    """Passages per second of each side per round, the sides alternating (and which goes first),
+    and each side's last vectors."""
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    vectors = {}
+    for round_index in range(rounds):
+        for name in (reversed(sides) if round_index % 2 == 0 else sides):
+            result = []
+            seconds = _timed(lambda: result.append(sides[name](passages)), device)
+            vectors[name] = result[0]
+            rates[name].append(len(passages) / seconds)
+    return rates, vectors
 
 
 def hf_llm_reranker(model_path: str, device: str, dtype: torch.dtype, batch_size: int, max_length: int):
@@ -449,6 +552,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-passages", type=int, default=10000)
     parser.add_argument("--passage-tokens", type=int, default=256)
     parser.add_argument("--st-batch-size", type=int, default=128, help="sentence-transformers' batch size")
+    parser.add_argument("--st-batch-sizes", type=lambda text: [int(x) for x in text.split(",")],
+                        help="passages row: time sentence-transformers at each of these batch sizes (e.g. "
+                             "32,64,128,256) and compare against its fastest")
+    parser.add_argument("--mixed-lengths", action="store_true",
+                        help="passages row: the older mix of 62-256-token passages (211 on average)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="passages row: where our GPU time goes (benchmarks/embeddings_breakdown.py)")
+    parser.add_argument("--also-compile", action="store_true",
+                        help="passages row: then our side again with EmbeddingConfig(compile=True)")
     parser.add_argument("--compile", action="store_true", help="passages row: EmbeddingConfig(compile=True)")
     parser.add_argument("--max-batch-tokens", type=int, help="passages row: EmbeddingConfig.max_batch_tokens")
     parser.add_argument("--json", help="also write the results to this file")

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from hearth_llm import kernels
+
 from . import compiled_block, varlen_attention
 from .linear import Linear
 
@@ -171,6 +173,13 @@ def packed_attention(qkv: torch.Tensor, layout: PackedLayout, num_heads: int) ->
     return attended
 
 
+def add_and_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """``norm(residual + x)`` through the kernels' one dispatch point: on CUDA one Triton kernel
+    (the sum rounded to its dtype, then normed in float32, as the two eager ops do), on the CPU
+    the same two torch ops as before."""
+    return kernels.layer_norm(x, norm.weight, norm.bias, norm.eps, residual=residual)[0]
+
+
 class BertLayer(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -191,8 +200,9 @@ class BertLayer(nn.Module):
         attended = packed_attention(self.qkv_proj(hidden), layout, self.num_heads)
         if self.compiled_half is not None and hidden.is_cuda:
             return self.compiled_half(hidden, attended, *self._second_half_weights())
-        hidden = self.attention_norm(hidden + self.out_proj(attended, in_bf16=bf16_out_proj))
-        return self.output_norm(hidden + self.down_proj(self.up_proj(hidden, in_bf16=bf16_mlp), in_bf16=bf16_mlp))
+        hidden = add_and_norm(self.out_proj(attended, in_bf16=bf16_out_proj), hidden, self.attention_norm)
+        return add_and_norm(self.down_proj(self.up_proj(hidden, in_bf16=bf16_mlp), in_bf16=bf16_mlp), hidden,
+                            self.output_norm)
 
     def _second_half_weights(self) -> tuple:
         return (self.out_proj.weight, self.out_proj.bias, self.attention_norm.weight, self.attention_norm.bias,

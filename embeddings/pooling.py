@@ -14,6 +14,8 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str, normaliz
     >>> pool(torch.ones(2, 3, 4), torch.tensor([[1, 1, 0], [1, 1, 1]]), "mean", normalize=True)[0]
     tensor([0.5000, 0.5000, 0.5000, 0.5000])
     """
+    if mode == "cls":        # one row per text: convert only those
+        hidden = hidden[:, :1]
     hidden = hidden.float()  # pool in float32 whatever the model ran in
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     num_tokens = mask.sum(dim=1).clamp(min=1e-9)
