@@ -291,12 +291,18 @@ def test_removing_an_adapter_while_its_request_runs_lets_it_finish(llama, make_e
 def test_planned_steps_with_the_shrink_stacked_under_the_weights_match_peft(llama, make_llm, monkeypatch):
     """The CUDA layer path, planned on the CPU: dense layers keep every slot's A under their weight, so the
     base GEMM also gives the rank-space rows and the expand adds into its (strided) output, which the model's
-    later ops take as it is; a mixed batch of two adapters and base, with prefill and decode steps."""
+    later ops take as it is, except gate_up_proj's, whose update the SwiGLU adds on the way in; a mixed batch
+    of two adapters and base, with prefill and decode steps."""
     from hearth_llm.engine.models.lora_linear import LoRALinearMethod, LoRAStep
 
-    calls = []
+    from hearth_llm.engine.models import lora_linear
+
+    calls, activations = [], []
     stacked = LoRALinearMethod._apply_stacked
     monkeypatch.setattr(LoRALinearMethod, "_apply_stacked", lambda self, *args: calls.append(1) or stacked(self, *args))
+    fused_activation = lora_linear.expand_silu_and_mul_planned
+    monkeypatch.setattr(lora_linear, "expand_silu_and_mul_planned",
+                        lambda *args: activations.append(1) or fused_activation(*args))
     init = LoRAStep.__init__
     monkeypatch.setattr(LoRAStep, "__init__", lambda self, capacity, device, planned=None: init(self, capacity, device,
                                                                                                   planned=True))
@@ -313,3 +319,4 @@ def test_planned_steps_with_the_shrink_stacked_under_the_weights_match_peft(llam
     for prompt, name, out in zip(prompts, choice, outputs):
         assert out.outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
     assert calls  # the stacked path ran
+    assert activations  # and the gated MLPs' SwiGLU added gate_up's update (no in-place expand there)

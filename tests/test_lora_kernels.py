@@ -138,6 +138,50 @@ def test_triton_planned_fused_slices_match_reference(slice_sizes, num_tokens, in
     assert torch.equal(again, out)  # the split sums run in a fixed order
 
 
+@pytest.mark.parametrize("num_tokens, intermediate_size, expand_programs", [
+    (5, 96, 528),     # decode-sized tiles, a column block per program, base tokens between adapter tokens
+    (140, 80, 1),     # several tiles per slot; each program loops over every column block (a partial one)
+    (1100, 40, 528),  # prefill-sized tiles
+])
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+def test_expand_silu_and_mul_is_the_expand_then_the_activation(kernel, num_tokens, intermediate_size,
+                                                               expand_programs, monkeypatch):
+    """A gated MLP's SwiGLU with the gate_up update added on the way in equals the in-place expand followed
+    by silu_and_mul, reading the update from the stacked GEMM's columns of every slot; base rows (the plan's
+    base tiles) are the activation of the projection alone, bit for bit."""
+    from hearth_llm.kernels import lora
+    from hearth_llm.kernels.activation import reference as activation_reference
+
+    if kernel == "triton":
+        triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
+        monkeypatch.setattr(triton_lora, "_TARGET_EXPAND_PROGRAMS", expand_programs)
+        fused = triton_lora.expand_silu_and_mul_planned
+        device = DEVICE
+    else:
+        fused, device = lora.expand_silu_and_mul_planned, "cpu"
+    num_slots, rank = 3, 4
+    y, x, a, b, _ = _fused_inputs(8, num_tokens, 24, [intermediate_size] * 2, num_slots, rank)
+    slot_stride = a.shape[1]
+    shrunk_all = x @ a.reshape(-1, 24).T  # [T, S * 2R]: every slot's rank-space row, as the stacked GEMM gives
+    full = torch.cat([y, shrunk_all], dim=1)  # the GEMM's output: base columns, then every slot's ranks
+    slots = np.array([1, -1, 0, -1, 2, 1])
+    counts = np.array([num_tokens // 3, 1, num_tokens // 4, num_tokens - num_tokens // 3 - num_tokens // 4 - 3, 1, 1])
+    plan = LoRAPlan(capacity=num_tokens, num_slots=num_slots, device=torch.device("cpu"))
+    plan.set_sequences(slots, counts)
+    token_slots = torch.from_numpy(np.repeat(slots, counts))
+    full = full.to(device)
+    out = fused(full[:, :2 * intermediate_size], full[:, 2 * intermediate_size:], _on(plan, device), b.to(device),
+                rank, slot_stride).cpu()
+    expanded = reference.add_lora(y.clone(), x, token_slots, a, b)
+    torch.testing.assert_close(out, activation_reference.silu_and_mul(expanded), rtol=1e-4, atol=1e-4)
+    is_base = token_slots < 0
+    if kernel == "triton":  # the Triton silu_and_mul: what base-only steps run on CUDA
+        plain = pytest.importorskip("hearth_llm.kernels.activation.triton_activation").silu_and_mul(y.to(device))
+    else:
+        plain = activation_reference.silu_and_mul(y)
+    assert torch.equal(out[is_base], plain.cpu()[is_base])
+
+
 def _on(plan, device):
     """The same plan with its buffers on ``device``."""
     if plan.device.type == device:
@@ -291,6 +335,10 @@ for dtype in ("*fp32", "*bf16"):
              ["N", "R", "stride_ps", "stride_pt", "stride_pslot", "stride_bs", "stride_br", "stride_yt"],
              {"NUM_SPLITS": 32 if one_block else 1, "SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 256 if one_block else 64,
               "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32}),
+            (k._expand_silu_and_mul_kernel, {"y_ptr": dtype, "shrunk_ptr": dtype, "b_ptr": dtype, "tiles_ptr": "*i32",
+                                             "tokens_ptr": "*i32", "out_ptr": dtype},
+             ["I", "stride_yt", "stride_st", "stride_pslot", "stride_bs", "stride_br", "stride_ot"],
+             {"RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_N": 64 if fp32 else 128, "DOT_IN_FP32": fp32}),
         ]
         for kernel, pointers, ints, blocks in cases:
             sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in blocks}}
@@ -317,7 +365,7 @@ def test_triton_kernels_compile_for_hopper_within_its_shared_memory():
         pytest.skip("no ptxas in this triton install")
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(shared) == 8 and max(shared.values()) <= 232448, shared  # the H200's 227 KiB per block
+    assert len(shared) == 12 and max(shared.values()) <= 232448, shared  # the H200's 227 KiB per block
 
 
 @pytest.mark.parametrize("kernel", ["triton", "reference"])
@@ -385,3 +433,23 @@ def test_stacked_weight_moves_with_the_model_as_one_storage():
     assert method.stacked_weight.data_ptr() == layer.weight.data_ptr()
     assert method.lora_a.untyped_storage().data_ptr() == layer.weight.untyped_storage().data_ptr()
     assert torch.equal(layer.weight, weight) and torch.equal(method.lora_a[1, :4], torch.ones(4, 16))
+
+
+def test_one_row_stacked_matmul_takes_the_batch1_gemv(monkeypatch):
+    """A one-row LoRA step multiplies the stacked weight by the Triton GEMV the base model's fused decode uses
+    (cuBLAS is slow at one row), more rows by F.linear; both give the same numbers."""
+    from hearth_llm.engine.models import fused_decode, lora_linear
+
+    gemv = pytest.importorskip("hearth_llm.kernels.gemv.triton_gemv")
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
+    calls = []
+    linear = gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda *args: calls.append(args[0].shape[0]) or linear(*args))
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 32, generator=generator).to(DEVICE)
+    x = torch.randn(3, 32, generator=generator).to(DEVICE)
+    one = lora_linear._stacked_matmul(x[:1], weight, None)
+    torch.testing.assert_close(one, torch.nn.functional.linear(x[:1], weight), rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+    torch.testing.assert_close(lora_linear._stacked_matmul(x, weight, None), torch.nn.functional.linear(x, weight))
+    assert calls == [1]

@@ -24,12 +24,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hearth_llm.kernels.lora import (LoRAPlan, add_lora, add_lora_planned, expand_planned, scratch_numel,
-                                     shrink_planned)
+from hearth_llm import kernels
+from hearth_llm.kernels.lazy_triton import triton_module
+from hearth_llm.kernels.lora import (LoRAPlan, add_lora, add_lora_planned, expand_planned, expand_silu_and_mul_planned,
+                                     scratch_numel, shrink_planned)
 
+from . import fused_decode
 from .linear import linear_layers
-from .tp_lora import rank_shards
 from .linear_method import DenseLinearMethod, LinearMethod
+from .mlp import GatedMLP
+from .tp_lora import rank_shards
 
 
 class LoRAStep:
@@ -50,6 +54,8 @@ class LoRAStep:
     # CUDA, plain dense layers: every slot's A stacked under the base weight, so the base GEMM computes the shrink too
     # and a LoRA step adds one expand launch per projection (see LoRALinearMethod.stack_a_under_weight).
     stacks_shrink = True
+    # With the shrink stacked: a gated MLP's SwiGLU adds its gate_up_proj's update (LoRASiluAndMul), no in-place expand.
+    defers_gate_up_expand = True
 
     def __init__(self, capacity: int, device: torch.device, planned: bool | None = None) -> None:
         self.capacity = capacity
@@ -172,6 +178,10 @@ class LoRALinearMethod(LinearMethod):
         self.step = step
         self.max_rank = max_rank
         self._stacked_layer = None  # the layer whose weight has every slot's A stacked under it (see below)
+        # A gated MLP's gate_up_proj whose SwiGLU adds the update (LoRASiluAndMul): the stacked GEMM's output
+        # waits here for it instead of being expanded in place.
+        self.defers_expand = False
+        self.pending_expand: tuple[torch.Tensor, torch.Tensor] | None = None
         num_ranks = len(layer.shard_ids) * max_rank
         self.lora_a = torch.zeros(num_slots, num_ranks, layer.input_size_per_rank, dtype=dtype, device=device)
         self.lora_b = torch.zeros(num_slots, num_ranks, layer.output_size_per_rank, dtype=dtype, device=device)
@@ -238,12 +248,26 @@ class LoRALinearMethod(LinearMethod):
         """One GEMM for the base output and every slot's shrink, then the expand into the base columns
         in place. Returns a view (rows strided by the extra columns); the consumers of a projection's
         output (the fused attention-input, activation and norm kernels, torch ops) take row strides."""
-        full = F.linear(x, self.stacked_weight, None if bias is None else self.stacked_bias)
+        full = _stacked_matmul(x, self.stacked_weight, None if bias is None else self.stacked_bias)
         out_features = self.lora_b.shape[-1]
         y = full[:, :out_features]
+        if self.defers_expand:
+            if self.pending_expand is not None:
+                raise RuntimeError("LoRA: a gate_up_proj output was never given to its SwiGLU (LoRASiluAndMul)")
+            self.pending_expand = (y, full[:, out_features:])
+            return y
         expand_planned(y, full[:, out_features:], self.step.plan, self.lora_b, self.slice_starts, self.max_rank,
                        slot_stride=self._lora_a_shape[1])
         return y
+
+    def take_pending_expand(self, y: torch.Tensor) -> torch.Tensor | None:
+        """The rank-space columns of ``y`` if ``y`` is the output whose update was left to the activation."""
+        pending, self.pending_expand = self.pending_expand, None
+        if pending is None:
+            return None
+        if pending[0] is not y:
+            raise RuntimeError("LoRA: the SwiGLU got another tensor than its gate_up_proj's output")
+        return pending[1]
 
     def create_weights(self, layer) -> None:
         self.base.create_weights(layer)
@@ -312,6 +336,49 @@ class LoRALinearMethod(LinearMethod):
                     shard.b_scaled[:, first - shard.row_start:last - shard.row_start])
 
 
+class LoRASiluAndMul:
+    """A gated MLP's ``act_and_mul`` (SwiGLU) that adds its ``gate_up_proj``'s LoRA update on the way in
+    (``kernels.lora.expand_silu_and_mul_planned``) when that projection left it pending, and is plain
+    ``kernels.silu_and_mul`` otherwise (base-only steps, unplanned forwards)."""
+
+    def __init__(self, gate_up: LoRALinearMethod) -> None:
+        self.gate_up = gate_up
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shrunk = self.gate_up.take_pending_expand(x)
+        if shrunk is None:
+            return kernels.silu_and_mul(x)
+        method = self.gate_up
+        return expand_silu_and_mul_planned(x, shrunk, method.step.plan, method.lora_b, method.max_rank,
+                                           method._lora_a_shape[1])
+
+
+def _defer_gate_up_expands(model, wrapped: dict[str, LoRALinearMethod]) -> None:
+    """Where a gated MLP's SwiGLU is ``kernels.silu_and_mul`` and its ``gate_up_proj`` has A stacked under
+    its weight, the SwiGLU adds the update (one read of the projection's output instead of the in-place
+    expand's read and write, and one launch fewer)."""
+    for module in model.modules():
+        if type(module) is not GatedMLP or module.act_and_mul is not kernels.silu_and_mul:
+            continue
+        method = module.gate_up_proj.method
+        if isinstance(method, LoRALinearMethod) and method.stacked_weight is not None \
+                and len(method.slice_bounds) == 3 and method in wrapped.values():
+            method.defers_expand = True
+            module.act_and_mul = LoRASiluAndMul(method)
+
+
+def _stacked_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``; one row by the batch-1 Triton GEMV where the base model's fused decode
+    would take it (cuBLAS is slow at one row: Llama-3-8B o_proj 13.5 against 10.8 us)."""
+    if (bias is None and x.dim() == 2 and x.shape[0] <= fused_decode.MAX_ROWS and fused_decode.ENABLED
+            and fused_decode.PLAIN_GEMV and x.device.type in fused_decode.DEVICE_TYPES
+            and weight.numel() <= fused_decode.MAX_WEIGHT_NUMEL and x.dtype == weight.dtype):
+        gemv = triton_module("hearth_llm.kernels.gemv")
+        if gemv is not None:
+            return gemv.linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
 def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict[str, LoRALinearMethod]:
     """Wrap every linear layer's method (after loading); returns the wrappers by layer name."""
     wrapped = {}
@@ -329,6 +396,8 @@ def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict
         layer.method = method
         layer.routine = method.forward_routine(layer) if layer.parallel.size == 1 else None
         wrapped[name] = method
+    if step.defers_gate_up_expand:
+        _defer_gate_up_expands(model, wrapped)
     return wrapped
 
 

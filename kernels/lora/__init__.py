@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import torch
 
+from ..activation.reference import silu_and_mul
 from ..lazy_triton import triton_module
 from . import reference
 from .plan import LoRAPlan
 
-__all__ = ["LoRAPlan", "add_lora", "add_lora_planned", "expand_planned", "scratch_numel", "shrink_planned"]
+__all__ = ["LoRAPlan", "add_lora", "add_lora_planned", "expand_planned", "expand_silu_and_mul_planned", "scratch_numel",
+           "shrink_planned"]
 
 SCRATCH_MIN_ROWS = 16384  # decode steps split K: up to 32 partial rows per token, plus the sums
 SCRATCH_TICKETS = 8192    # = triton_lora.NUM_TICKETS (kept here so the size needs no Triton import)
@@ -76,3 +78,15 @@ def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b
     if y.is_cuda and _triton_module() is not None:
         return _triton_module().expand_planned(y, shrunk, plan, lora_b, slice_starts, slice_rank, slot_stride)
     return reference.expand(y, shrunk, reference.token_slots_of(plan, y.shape[0]), lora_b, slot_stride)
+
+
+def expand_silu_and_mul_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b: torch.Tensor,
+                                slice_rank: int, slot_stride: int) -> torch.Tensor:
+    """A gated MLP's SwiGLU of its ``gate_up_proj`` output ``y`` with each token's update added on the
+    way in (:func:`expand_planned` then the activation, without writing the sum back): returns
+    ``silu(g) * u`` ``[T, I]``; see :func:`.triton_lora.expand_silu_and_mul_planned` for the arguments.
+    Elsewhere than CUDA: the reference expand (into ``y``, in place) and the reference activation."""
+    if y.is_cuda and _triton_module() is not None:
+        return _triton_module().expand_silu_and_mul_planned(y, shrunk, plan, lora_b, slice_rank, slot_stride)
+    y = reference.expand(y, shrunk, reference.token_slots_of(plan, y.shape[0]), lora_b, slot_stride)
+    return silu_and_mul(y)

@@ -8,8 +8,10 @@ Every layer-projection of the step reuses it: no per-layer sort, no host sync.
 * ``sorted_tokens``: the indices of the tokens that have an adapter, grouped by slot (a
   sequence's tokens stay consecutive: prefill segments are contiguous rows of ``x``);
 * ``tiles`` ``[max_tiles, 3]``: ``(slot, first index into sorted_tokens, count <= block_m)``;
-  unused entries have slot ``-1``, and those programs exit at once. Base-model tokens are in no
-  tile, so their output rows are never loaded or stored.
+  unused entries have slot ``-1``, and those programs exit at once. The base-model tokens follow
+  the adapters' in ``sorted_tokens``, in tiles of slot :data:`BASE_SLOT` after the adapters'
+  tiles: the shrink and expand skip them (their output rows are never loaded or stored), while a
+  kernel that must produce every row (the LoRA SwiGLU, ``expand_silu_and_mul``) takes them too.
 
 ``block_m`` (tokens per tile) depends only on the step's token count, through thresholds that are
 multiples of 16 (as every captured graph size above 8 is), so a graph captured at a padded size
@@ -19,8 +21,8 @@ and the plan of the real step always agree.
 >>> plan.set_sequences([1, -1, 0], [3, 2, 1])
 >>> plan.has_adapters, plan.sorted_tokens[:4].tolist()
 (True, [5, 0, 1, 2])
->>> plan.tiles[:3].tolist()
-[[0, 0, 1], [1, 1, 3], [-1, -1, -1]]
+>>> plan.tiles[:4].tolist()
+[[0, 0, 1], [1, 1, 3], [-2, 4, 2], [-1, -1, -1]]
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 _BLOCK_M_BY_TOKENS = ((128, 16), (1024, 32))   # (at most this many tokens, tokens per tile); else 64
 LARGEST_BLOCK_M = 64
 SMALLEST_BLOCK_M = 16
+BASE_SLOT = -2  # the slot of a tile of base-model tokens (-1: an unused tile)
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -45,6 +48,11 @@ def max_tiles_for(num_tokens: int, num_slots: int) -> int:
     return -(-num_tokens // block_m_for(num_tokens)) + min(num_slots, num_tokens)
 
 
+def max_tiles_with_base_for(num_tokens: int, num_slots: int) -> int:
+    """The most tiles, adapters' and base tokens' together (the base tokens' last tile may be partly full)."""
+    return max_tiles_for(num_tokens, num_slots) + 1
+
+
 class LoRAPlan:
     """See the module docstring. ``capacity``: the most tokens a step may have."""
 
@@ -52,7 +60,7 @@ class LoRAPlan:
         self.capacity = capacity
         self.num_slots = num_slots
         self.device = device
-        self.num_tile_rows = -(-capacity // SMALLEST_BLOCK_M) + num_slots
+        self.num_tile_rows = -(-capacity // SMALLEST_BLOCK_M) + num_slots + 1
         self._tile_numel = 3 * self.num_tile_rows
         self.buffer = torch.full((self._tile_numel + capacity,), -1, dtype=torch.int32, device=device)
         self.tiles = self.buffer[:self._tile_numel].view(self.num_tile_rows, 3)
@@ -105,15 +113,18 @@ class LoRAPlan:
 
 
 def _tiles(slots: np.ndarray, counts: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(tiles [n, 3], sorted_tokens)`` for sequences with these slots and token counts."""
+    """``(tiles [n, 3], sorted_tokens)`` for sequences with these slots and token counts: the
+    adapters' tokens grouped by slot, then the base tokens (slot :data:`BASE_SLOT`)."""
     first_token = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    has_adapter = (slots >= 0) & (counts > 0)
-    seqs = np.flatnonzero(has_adapter)
-    seqs = seqs[np.argsort(slots[seqs], kind="stable")]
+    last = np.iinfo(np.int64).max
+    keys = np.where(slots >= 0, slots, last)  # the base tokens' group sorts last
+    seqs = np.flatnonzero(counts > 0)
+    seqs = seqs[np.argsort(keys[seqs], kind="stable")]
     lengths = counts[seqs]
     run_offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     sorted_tokens = np.repeat(first_token[seqs] - run_offsets, lengths) + np.arange(int(lengths.sum()))
-    slot_ids, first_seq = np.unique(slots[seqs], return_index=True)
+    group_keys, first_seq = np.unique(keys[seqs], return_index=True)
+    slot_ids = np.where(group_keys == last, BASE_SLOT, group_keys)
     tokens_per_slot = np.add.reduceat(lengths, first_seq)
     slot_start = run_offsets[first_seq]
     tiles_per_slot = -(-tokens_per_slot // block_m)

@@ -11,9 +11,14 @@ per layer-projection, for every adapter and every slice of a fused layer at once
   columns, so a column block reads only the ranks of the slices it overlaps (one slice, where the
   block does not straddle a boundary): fused ``qkv_proj`` costs what its three parts would.
 
-Base-model tokens are in no tile: their rows of ``y`` are never loaded or stored, so they stay
-bit-identical to the base projection. Tiles with slot ``-1`` (a graph's grid is sized for its
-padded batch) exit at once.
+* **expand + SwiGLU** (a gated MLP's ``gate_up_proj``): ``silu(g + s_g @ B_g) * (u + s_u @ B_u)`` for
+  every token, the update added on the way into the activation, so the projection's output is read
+  once and never written back (the in-place expand's read and write of ``[T, 2I]`` were most of a
+  LoRA step's extra traffic). Base tokens' tiles (the plan's slot ``-2``) take the activation alone.
+
+Base-model tokens are in no tile of the shrink and expand: their rows of ``y`` are never loaded or
+stored, so they stay bit-identical to the base projection. Tiles with slot ``-1`` (a graph's grid is
+sized for its padded batch) exit at once.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import next_power_of_2
-from .plan import LoRAPlan, block_m_for, max_tiles_for
+from .plan import LoRAPlan, block_m_for, max_tiles_for, max_tiles_with_base_for
 
 # Launch shapes, from an H200 sweep at Llama-3-8B shapes (benchmarks/lora_kernels.py --sweep): decode-sized
 # kernels are latency-bound, so short K loops (many splits) and many expand programs win there.
@@ -157,6 +162,49 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
+@triton.jit(do_not_specialize=["I", "stride_pslot"])
+def _expand_silu_and_mul_kernel(y_ptr, shrunk_ptr, b_ptr, tiles_ptr, tokens_ptr, out_ptr, I, stride_yt, stride_st,
+                                stride_pslot, stride_bs, stride_br, stride_ot, RANK: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                                DOT_IN_FP32: tl.constexpr):
+    slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M)
+    if slot != -1:
+        # Base tiles (slot -2) run the same code with every rank masked off: the dots add exact zeros,
+        # so their rows are the plain activation's, bit for bit.
+        own_slot = tl.maximum(slot, 0).to(tl.int64)
+        ranks = tl.arange(0, BLOCK_R)
+        is_rank = ranks < RANK * (slot >= 0).to(tl.int32)
+        s_rows = shrunk_ptr + own_slot * stride_pslot + tokens[:, None] * stride_st
+        s_mask = is_row[:, None] & is_rank[None, :]
+        s_gate = tl.load(s_rows + ranks[None, :], mask=s_mask, other=0.0)
+        s_up = tl.load(s_rows + RANK + ranks[None, :], mask=s_mask, other=0.0)
+        if DOT_IN_FP32:
+            s_gate, s_up = s_gate.to(tl.float32), s_up.to(tl.float32)
+        else:
+            s_gate, s_up = s_gate.to(b_ptr.dtype.element_ty), s_up.to(b_ptr.dtype.element_ty)
+        b_gate_rows = b_ptr + own_slot * stride_bs + ranks[:, None] * stride_br
+        b_up_rows = b_gate_rows + RANK * stride_br + I
+        y_rows = y_ptr + tokens[:, None] * stride_yt
+        out_rows = out_ptr + tokens[:, None] * stride_ot
+        for col_block in range(tl.program_id(1), tl.cdiv(I, BLOCK_N), tl.num_programs(1)):
+            cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            is_col = cols < I
+            mask = is_row[:, None] & is_col[None, :]
+            b_mask = is_rank[:, None] & is_col[None, :]
+            gate = tl.load(y_rows + cols[None, :], mask=mask, other=0.0)
+            up = tl.load(y_rows + I + cols[None, :], mask=mask, other=0.0)
+            b_gate = tl.load(b_gate_rows + cols[None, :], mask=b_mask, other=0.0)
+            b_up = tl.load(b_up_rows + cols[None, :], mask=b_mask, other=0.0)
+            if DOT_IN_FP32:
+                gate = tl.dot(s_gate, b_gate.to(tl.float32), gate.to(tl.float32), input_precision="ieee")
+                up = tl.dot(s_up, b_up.to(tl.float32), up.to(tl.float32), input_precision="ieee")
+            else:  # rounded to y's dtype as the in-place expand stores it, then the activation as silu_and_mul's
+                gate = tl.dot(s_gate, b_gate, gate.to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
+                up = tl.dot(s_up, b_up, up.to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
+            out = gate * tl.sigmoid(gate) * up
+            tl.store(out_rows + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def num_splits_for(num_tokens: int, in_features: int, rank: int, num_slots: int, scratch_rows: int) -> int:
     """K splits of the shrink: enough programs to fill the GPU when a step has few tiles (decode),
     each split at least ``_MIN_K_PER_SPLIT`` wide, and the partials within the scratch. A function
@@ -243,6 +291,35 @@ def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
         ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32)
     return y
+
+
+def expand_silu_and_mul_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b: torch.Tensor,
+                                slice_rank: int, slot_stride: int) -> torch.Tensor:
+    """``silu(g) * u`` of ``[g | u] = y[t] + shrunk[t] @ lora_b[s]`` for every token of the plan, in one
+    launch; returns the new ``[T, I]`` tensor (rows of no tile, a graph's padding, are left undefined).
+
+    ``y`` ``[T, 2I]``: a gated MLP's ``gate_up_proj`` output (unit stride along a row); ``lora_b``
+    ``[S, 2 * slice_rank, 2I]``: ranks ``[0, slice_rank)`` the gate's (columns ``[0, I)``), the next
+    ``slice_rank`` the up projection's (columns ``[I, 2I)``); ``shrunk``: the first columns of rows
+    holding every slot's ranks, slot ``s``'s ``slot_stride * s`` columns on, as ``expand_planned``'s."""
+    num_tokens, two_i = y.shape
+    intermediate_size = two_i // 2
+    num_slots = lora_b.shape[0]
+    out = torch.empty(num_tokens, intermediate_size, dtype=y.dtype, device=y.device)
+    if num_tokens == 0:
+        return out
+    block_m = block_m_for(num_tokens)
+    num_tiles = max_tiles_with_base_for(num_tokens, num_slots)
+    dot_in_fp32 = y.dtype == torch.float32
+    block_n = 64 if dot_in_fp32 else 128
+    num_col_blocks = triton.cdiv(intermediate_size, block_n)
+    if block_m < _PREFILL_BLOCK_M:
+        num_col_blocks = min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles))
+    _expand_silu_and_mul_kernel[(num_tiles, num_col_blocks)](
+        y, shrunk, lora_b, plan.tiles, plan.sorted_tokens, out, intermediate_size, y.stride(0), shrunk.stride(0),
+        slot_stride, lora_b.stride(0), lora_b.stride(1), out.stride(0), RANK=slice_rank, BLOCK_M=block_m,
+        BLOCK_R=max(16, next_power_of_2(slice_rank)), BLOCK_N=block_n, DOT_IN_FP32=dot_in_fp32)
+    return out
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora_a: torch.Tensor,
