@@ -28,10 +28,14 @@ STARTED = time.perf_counter()
 # (name, N outputs, K inputs, prologue) per projection of a layer.
 PROJECTIONS = {
     "qwen3-0.6b": [("qkv", 4096, 1024, "norm"), ("o", 1024, 2048, "plain"), ("gate_up", 6144, 1024, "norm"),
-                   ("down", 1024, 3072, "silu"), ("lm_head", 151936, 1024, "norm")],
+                   ("down", 1024, 3072, "silu"), ("lm_head", 151936, 1024, "plain")],
     "llama3-8b": [("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
-                  ("down", 4096, 14336, "silu"), ("lm_head", 128256, 4096, "norm")],
+                  ("down", 4096, 14336, "silu"), ("lm_head", 128256, 4096, "plain")],
 }
+# A few launches per prologue for a short sweep (--quick-sweep), besides the default.
+QUICK_LAUNCHES = {"norm": [(8, 512, 4), (16, 512, 4), (32, 512, 8), (8, 1024, 4)],
+                  "silu": [(8, 1024, 4), (8, 512, 4), (4, 1024, 4), (16, 512, 4)],
+                  "plain": [(4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 4)]}
 LAUNCHES = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 8), (2, 1024, 4),
             (32, 256, 4), (8, 256, 4), (32, 512, 8), (16, 256, 4), (4, 2048, 8), (16, 1024, 4)]
 
@@ -79,10 +83,16 @@ def check(gemv, reference) -> bool:
     return ok
 
 
-def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
-    """µs per call: cuBLAS, unfused pair, fused over LAUNCHES; returns the best launch per projection."""
+def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool = False,
+          shapes: list[str] | None = None) -> dict:
+    """µs per call: cuBLAS, unfused pair, fused over LAUNCHES (QUICK_LAUNCHES when ``quick``) with
+    programmatic dependent launch, and the default launch without it; returns the best launch per
+    projection. Consecutive calls in the graph are GEMVs of the same shape, so PDL's overlap of one
+    call's start with the previous call's tail is in the numbers, as between a layer's GEMVs."""
     best = {}
     for shape, projections in PROJECTIONS.items():
+        if shapes is not None and shape not in shapes:
+            continue
         for name, outputs, reduction, prologue in projections:
             if time.perf_counter() > budget_end:
                 say("sweep: out of time")
@@ -107,7 +117,9 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
             results = []
             default = gemv.default_launch(outputs, reduction, {"norm": gemv.RMS_NORM, "silu": gemv.SILU_AND_MUL,
                                                                "plain": gemv.PLAIN}[prologue])
-            launches = {gemv.GemvLaunch(n, min(k, 1 << (reduction - 1).bit_length()), w) for n, k, w in LAUNCHES}
+            tiles = QUICK_LAUNCHES[prologue] if quick else LAUNCHES
+            launches = {gemv.GemvLaunch(n, min(k, 1 << (reduction - 1).bit_length()), w) for n, k, w in tiles}
+            no_pdl_us = float("nan")
             for launch in [default] + sorted(launches - {default}, key=lambda g: (g.block_n, g.block_k, g.num_warps)):
                 if time.perf_counter() > budget_end:
                     break
@@ -120,6 +132,10 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
                 else:
                     def make(i, launch=launch):
                         return lambda: gemv.linear(x, weights[i], launch)
+                if launch == default:
+                    gemv.USE_PDL = False
+                    no_pdl_us = graph_us(make, copies)
+                    gemv.USE_PDL = True
                 results.append((graph_us(make, copies), launch))
             results.sort(key=lambda item: item[0])
             cells = " ".join(f"N{g.block_n}/K{g.block_k}/w{g.num_warps}:{us:.1f}" for us, g in results)
@@ -127,11 +143,11 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float) -> dict:
             default_us = next((us for us, g in results if g == default), float("nan"))
             best[f"{shape}.{name}"] = dict(cublas_us=cublas, unfused_us=unfused, fused_us=fastest_us,
                                            launch=[fastest.block_n, fastest.block_k, fastest.num_warps],
-                                           default_us=default_us)
+                                           default_us=default_us, default_no_pdl_us=no_pdl_us)
             say(f"gemv {shape} {name} [{outputs}x{reduction}] {prologue}: cuBLAS {cublas:.1f}us "
                 f"({weight_bytes / cublas / 1e3:.0f} GB/s) | unfused {unfused:.1f}us | fused best {fastest_us:.1f}us "
                 f"({weight_bytes / fastest_us / 1e3:.0f} GB/s) N{fastest.block_n}/K{fastest.block_k}/w{fastest.num_warps}"
-                f" | default {default_us:.1f}us || {cells}")
+                f" | default {default_us:.1f}us (no PDL {no_pdl_us:.1f}) || {cells}")
             weights.clear()  # free the copies before the next projection
     return best
 
@@ -143,103 +159,282 @@ def build_engine(shape: str):
     return our_engine(checkpoint, "bfloat16", max_num_seqs=1, kv_cache_memory="2GiB", max_model_len=4096)
 
 
-def recapture(engine, fused: bool, fused_merge: bool = False, plain_gemv: bool = False) -> None:
-    """Capture the bs1 graph again with the fused GEMVs on or off (and decode attention's fused
-    merge, and o_proj by the GEMV)."""
-    import dataclasses
+# Engine variants timed one after another on the same engine, each captured afresh:
+# (label, fused GEMVs on, programmatic dependent launch, largest weight the GEMV takes, LM head by the GEMV).
+VARIANTS = {
+    "unfused": (False, False, 1 << 25, False),
+    "fused": (True, False, 1 << 25, False),
+    "fused+pdl": (True, True, 1 << 25, False),
+    "fused+pdl+all": (True, True, float("inf"), False),
+    "fused+pdl+all+head": (True, True, float("inf"), True),
+    "fused+pdl+head": (True, True, 1 << 25, True),
+}
 
+
+def apply_variant(label: str) -> None:
     from hearth_llm.engine.models import fused_decode
-    from hearth_llm.kernels.attention import triton_attention
+    from hearth_llm.kernels.gemv import triton_gemv
 
+    fused, pdl, max_numel, head = VARIANTS[label]
     fused_decode.ENABLED = fused
-    fused_decode.PLAIN_GEMV = plain_gemv
-    triton_attention.DEFAULT_LAUNCH = dataclasses.replace(triton_attention.DEFAULT_LAUNCH, fused_reduce=fused_merge)
+    fused_decode.MAX_WEIGHT_NUMEL = max_numel
+    fused_decode.LM_HEAD_GEMV = head
+    triton_gemv.USE_PDL = pdl
+
+
+def recapture(engine, label: str) -> None:
+    """Capture the bs1 graph again under one of :data:`VARIANTS`."""
+    apply_variant(label)
     engine.runner.decode_graphs = None
     torch.cuda.synchronize()
     engine.runner.enable_cuda_graphs(1, engine.config.max_model_len)
 
 
+def _device_events(profiler) -> list:
+    return sorted((e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
 def _kernel_table(profiler, repeats: int) -> dict[str, list]:
     kernels: dict[str, list] = {}
-    for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = kernels.setdefault(event.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += event.time_range.elapsed_us()
+    for event in _device_events(profiler):
+        entry = kernels.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us()
     return {name: [count / repeats, device_us / repeats] for name, (count, device_us) in kernels.items()}
 
 
-def profile_step(engine, label: str, rows: int = 40) -> None:
-    """Kernels of one bs1 decode forward, by device time: the graph's replay, and the same forward
-    run eagerly (its kernels one by one; CUPTI may not see inside a graph)."""
-    graphs = engine.runner.decode_graphs
-    graph = graphs.graphs[1]
-    def eager():
-        with torch.inference_mode():
-            graphs._forward(1)
+def _is_matmul(name: str) -> bool:
+    lowered = name.lower()
+    return any(part in lowered for part in ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk"))
 
-    for name, run in (("graph", graph.replay), ("eager", eager)):
-        run()
+
+def layer_timeline(engine, shape: str, label: str, results: dict) -> None:
+    """One graph replay kernel by kernel: a middle layer's kernels in order, each with its device µs,
+    the gap since the previous kernel ended (negative: it overlapped, PDL), and GB/s for the
+    matmuls (their weights by position: qkv, o, gate_up, down); totals of kernel time and gaps."""
+    graph = engine.runner.decode_graphs.graphs[1]
+    num_layers = engine.runner.arch.num_hidden_layers
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        graph.replay()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-            for _ in range(10):
-                run()
+    events = _device_events(profiler)
+    if not events:  # CUPTI did not see inside the graph: the same forward eagerly (gaps then include the host)
+        say(f"timeline {shape} {label}: the profiler saw no kernels inside the graph; eager forward instead")
+        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            engine.runner.decode_graphs._forward(1)
             torch.cuda.synchronize()
-        table = _kernel_table(profiler, 10)
-        count = sum(c for c, _ in table.values())
-        total = sum(t for _, t in table.values())
-        say(f"profile {label} {name}: {count:.0f} kernels per forward, {total:.0f} us of kernel time")
-        if name == "eager" or count > 0:
-            for kernel, (count, device_us) in sorted(table.items(), key=lambda item: -item[1][1])[:rows]:
-                say(f"  {count:5.0f} x {device_us / count:7.2f} us = {device_us:8.1f} us  {kernel[:110]}")
-            if name == "graph":
-                return  # the graph's own table is the one that counts
+        events = _device_events(profiler)
+        if not events:
+            return
+    busy = sum(e.time_range.elapsed_us() for e in events)
+    span = events[-1].time_range.end - events[0].time_range.start
+    gaps = [events[i].time_range.start - events[i - 1].time_range.end for i in range(1, len(events))]
+    say(f"timeline {shape} {label}: {len(events)} kernels, span {span:.0f} us, kernel time {busy:.0f} us, "
+        f"sum of gaps {sum(gaps):.0f} us (positive {sum(g for g in gaps if g > 0):.0f})")
+    rope = [i for i, e in enumerate(events) if "rope" in e.name or "rotary" in e.name]
+    if len(rope) < 2 or (rope[-1] - rope[0]) % (num_layers - 1):
+        say(f"timeline {shape} {label}: no per-layer pattern found (rope kernels at {rope[:3]}...)")
+        return
+    period = (rope[-1] - rope[0]) // (num_layers - 1)
+    first = rope[0] - 1  # the qkv matmul before the first rope kernel
+    weights = {name: outputs * reduction * 2 for name, outputs, reduction, _ in PROJECTIONS[shape]}
+    names = ["qkv", "o", "gate_up", "down"]
+    layers = range(2, num_layers - 1)
+    rows, matmul_index, layer_us = [], 0, 0.0
+    for slot in range(period):
+        picked = [events[first + layer * period + slot] for layer in layers]
+        us = sum(e.time_range.elapsed_us() for e in picked) / len(picked)
+        gap = sum(e.time_range.start - events[first + layer * period + slot - 1].time_range.end
+                  for layer, e in zip(layers, picked)) / len(picked)
+        name = picked[0].name
+        note = ""
+        if _is_matmul(name) and matmul_index < len(names):
+            proj = names[matmul_index]
+            note = f"  [{proj} {weights[proj] / us / 1e3:.0f} GB/s]"
+            matmul_index += 1
+        layer_us += us + gap
+        rows.append((slot, us, gap, name, note))
+    say(f"  one layer ({period} kernels, layers 2..{num_layers - 2} averaged): {layer_us:.1f} us incl. gaps")
+    for slot, us, gap, name, note in rows:
+        say(f"  slot {slot}: {us:7.2f} us, gap before {gap:6.2f} us  {name[:90]}{note}")
+    head = [e for e in events[:first]] + [e for e in events[first + num_layers * period:]]
+    for e in head:
+        say(f"  outside the layers: {e.time_range.elapsed_us():7.2f} us  {e.name[:90]}")
+    results[f"{shape}.{label}.layer_us"] = layer_us
+    results[f"{shape}.{label}.graph_gaps_us"] = sum(gaps)
 
 
-def compare_fused(engine, shape: str, results: dict) -> None:
-    """One bs1 decode forward (the graphs' last inputs, eager) with and without the fused kernels:
+def profile_steps(engine, shape: str, label: str, num_steps: int = 20, rows: int = 24) -> None:
+    """Every device operation of ``num_steps`` whole engine steps (graph, input copies, LM head,
+    argmax, copies to the host), per step, by device time."""
+    from hearth_llm.engine.sampling_params import SamplingParams
+
+    engine.add_request(list(range(100, 132)), SamplingParams(temperature=0, max_tokens=num_steps + 8, ignore_eos=True,
+                                                            detokenize=False))
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    for rid in list(engine.groups):
+        engine.release(rid)
+    table = _kernel_table(profiler, num_steps)
+    total = sum(t for _, t in table.values())
+    say(f"steps {shape} {label}: {sum(c for c, _ in table.values()):.0f} device ops per step, {total:.0f} us "
+        f"(graph kernels included)")
+    for kernel, (count, device_us) in sorted(table.items(), key=lambda item: -item[1][1])[:rows]:
+        say(f"  {count:5.1f} x {device_us / max(count, 1e-9):7.2f} us = {device_us:8.1f} us  {kernel[:100]}")
+
+
+def host_split(engine, shape: str, label: str, results: dict, num_tokens: int = 64) -> None:
+    """ms/token as ``bench throughput`` times it, split into the host's time in ``engine.step``
+    outside waits, the time it waits for the device's tokens, and ``runner.run``'s host time."""
+    from hearth_llm.engine import sampler
+
+    spent = {"wait": 0.0, "run": 0.0, "steps": 0}
+    original_to_host, original_run = sampler.SampledTokens.to_host, engine.runner.run
+
+    def timed_to_host(self):
+        started = time.perf_counter()
+        if self.ready is not None:
+            self.ready.synchronize()
+        spent["wait"] += time.perf_counter() - started
+        return original_to_host(self)
+
+    def timed_run(*args, **kwargs):
+        started = time.perf_counter()
+        out = original_run(*args, **kwargs)
+        spent["run"] += time.perf_counter() - started
+        spent["steps"] += 1
+        return out
+
+    sampler.SampledTokens.to_host = timed_to_host
+    engine.runner.run = timed_run
+    try:
+        from hearth_llm.engine.sampling_params import SamplingParams
+
+        engine.add_request(list(range(100, 132)), SamplingParams(
+            temperature=0, max_tokens=num_tokens + 3, ignore_eos=True, detokenize=False))
+        for _ in range(3):  # the prefill and the first decode steps: not timed
+            engine.step()
+        torch.cuda.synchronize()
+        spent.update(wait=0.0, run=0.0, steps=0)
+        started = time.perf_counter()
+        for _ in range(num_tokens):
+            engine.step()
+        ms = (time.perf_counter() - started) * 1e3 / num_tokens
+        while engine.has_unfinished_requests():
+            engine.step()
+        for rid in list(engine.groups):
+            engine.release(rid)
+    finally:
+        sampler.SampledTokens.to_host = original_to_host
+        del engine.runner.run
+    steps = max(spent["steps"], 1)
+    wait_ms, run_ms = spent["wait"] * 1e3 / steps, spent["run"] * 1e3 / steps
+    results[f"{shape}.{label}.host_ms_per_step"] = ms - wait_ms
+    say(f"host {shape} {label}: {ms:.3f} ms/token; per step the host waits {wait_ms:.3f} ms for the device, "
+        f"is busy {ms - wait_ms:.3f} ms ({run_ms:.3f} in runner.run incl. launches)")
+
+
+def head_and_argmax(engine, shape: str, label: str, results: dict) -> None:
+    """Device µs of the LM head on one row (and its GB/s) and of the greedy argmax over its logits."""
+    from hearth_llm import kernels
+    from .timing import graphed_us
+
+    model = engine.runner.model
+    hidden = torch.randn(1, engine.runner.arch.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+        head_us = graphed_us([lambda: model.compute_logits(hidden)] * 4, replays=5)
+        argmax_us = graphed_us([lambda: kernels.argmax(logits)] * 10, replays=5)
+    head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    results[f"{shape}.{label}.lm_head_us"] = head_us
+    results[f"{shape}.{label}.argmax_us"] = argmax_us
+    say(f"head {shape} {label}: LM head {head_us:.1f} us ({head_bytes / head_us / 1e3:.0f} GB/s, {head_bytes / 1e9:.2f} GB), "
+        f"argmax {argmax_us:.1f} us")
+
+
+def compare_fused(engine, shape: str, label: str, results: dict) -> None:
+    """One bs1 decode forward (the graphs' last inputs, eager) under ``label`` and unfused:
     logits close, same top-5."""
-    from hearth_llm.engine.models import fused_decode
-
     graphs, model = engine.runner.decode_graphs, engine.runner.model
     logits = {}
     with torch.inference_mode():
-        for fused in (True, False):
-            fused_decode.ENABLED = fused
-            logits[fused] = model.compute_logits(graphs._forward(1)).float()[0]
-    fused_decode.ENABLED = True
-    top_fused, top_unfused = logits[True].topk(5).indices.tolist(), logits[False].topk(5).indices.tolist()
-    diff = (logits[True] - logits[False]).abs().max().item()
-    spread = logits[False].std().item()
+        for variant in (label, "unfused"):
+            apply_variant(variant)
+            logits[variant] = model.compute_logits(graphs._forward(1)).float()[0]
+    apply_variant(label)
+    ours, theirs = logits[label], logits["unfused"]
+    top_fused, top_unfused = ours.topk(5).indices.tolist(), theirs.topk(5).indices.tolist()
+    diff = (ours - theirs).abs().max().item()
+    spread = theirs.std().item()
     overlap = len(set(top_fused) & set(top_unfused))
     passed = overlap >= 4 and top_fused[0] == top_unfused[0]
-    results[f"{shape}.fused_top5_overlap"] = overlap
-    say(f"{'PASS' if passed else 'FAIL'} engine {shape} fused vs unfused bs1 logits: top-5 overlap {overlap}/5, "
+    results[f"{shape}.{label}.top5_overlap"] = overlap
+    say(f"{'PASS' if passed else 'FAIL'} engine {shape} {label} vs unfused bs1 logits: top-5 overlap {overlap}/5, "
         f"argmax {top_fused[0]} vs {top_unfused[0]}, max|diff| {diff:.3g} (logit std {spread:.3g})")
 
 
-def engine_part(shapes: list[str], budget_end: float, results: dict) -> None:
+def engine_part(shapes: list[str], variants: list[str], budget_end: float, results: dict) -> None:
     from .throughput import decode_graph_bs1_ms, ours_bs1_ms_per_token
 
-    for shape in shapes:
-        if time.perf_counter() > budget_end:
+    for index, shape in enumerate(shapes):
+        now = time.perf_counter()
+        if now > budget_end:
             say(f"engine {shape}: out of time")
             return
+        # The first shapes get 60% of what is left each, so the last one still gets measured.
+        shape_end = now + (budget_end - now) * (0.6 if index < len(shapes) - 1 else 1.0)
         engine = build_engine(shape)
         say(f"engine {shape}: built")
-        for fused, fused_merge, plain_gemv in ((True, False, False), (False, False, False), (True, True, False),
-                                               (True, True, True)):
-            recapture(engine, fused, fused_merge, plain_gemv)
-            ms = ours_bs1_ms_per_token(engine, num_tokens=64)
-            graph_ms = decode_graph_bs1_ms(engine)
-            label = f"{'fused' if fused else 'unfused'}{'+merge' if fused_merge else ''}{'+o_gemv' if plain_gemv else ''}"
+        best, seen = None, set()
+        largest = max(outputs * reduction for name, outputs, reduction, _ in PROJECTIONS.get(shape, [])
+                      if name != "lm_head") if shape in PROJECTIONS else float("inf")
+        for label in variants:
+            fused, pdl, max_numel, head = VARIANTS[label]
+            effective = (fused, pdl, max_numel >= largest, head)
+            if effective in seen:  # e.g. "+all" where every weight is under the limit anyway
+                continue
+            seen.add(effective)
+            if time.perf_counter() > shape_end:
+                say(f"engine {shape}: out of time before {label}")
+                break
+            try:
+                recapture(engine, label)
+                ms = ours_bs1_ms_per_token(engine, num_tokens=64)
+                graph_ms = decode_graph_bs1_ms(engine)
+            except Exception as error:  # noqa: BLE001  (one variant failing must not lose the others)
+                say(f"FAIL engine {shape} {label}: {type(error).__name__}: {error}")
+                continue
             results[f"{shape}.bs1_ms.{label}"] = ms
             results[f"{shape}.graph_ms.{label}"] = graph_ms
             say(f"BS1 {shape} {label}: {ms:.3f} ms/token, decode graph {graph_ms:.3f} ms")
-            if time.perf_counter() < budget_end and not fused_merge:
-                profile_step(engine, f"{shape} {label}", rows=14 if fused else 10)
-        compare_fused(engine, shape, results)
-        recapture(engine, True)
+            if label != "unfused" and (best is None or ms < best[0]):
+                best = (ms, label)
+        if best is not None:
+            label = best[1]
+            say(f"engine {shape}: fastest {label} ({best[0]:.3f} ms/token); its accounting:")
+            recapture(engine, label)
+            for part in (compare_fused, host_split, head_and_argmax, layer_timeline):
+                if time.perf_counter() > shape_end + 6:
+                    break
+                try:
+                    part(engine, shape, label, results)
+                except Exception as error:  # noqa: BLE001  (accounting is best-effort)
+                    say(f"FAIL {part.__name__} {shape}: {type(error).__name__}: {error}")
+            if time.perf_counter() < shape_end + 3:
+                try:
+                    profile_steps(engine, shape, label)
+                except Exception as error:  # noqa: BLE001
+                    say(f"FAIL profile_steps {shape}: {type(error).__name__}: {error}")
         del engine
         torch.cuda.empty_cache()
 
@@ -249,8 +444,11 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "sweep", "flash"],
                         choices=["check", "attention", "sweep", "engine", "flash"])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--budget-s", type=float, default=80.0, help="stop starting new measurements after this")
     parser.add_argument("--sweep-budget-s", type=float, default=None, help="when the sweep stops (default: budget)")
+    parser.add_argument("--quick-sweep", action="store_true", help="a few launches per projection (QUICK_LAUNCHES)")
+    parser.add_argument("--sweep-shapes", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from hearth_llm.kernels.activation import triton_activation
@@ -289,9 +487,10 @@ def run_part(part, args, results, budget_end, triton_gemv, reference, triton_nor
             flash_prefill_comparison(say)
     elif part == "sweep":
         sweep_end = STARTED + (args.sweep_budget_s or args.budget_s)
-        results["sweep"] = sweep(triton_gemv, triton_norm, triton_activation, min(sweep_end, budget_end))
+        results["sweep"] = sweep(triton_gemv, triton_norm, triton_activation, min(sweep_end, budget_end),
+                                 args.quick_sweep, args.sweep_shapes)
     else:
-        engine_part(args.shapes, budget_end, results)
+        engine_part(args.shapes, args.variants, budget_end, results)
 
 
 if __name__ == "__main__":

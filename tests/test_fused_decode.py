@@ -74,6 +74,7 @@ def fused_on_this_device(monkeypatch):
         monkeypatch.setattr(triton_gemv, name, counted)
     monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
     monkeypatch.setattr(fused_decode, "PLAIN_GEMV", True)
+    monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV", True)
     if DEVICE == "cpu":  # the interpreter runs programs one by one: a tile covers a tiny layer
         monkeypatch.setattr(triton_gemv, "default_launch", lambda n, k, prologue=0: triton_gemv.GemvLaunch(256, 128))
     return calls
@@ -141,3 +142,26 @@ def test_only_plain_dense_single_process_small_layers_of_one_row_take_the_fused_
     assert fused_decode.dense_weight(layer, one_row) is layer.weight
     monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({"cuda"}))
     assert fused_decode.dense_weight(layer, one_row) is None
+
+
+def test_programmatic_dependent_launch_only_on_cuda_tensors(monkeypatch):
+    monkeypatch.setattr(triton_gemv, "USE_PDL", True)
+    assert not triton_gemv.uses_pdl(torch.zeros(1))  # the interpreter has no grid dependency control
+    monkeypatch.setattr(triton_gemv, "USE_PDL", False)
+    assert not triton_gemv.uses_pdl(torch.zeros(1, device=DEVICE))
+
+
+def test_lm_head_takes_the_gemv_only_when_asked_and_plain(monkeypatch):
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
+    calls = []
+    monkeypatch.setattr(triton_gemv, "linear", lambda x, weight: calls.append(weight) or reference.linear(x, weight))
+    head, hidden = torch.nn.Linear(16, 40, bias=False).to(DEVICE), torch.randn(1, 16, device=DEVICE)
+    monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV", False)
+    torch.testing.assert_close(fused_decode.lm_head(head, hidden), head(hidden))
+    assert calls == []
+    monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV", True)
+    torch.testing.assert_close(fused_decode.lm_head(head, hidden), head(hidden))
+    assert calls == [head.weight]
+    fused_decode.lm_head(head, torch.randn(2, 16, device=DEVICE))  # two rows: cuBLAS reads the head once for both
+    fused_decode.lm_head(torch.nn.Linear(16, 40).to(DEVICE), hidden)  # a bias: its own forward
+    assert len(calls) == 1

@@ -205,7 +205,7 @@ class DecoderModel(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = fused_decode.lm_head(self.lm_head, hidden)
         if self.arch.logits_multiplier is not None:
             logits = logits * self.arch.logits_multiplier
         if self.arch.final_logit_softcap is not None:

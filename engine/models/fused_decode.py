@@ -34,6 +34,9 @@ MAX_WEIGHT_NUMEL = 1 << 25
 # o_proj by the Triton GEMV too (no prologue to fuse: it simply beats cuBLAS at one row, Qwen3-0.6B's
 # 1024x2048 3.4 µs against 12.7, which runs it at 331 GB/s).
 PLAIN_GEMV = True
+# The LM head by the Triton GEMV too, for one row (off until the H200 says it beats cuBLAS on the
+# vocabulary-wide weight: benchmarks/bs1_decode.py times both).
+LM_HEAD_GEMV = False
 # Devices whose tensors take the fused kernels; tests add "cpu" to run them in the Triton interpreter.
 DEVICE_TYPES = frozenset({"cuda"})
 
@@ -42,16 +45,23 @@ def _gemv():
     return triton_module("hearth_llm.kernels.gemv")
 
 
+def _takes_gemv(x: torch.Tensor) -> bool:
+    return ENABLED and x.device.type in DEVICE_TYPES and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+
+
+def _usable(weight, x: torch.Tensor, max_numel: float) -> torch.Tensor | None:
+    if weight is None or weight.device != x.device or weight.dtype != x.dtype or weight.numel() > max_numel:
+        return None
+    return weight if _gemv() is not None else None
+
+
 def dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The weight a fused kernel may multiply ``x`` by, or None where the unfused path must run."""
-    if not (ENABLED and x.device.type in DEVICE_TYPES and x.dim() == 2 and x.shape[0] <= MAX_ROWS):
+    if not _takes_gemv(x):
         return None
     if layer.method is not DENSE or layer.bias is not None or layer.parallel.size != 1:
         return None
-    weight = getattr(layer, "weight", None)
-    if weight is None or weight.device != x.device or weight.dtype != x.dtype or weight.numel() > MAX_WEIGHT_NUMEL:
-        return None
-    return weight if _gemv() is not None else None
+    return _usable(getattr(layer, "weight", None), x, MAX_WEIGHT_NUMEL)
 
 
 def norm_and_linear(norm, x: torch.Tensor, residual: torch.Tensor | None, layer):
@@ -81,3 +91,14 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
     if weight is not None:
         return _gemv().linear(x, weight)
     return layer(x)
+
+
+def lm_head(head, hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)``; by the Triton GEMV when :data:`LM_HEAD_GEMV` is on and ``head`` is a plain
+    bias-free ``nn.Linear`` (a vocabulary-parallel or quantized head keeps its own forward)."""
+    weight = None
+    if LM_HEAD_GEMV and type(head) is torch.nn.Linear and head.bias is None and _takes_gemv(hidden):
+        weight = _usable(head.weight, hidden, float("inf"))
+    if weight is not None:
+        return _gemv().linear(hidden, weight)
+    return head(hidden)

@@ -4,12 +4,15 @@ in; see ``reference.py``.
 One program computes ``BLOCK_N`` outputs of one row over all of K: it walks K in ``BLOCK_K``
 chunks, each a ``[BLOCK_N, BLOCK_K]`` tile of W (contiguous along K, so 16-byte loads) times the
 row's chunk, summed across K only once at the end. The row's inputs are recomputed by every
-program (a few KiB from L2), so the norm or the activation needs no launch of its own. Every
+program (a few KiB from L2), so the norm or the activation needs no launch of its own; the norm's
+scale is one number per row, applied to the finished dot, so the row is read once. Every
 program reads its whole W tile once per row: meant for 1 to a few rows, where the matmul is a
-weight read (batch-size-1 decode). All arithmetic is fp32.
+weight read (batch-size-1 decode). All arithmetic is fp32. On Hopper the kernels launch with
+programmatic dependent launch (:data:`USE_PDL`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +21,7 @@ import triton.language as tl
 
 # PROLOGUE values: what the row is before it multiplies W.
 PLAIN = 0       # x itself
-RMS_NORM = 1    # RMSNorm(x + residual) * norm_weight, rounded as kernels.rms_norm stores it
+RMS_NORM = 1    # RMSNorm(x + residual) * norm_weight (the sum rounded to x's dtype, the norm in fp32)
 SILU_AND_MUL = 2  # silu(x[:K]) * x[K:2K], rounded as kernels.silu_and_mul stores it
 
 
@@ -47,10 +50,10 @@ def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN) -> G
 
 
 @triton.jit
-def _row_chunk(x_row_ptr, residual_row_ptr, norm_weight_ptr, summed_row_ptr, cols, col_mask, reduction,
-               inverse_rms, is_summed_writer,
-               PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_SUMMED: tl.constexpr):
-    """Columns ``cols`` of the row W multiplies, in fp32 (``inverse_rms`` used by RMS_NORM only)."""
+def _row_chunk(x_row_ptr, residual_row_ptr, summed_row_ptr, cols, col_mask, reduction, is_summed_writer,
+               PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Columns ``cols`` of the row before any norm, in fp32: x, x + residual (stored once, as the
+    next residual stream) or silu(gate) * up, each rounded to x's dtype as the unfused kernels store it."""
     storage = x_row_ptr.dtype.element_ty
     if PROLOGUE == 2:
         gate = tl.load(x_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -61,12 +64,8 @@ def _row_chunk(x_row_ptr, residual_row_ptr, norm_weight_ptr, summed_row_ptr, col
         if HAS_RESIDUAL:
             residual = tl.load(residual_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             summed = (row + residual).to(storage)
-            if STORE_SUMMED:
-                tl.store(summed_row_ptr + cols, summed, mask=col_mask & (tl.zeros_like(cols) + is_summed_writer != 0))
+            tl.store(summed_row_ptr + cols, summed, mask=col_mask & (tl.zeros_like(cols) + is_summed_writer != 0))
             row = summed.to(tl.float32)
-        if PROLOGUE == 1:
-            norm_weight = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            row = ((row * inverse_rms).to(storage).to(tl.float32) * norm_weight).to(storage).to(tl.float32)
     return row
 
 
@@ -76,8 +75,17 @@ def _gemv_kernel(
     num_outputs, reduction, eps,
     x_stride_row, residual_stride_row, summed_stride_row, out_stride_row, weight_stride_row,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """One program: outputs [pid * BLOCK_N, +BLOCK_N) of row ``program_id(1)``."""
+    """One program: outputs [pid * BLOCK_N, +BLOCK_N) of row ``program_id(1)``.
+
+    RMSNorm is one pass: ``sum_k W[n, k] * norm_weight[k] * s[k]`` and ``sum_k s[k]^2`` of the
+    summed row ``s`` accumulate together; the row's inverse RMS scales the dot at the end.
+
+    With ``USE_PDL`` (programmatic dependent launch) the program starts while the kernel before it
+    still runs: it lets the next kernel start too, loads its first weight tile (weights are not
+    written by any kernel of the step), and only then waits for the previous kernel's results.
+    """
     block = tl.program_id(0)
     row_index = tl.program_id(1).to(tl.int64)
     x_row_ptr = x_ptr + row_index * x_stride_row
@@ -85,28 +93,32 @@ def _gemv_kernel(
     summed_row_ptr = summed_ptr + row_index * summed_stride_row
     # One program per row writes the sum x + residual (the next residual stream).
     is_summed_writer = (block == 0).to(tl.int32)
-    inverse_rms = 1.0
-    if PROLOGUE == 1:
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for start in range(0, reduction, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            row = _row_chunk(x_row_ptr, residual_row_ptr, norm_weight_ptr, summed_row_ptr, cols, cols < reduction,
-                             reduction, 1.0, False, PROLOGUE=0, HAS_RESIDUAL=HAS_RESIDUAL, STORE_SUMMED=False)
-            squares += row * row
-        inverse_rms = tl.rsqrt(tl.sum(squares, 0) / reduction + eps)
     outputs = block * BLOCK_N + tl.arange(0, BLOCK_N)
     output_mask = outputs < num_outputs
     weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_stride_row
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < reduction
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    weight = tl.load(weight_rows + cols[None, :], mask=output_mask[:, None] & col_mask[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the row (and the residual) are the previous kernel's outputs
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for start in range(0, reduction, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        col_mask = cols < reduction
-        row = _row_chunk(x_row_ptr, residual_row_ptr, norm_weight_ptr, summed_row_ptr, cols, col_mask, reduction,
-                         inverse_rms, is_summed_writer, PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL,
-                         STORE_SUMMED=True)
-        weight = tl.load(weight_rows + cols[None, :], mask=output_mask[:, None] & col_mask[None, :], other=0.0)
+        if start > 0:
+            cols = start + tl.arange(0, BLOCK_K)
+            col_mask = cols < reduction
+            weight = tl.load(weight_rows + cols[None, :], mask=output_mask[:, None] & col_mask[None, :], other=0.0)
+        row = _row_chunk(x_row_ptr, residual_row_ptr, summed_row_ptr, cols, col_mask, reduction, is_summed_writer,
+                         PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL)
+        if PROLOGUE == 1:
+            squares += row * row
+            row = row * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         acc += weight.to(tl.float32) * row[None, :]
     out = tl.sum(acc, 1)
+    if PROLOGUE == 1:
+        out = out * tl.rsqrt(tl.sum(squares, 0) / reduction + eps)
     tl.store(out_ptr + row_index * out_stride_row + outputs, out.to(out_ptr.dtype.element_ty), mask=output_mask)
 
 
@@ -122,17 +134,35 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# Programmatic dependent launch (Hopper and newer): each GEMV lets the kernel after it start early and
+# loads its first weight tile before waiting for the one before it, so the launch and the ramp-up of
+# one matmul overlap the tail of the previous one. Off: plain launches (benchmarks A/B it).
+USE_PDL = True
+
+
+@functools.cache
+def _device_has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def uses_pdl(tensor: torch.Tensor) -> bool:
+    """Whether a GEMV on ``tensor``'s device launches with programmatic dependent launch."""
+    return USE_PDL and tensor.is_cuda and _device_has_pdl(tensor.device.index or 0)
+
+
 def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prologue, launch):
     num_rows, num_outputs = out.shape
     if num_rows == 0 or num_outputs == 0:
         return
     launch = launch or default_launch(num_outputs, reduction, prologue)
     grid = (triton.cdiv(num_outputs, launch.block_n), num_rows)
+    use_pdl = uses_pdl(out)
+    extra = {"launch_pdl": True} if use_pdl else {}
     _gemv_kernel[grid](
         out, summed, x, residual, norm_weight, weight, num_outputs, reduction, eps,
         x.stride(0), residual.stride(0), summed.stride(0), out.stride(0), weight.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not x, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        num_warps=launch.num_warps,
+        USE_PDL=use_pdl, num_warps=launch.num_warps, **extra,
     )
 
 
