@@ -196,6 +196,123 @@ def flash_prefill_comparison(report, shape: str = "llama3-8b") -> None:
                    f"flash2 failed: {type(error).__name__}: {str(error)[:300]}")
 
 
+def routed_prefill_comparison(report, budget_s: float = 60.0) -> None:
+    """The engine's prefill attention both ways on steps of the long-context mix and the benchmark
+    workload: all on the paged Triton kernels (``ta.paged_attention``) against long prefills on
+    FlashAttention-2 (``flash_prefill.paged_attention``: gather + varlen forward, the rest on the
+    Triton kernels) with its plan built as the runner builds it; µs per layer call in CUDA graphs,
+    TFLOP/s of the whole step's attention, and max |routed - Triton| (bf16)."""
+    from hearth_llm.kernels.attention import flash_prefill
+    from hearth_llm.kernels.attention import triton_attention as ta
+    began = time.perf_counter()
+    gen = torch.Generator().manual_seed(5)
+    prompts = torch.randint(100, 1025, (30,), generator=gen).tolist()
+    cases = [
+        ("llama3-8b", "2 x 8k fresh", [8192, 8192], [8192, 8192]),
+        ("llama3-8b", "8192 + 8186 fresh + 16 decode rows over 8.3k",
+         [8192, 8186] + [8300] * 16, [8192, 8186] + [1] * 16),
+        ("llama3-8b", "8192 + 8180 fresh + 6 over 8192 + 16 decode rows over 8.3k",
+         [8192, 8180, 8192] + [8300] * 16, [8192, 8180, 6] + [1] * 16),
+        ("llama3-8b", "2 x 2048 chunk over 8k", [8192, 8192], [2048, 2048]),
+        ("llama3-8b", "30 prompts U[100,1024]", prompts, prompts),
+        ("llama3-8b", "30 prompts U[100,1024] + 200 decode rows U[200,2048]",
+         prompts + torch.randint(200, 2049, (200,), generator=gen).tolist(), prompts + [1] * 200),
+        ("llama3-8b", "burst: 2112 fresh + 63 x 64 over 2112", [2112] * 64, [2112] + [64] * 63),
+        ("qwen3-0.6b", "2 x 8k fresh", [8192, 8192], [8192, 8192]),
+    ]
+    for shape, label, contexts, queries in cases:
+        if time.perf_counter() - began > budget_s:
+            report("  (out of time: later routed cases skipped)")
+            break
+        batch = paged_batch(shape, contexts, queries)
+        batch.caches = batch.caches[:4]
+        scale = batch.query.shape[-1] ** -0.5
+        table = batch.block_tables.cpu().numpy()
+        plan = flash_prefill.plan_flash_prefill(queries, contexts, table, BLOCK_SIZE,
+                                                lambda arrays: [torch.as_tensor(a, dtype=torch.long).to(DEVICE)
+                                                                for a in arrays])
+
+        def triton(layer, batch=batch, scale=scale):
+            return ta.paged_attention(batch.query, *batch.caches[layer], batch.block_tables, batch.context_lens,
+                                      batch.query_start_loc, batch.max_query_len, batch.max_context_len, scale)
+
+        def routed(layer, batch=batch, scale=scale, plan=plan):
+            return flash_prefill.paged_attention(batch.query, *batch.caches[layer], batch.block_tables,
+                                                 batch.context_lens, plan, scale, None, attend_rest=ta.paged_attention)
+
+        try:
+            triton_us = time_per_call_us(triton, len(batch.caches), replays=3)
+            if plan is None:
+                report(f"routed {shape} {label}: no sequence routed | triton {triton_us:.0f}us")
+                continue
+            routed_us = time_per_call_us(routed, len(batch.caches), replays=3)
+            diff = (routed(0).float() - triton(0).float()).abs().max().item()
+            report(f"routed {shape} {label}: triton {triton_us:.0f}us {batch.flops / triton_us / 1e6:.0f} TFLOP/s | "
+                   f"flash-routed {routed_us:.0f}us {batch.flops / routed_us / 1e6:.0f} TFLOP/s "
+                   f"({triton_us / routed_us:.2f}x) | {'PASS' if diff < 3e-2 else 'FAIL'} max|routed - triton| {diff:.2e}")
+        except Exception as error:  # noqa: BLE001  (a missing or refusing op is a result too)
+            report(f"routed {shape} {label}: FAIL {type(error).__name__}: {str(error)[:300]}")
+        del batch
+        torch.cuda.empty_cache()
+
+
+def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | None = None) -> None:
+    """The long-context mix (32 x 8,192-token prompts, 512 new tokens) through our engine once per
+    entry of ``flash_modes`` (long prefills on FlashAttention-2 or not; other token ids each run, so
+    no prefix hits), with each step's forward timed on the device (CUDA events around
+    ``runner.run``) and split by kind: steps with prefill tokens, and decode-only steps."""
+    import random
+
+    from hearth_llm.kernels.attention import flash_prefill
+
+    from .throughput import engine_generate, our_engine, random_checkpoint
+    from .workloads import LONG_CONTEXT, max_model_len_for, warmup_batches
+    requests, prompt_len, new_tokens = LONG_CONTEXT
+    requests = num_requests or requests
+    max_model_len = max_model_len_for(LONG_CONTEXT)
+    built = time.perf_counter()
+    _, checkpoint = random_checkpoint(shape, torch.bfloat16, DEVICE, max_model_len=max_model_len)
+    engine = our_engine(checkpoint, "bfloat16", max_num_seqs=256, kv_cache_memory="40GiB",
+                        max_model_len=max_model_len, max_num_batched_tokens=16384)
+    del checkpoint
+    generate = engine_generate(engine)
+    for batch in warmup_batches():
+        generate(batch, [4] * len(batch))
+    report(f"long mix {shape}: engine built and warmed in {time.perf_counter() - built:.1f}s")
+    runner, steps = engine.runner, []
+    original_run = runner.run
+
+    def timed_run(batch, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        output = original_run(batch, *args, **kwargs)
+        end.record()
+        steps.append((sum(batch.num_new_tokens), len(batch.num_new_tokens), start, end))
+        return output
+
+    runner.run = timed_run
+    saved = flash_prefill.ENABLED
+    try:
+        for run, use_flash in enumerate(flash_modes):
+            flash_prefill.ENABLED = use_flash
+            rng = random.Random(100 + run)
+            prompts = [[rng.randint(0, 9999) for _ in range(prompt_len)] for _ in range(requests)]
+            steps.clear()
+            seconds, num_output = generate(prompts, [new_tokens] * requests)
+            torch.cuda.synchronize()
+            prefill = [(tokens, start.elapsed_time(end)) for tokens, seqs, start, end in steps if tokens > seqs]
+            decode = [start.elapsed_time(end) for tokens, seqs, start, end in steps if tokens == seqs]
+            prefill_ms, decode_ms = sum(ms for _, ms in prefill), sum(decode)
+            report(f"long mix {shape} flash={'on' if use_flash else 'off'}: {seconds:.2f}s, {num_output} tokens, "
+                   f"{len(steps)} steps | device time of forwards: steps with prefill {len(prefill)} x "
+                   f"{prefill_ms / max(len(prefill), 1):.1f}ms = {prefill_ms / 1000:.2f}s, decode-only {len(decode)} x "
+                   f"{decode_ms / max(len(decode), 1):.2f}ms = {decode_ms / 1000:.2f}s, the rest of the wall time "
+                   f"{seconds - (prefill_ms + decode_ms) / 1000:.2f}s")
+    finally:
+        flash_prefill.ENABLED = saved
+        runner.run = original_run
+
+
 def fused_reduce_comparison(report) -> None:
     """The split decode kernel with its pieces merged by the last piece (``fused_reduce``) against
     the reduce kernel: closeness to the torch reference (bf16), then µs per layer call in CUDA
@@ -368,6 +485,13 @@ def main(argv=None) -> None:
                         help="instead of the kernel sweep: the engine's throughput per variant (auto, fp8, "
                              "auto:N64/w4/s2/p8/min256)")
     parser.add_argument("--shape", default="qwen3-0.6b", help="with --engine")
+    parser.add_argument("--routed", action="store_true",
+                        help="instead of the sweep: the engine's prefill attention, Triton vs long prefills on "
+                             "FlashAttention-2, on long-context and workload steps")
+    parser.add_argument("--long-mix", nargs="+", metavar="on|off",
+                        help="instead of the sweep: the long-context mix through the engine (--shape), once per "
+                             "mode (flash on / off), with prefill and decode steps' device time")
+    parser.add_argument("--long-mix-requests", type=int, default=None, help="with --long-mix: fewer requests")
     parser.add_argument("--quick", action="store_true",
                         help="a few decode launches, the fp8 dot A/B and two prefill tiles (round-2 confirmation)")
     args = parser.parse_args(argv)
@@ -380,6 +504,13 @@ def main(argv=None) -> None:
 
     def report(line):
         print(f"[{time.perf_counter() - began:5.1f}s] {line}", flush=True)
+
+    if args.routed:
+        routed_prefill_comparison(report, args.budget_s)
+        return
+    if args.long_mix:
+        long_mix(args.shape, report, [mode == "on" for mode in args.long_mix], args.long_mix_requests)
+        return
 
     def out_of_time(fraction=1.0):
         return time.perf_counter() - began > args.budget_s * fraction
