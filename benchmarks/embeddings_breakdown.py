@@ -59,6 +59,7 @@ def passages_breakdown(engine, passages: list[str], st_passages_per_s: float | N
         if st_passages_per_s:
             result["ceiling_speedup"] = round(len(passages) / gemm_seconds / st_passages_per_s, 2)
         result["ops_us"] = _ops_us(runner.model, batches[0], runner.device)
+        result["forward_us"] = _forward_us(runner, batches[0])
         try:
             result["profile"] = _profile(runner, batches[0])
         except RuntimeError as error:     # no CUPTI on this machine...
@@ -167,6 +168,33 @@ def _attention_us(layer, batch: list[list[int]], x: torch.Tensor, device: torch.
             except RuntimeError as error:
                 ops[f"attention_sdpa_{backend.name.lower()}"] = f"refused: {str(error)[:80]}"
     return ops
+
+
+def _forward_us(runner, batch: list[list[int]]) -> dict:
+    """The encoder's forward pass over ``batch`` (no pooling, no copies), launched eagerly and
+    replayed as one CUDA graph: the difference is what launching kernel by kernel costs."""
+    input_ids, attention_mask = runner._padded(batch)
+    layout = PackedLayout.from_lengths([len(ids) for ids in batch], runner.device)
+
+    def forward() -> torch.Tensor:
+        return runner.model(input_ids, attention_mask, layout=layout)
+
+    result = {"eager": _cuda_us(lambda i: forward(), 5)}
+    if not torch.cuda.is_available():
+        return result
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        result["cuda_graph"] = _cuda_us(lambda i: graph.replay(), 5)
+    except RuntimeError as error:
+        result["cuda_graph"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    return result
 
 
 def _profile(runner, batch: list[list[int]]) -> dict:
