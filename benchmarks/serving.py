@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -337,6 +338,7 @@ class ServerProcess:
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         self.started = started
+        self.dumps_stacks = env.get("PYTHONFAULTHANDLER") == "1"
 
     def wait_ready(self, timeout: float) -> float:
         """Seconds until ``GET /health`` answered 200; RuntimeError (with the log's tail) otherwise."""
@@ -352,19 +354,33 @@ class ServerProcess:
                 print(f"{self.name}: starting, {time.perf_counter() - self.started:.0f} s; log: {last}", flush=True)
                 next_report += 15.0
             time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+        if self.dumps_stacks:
+            self.dump_stacks()
+        raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self.log_tail(150)}")
+
+    def dump_stacks(self) -> None:
+        """Every process of the server's group writes its threads' stacks to the log and ends
+        (SIGABRT; the group runs with PYTHONFAULTHANDLER=1): where a start that hangs waits."""
+        try:
+            os.killpg(self.process.pid, signal.SIGABRT)
+            self.process.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        time.sleep(1.0)  # the group's other processes write theirs too
 
     def log_tail(self, num_lines: int = 30) -> str:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
+        if self.process.poll() is None or self.dumps_stacks:  # (also its forkserver, after a dump)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGINT)
             try:
                 self.process.wait(15)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
         self._log.close()
 
@@ -382,6 +398,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def ours_name(engine_core: str | None) -> str:
+    """``hearth-http`` (the default thread core) or ``hearth-http-process``."""
+    return "hearth-http" if engine_core in (None, "thread") else f"hearth-http-{engine_core}"
 
 
 def ours_command(model: str, port: int, engine_args: list[str]) -> list[str]:
@@ -431,28 +452,20 @@ def measure_in_process(model: str, engine_kwargs: dict, requests, args) -> dict:
 
 # ---- the checkpoint --------------------------------------------------------------------------------
 
-def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16", device: str = "cpu",
-                       weights: bool = True) -> Path:
-    """A checkpoint directory of ``shape`` (bench throughput's SHAPES) with random weights, as a
-    hub checkpoint is laid out: config.json, model.safetensors, a word-level tokenizer. The weights
-    are drawn on ``device`` (``cuda``: ~20 s less for the 0.6B shape than the CPU's normal_);
+def write_random_model(shape: str, directory: Path, dtype_name: str = "bfloat16", weights: bool = True) -> Path:
+    """A checkpoint directory of ``shape`` (bench throughput's SHAPES) as a hub checkpoint is laid
+    out: config.json, safetensors shards, a word-level tokenizer. The weights are random values
+    written fast (:mod:`.checkpoint_writer`: 16 GB for the 8B shape in seconds, every byte written);
     ``weights=False`` leaves them out (enough for ``vllm serve --load-format dummy``)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from .random_weights import RandomWeights, checkpoint_shapes
+    from .checkpoint_writer import write_random_checkpoint
     from .throughput import hf_config, placeholder_tokenizer
 
-    dtype = getattr(torch, dtype_name)
+    if weights:
+        write_random_checkpoint(shape, directory, dtype_name)
+        return directory
     config = hf_config(shape)
     config.dtype = dtype_name
     directory.mkdir(parents=True, exist_ok=True)
-    if weights:
-        tensors = RandomWeights(checkpoint_shapes(config, dtype), dtype, device, std=config.initializer_range)
-        save_file({name: tensor.contiguous().cpu() for name, tensor in tensors.items()},
-                  str(directory / "model.safetensors"))
-    if weights and device != "cpu":
-        torch.cuda.empty_cache()  # the servers' runs need the device, not this process's cached blocks
     config.save_pretrained(directory)
     placeholder_tokenizer(config.vocab_size).save_pretrained(directory)
     return directory
@@ -485,16 +498,18 @@ def table(results: dict[str, dict], rates: list[float]) -> str:
 
 def ratios(results: dict[str, dict], rates: list[float]) -> list[str]:
     """Ours against each peer: throughput ratio (> 1: ours faster) and p99 TTFT ratio (< 1: ours lower)."""
-    ours = results.get("hearth-http", {})
     lines = []
-    for peer, result in results.items():
-        if peer == "hearth-http" or "error" in result or "error" in ours:
+    for name, ours in results.items():
+        if not name.startswith("hearth-http") or "error" in ours:
             continue
-        for rate in map(_rate_name, rates):
-            if rate in ours and rate in result and result[rate]["output_tok_per_s"] and result[rate]["ttft_ms_p99"]:
-                lines.append(f"rate {rate}: hearth-http / {peer}: output tok/s x"
-                             f"{ours[rate]['output_tok_per_s'] / result[rate]['output_tok_per_s']:.3f}, "
-                             f"TTFT p99 x{ours[rate]['ttft_ms_p99'] / result[rate]['ttft_ms_p99']:.3f}")
+        for peer, result in results.items():
+            if peer.startswith("hearth-http") or "error" in result:
+                continue
+            for rate in map(_rate_name, rates):
+                if rate in ours and rate in result and result[rate]["output_tok_per_s"] and result[rate]["ttft_ms_p99"]:
+                    lines.append(f"rate {rate}: {name} / {peer}: output tok/s x"
+                                 f"{ours[rate]['output_tok_per_s'] / result[rate]['output_tok_per_s']:.3f}, "
+                                 f"TTFT p99 x{ours[rate]['ttft_ms_p99'] / result[rate]['ttft_ms_p99']:.3f}")
     return lines
 
 
@@ -520,8 +535,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shape", default=None, help="a random-weight checkpoint of this shape (bench throughput's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda with --shape, else cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, the engine's choice on cpu")
-    parser.add_argument("--engine-core", choices=("thread", "process"), default=None,
-                        help="our server's engine loop: a thread of the server process (default) or its own process")
+    parser.add_argument("--engine-core", choices=("thread", "process"), nargs="+", default=None,
+                        help="our server's engine loop: a thread of the server process (default) or its own "
+                             "process; several: one server each, measured one after the other")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="our server's sys.setswitchinterval (hearth-llm serve --switch-interval)")
     parser.add_argument("--no-ours", action="store_true",
@@ -547,6 +563,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite", help="the vLLM server's only PYTHONPATH")
     parser.add_argument("--server-pythonpath", default=None,
                         help="appended to our server's PYTHONPATH (on the H200: /tmp/vsite, for fastapi/uvicorn)")
+    parser.add_argument("--log-dir", default=None, help="keep each server's log here (default: a temporary directory)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     on_gpu = (args.device or ("cuda" if args.shape else "cpu")) == "cuda"
@@ -581,7 +598,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_options(args) -> tuple[dict, list[str]]:
     """Our engine's settings, as EngineConfig fields and as ``hearth-llm serve`` flags."""
     kwargs = {"device": args.device}
-    for name in ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "engine_core"):
+    for name in ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     flags = [item for name, value in kwargs.items() for item in (f"--{name.replace('_', '-')}", str(value))]
@@ -601,25 +618,32 @@ def main(argv=None) -> None:
         model = args.model
         if args.shape:
             started = time.perf_counter()
-            model = str(write_random_model(args.shape, work_dir / args.shape, args.dtype or "float32", args.device))
+            has_weights = not args.no_ours or "in-process" in args.peers  # vLLM's dummy load needs none
+            model = str(write_random_model(args.shape, work_dir / args.shape, args.dtype or "float32", has_weights))
             print(f"wrote a random {args.shape} checkpoint in {time.perf_counter() - started:.1f} s", flush=True)
         requests = workload(args.num_prompts, args.input_lengths, args.output_lengths, args.seed)
         engine_kwargs, engine_flags = engine_options(args)
         env = dict(os.environ)
         if args.server_pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), args.server_pythonpath) if p)
-        port = free_port()
+        log_dir = Path(args.log_dir) if args.log_dir else work_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
         if not args.no_ours:
-            results["hearth-http"] = measure_server("hearth-http", ours_command(model, port, engine_flags), env, port,
-                                                    args, requests, work_dir)
+            env["PYTHONFAULTHANDLER"] = "1"  # a start that hangs is asked where it is (see ServerProcess.stop)
+            for core in args.engine_core or [None]:
+                name, port = ours_name(core), free_port()
+                flags = engine_flags + ([] if core is None else ["--engine-core", core])
+                results[name] = measure_server(name, ours_command(model, port, flags), env, port, args, requests,
+                                               log_dir)
         if "vllm" in args.peers:
             vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0",
                         "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
             port = free_port()
             results["vllm"] = measure_server("vllm", vllm_command(model, port, args), vllm_env, port, args, requests,
-                                             work_dir)
+                                             log_dir)
         if "in-process" in args.peers:  # last: its engine keeps this process's device memory to the end
-            results["hearth-in-process"] = measure_in_process(model, engine_kwargs, requests, args)
+            in_process_kwargs = {**engine_kwargs, "engine_core": (args.engine_core or ["thread"])[0]}
+            results["hearth-in-process"] = measure_in_process(model, in_process_kwargs, requests, args)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     report = {"model": args.shape or args.model, "device": args.device, "num_prompts": args.num_prompts,
