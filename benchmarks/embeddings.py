@@ -385,11 +385,11 @@ def passages_row(args) -> dict:
                                                           args.st_batch_sizes, args.device)
             sides["sentence_transformers"] = lambda texts: theirs.encode(
                 texts, batch_size=st_batch_size, convert_to_tensor=True).float().cpu()
-            transformer = theirs[0].auto_model
+            transformer = getattr(theirs[0], "auto_model", theirs)
             row["sentence_transformers_setting"] = {
                 "dtype": str(next(transformer.parameters()).dtype).removeprefix("torch."),
-                "attn_implementation": transformer.config._attn_implementation, "batch_size": st_batch_size,
-                "batch_size_sweep_passages_per_s": sweep}
+                "attn_implementation": getattr(getattr(transformer, "config", None), "_attn_implementation", None),
+                "batch_size": st_batch_size, "batch_size_sweep_passages_per_s": sweep}
         before = ours.stats()
         rates, vectors = alternate_rounds(sides, passages, args.rounds, args.device)
         after = ours.stats()
