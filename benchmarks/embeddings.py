@@ -403,6 +403,9 @@ def passages_row(args) -> dict:
                        speedup=round(statistics.median(ratios), 2), speedup_rounds=[round(r, 2) for r in ratios],
                        min_cosine=min_cosine(vectors["hearth"].tolist(), vectors["sentence_transformers"].tolist()))
         _progress(row)
+        if args.also_mixed_lengths and not args.mixed_lengths:
+            row["mixed_lengths"] = mixed_lengths_row(sides, args)
+            _progress({"mixed_lengths": row["mixed_lengths"]})
         if args.breakdown and args.shape in PASSAGE_SHAPES:
             from .embeddings_breakdown import passages_breakdown
 
@@ -421,6 +424,20 @@ def passages_row(args) -> dict:
             _progress({"compiled": row["compiled"]})
         row["load_average"] = [round(load, 2) for load in os.getloadavg()]
         ours.close()
+    return row
+
+
+def mixed_lengths_row(sides: dict, args) -> dict:
+    """The same sides on the older mix of lengths (:func:`make_passages` with ``mixed_lengths``)."""
+    passages = make_passages(args.num_passages, args.passage_tokens, mixed_lengths=True)
+    for side in sides.values():
+        side(sorted(passages, key=len)[::max(1, len(passages) // PASSAGES_WARM_UP)])
+    rates, _ = alternate_rounds(sides, passages, args.rounds, args.device)
+    row = {"num_passages": len(passages), "hearth_passages_per_s": round(statistics.median(rates["hearth"]), 1)}
+    if "sentence_transformers" in rates:
+        row.update(sentence_transformers_passages_per_s=round(statistics.median(rates["sentence_transformers"]), 1),
+                   speedup=round(statistics.median([a / b for a, b in zip(
+                       rates["hearth"], rates["sentence_transformers"], strict=True)]), 2))
     return row
 
 
@@ -557,6 +574,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "32,64,128,256) and compare against its fastest")
     parser.add_argument("--mixed-lengths", action="store_true",
                         help="passages row: the older mix of 62-256-token passages (211 on average)")
+    parser.add_argument("--also-mixed-lengths", action="store_true",
+                        help="passages row: then both sides on the --mixed-lengths passages too")
     parser.add_argument("--breakdown", action="store_true",
                         help="passages row: where our GPU time goes (benchmarks/embeddings_breakdown.py)")
     parser.add_argument("--also-compile", action="store_true",
