@@ -41,10 +41,12 @@ def _qk_norm_rope_and_cache_kernel(
     key_cache_stride_block, key_cache_stride_slot, key_cache_stride_head,
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head,
     HAS_QK_NORM: tl.constexpr, IS_FP8: tl.constexpr, HAS_KV_SCALES: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Per token: its query heads to ``query_out`` (program 0 of axis 1), its key and value heads to
-    the cache (program 1); a one-token decode step's latency is then the longer of the two halves."""
+    the cache (program 1); a one-token decode step's latency is then the longer of the two halves.
+    ``USE_PDL``: launched early behind the qkv matmul, it reads the position's cos/sin (step inputs,
+    written before the step) and waits for the matmul only before reading ``qkv``."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     head_dim = 2 * half_dim
@@ -55,6 +57,9 @@ def _qk_norm_rope_and_cache_kernel(
                   mask=pair_mask).to(tl.float32)
     storage = qkv_ptr.dtype.element_ty
     row = qkv_ptr + token * qkv_stride_token
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
     # Two programs per token, in parallel: its query heads (part 0), its key and value heads (part 1).
     if tl.program_id(1) == 0:
@@ -154,6 +159,13 @@ def qk_norm_rope_and_cache(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         HAS_QK_NORM=has_norm, **fp8_flags(key_cache, kv_scales), BLOCK_H=block_h, BLOCK_KV=next_power_of_2(num_kv_heads), BLOCK_HALF=block_half,
-        num_warps=warps_for(2 * block_h * block_half),
+        num_warps=warps_for(2 * block_h * block_half), **_pdl_launch(qkv),
     )
     return query
+
+
+def _pdl_launch(qkv: torch.Tensor) -> dict:
+    """Programmatic dependent launch where the bs1 GEMVs use it (``kernels/gemv``): both or neither."""
+    from ..gemv.triton_gemv import uses_pdl
+
+    return {"USE_PDL": True, "launch_pdl": True} if uses_pdl(qkv) else {}
