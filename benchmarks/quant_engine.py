@@ -76,6 +76,75 @@ def build_engine(args):
     return LLMEngine(config, checkpoint=checkpoint)
 
 
+def fuse_fp8_prologues(enabled: bool = True) -> None:
+    """Route batch-size-1 decode's RMSNorm -> FP8 linear and SwiGLU -> FP8 down_proj through the
+    method's fused one-row kernels (``Fp8LinearMethod.fused_rms_norm_linear`` /
+    ``fused_silu_and_mul_linear``), by wrapping ``fused_decode``'s two entry points in this process
+    (the hook is proposed for ``fused_decode`` itself; this is the A/B before it lands). False puts
+    the originals back. Graphs captured afterwards follow it."""
+    from hearth_llm import kernels
+    from hearth_llm.engine.models import fused_decode
+    from hearth_llm.engine.models.norms import RMSNorm
+
+    originals = _FUSED_DECODE_ORIGINALS.setdefault("entries", (fused_decode.norm_and_linear, fused_decode.act_and_down))
+    if not enabled:
+        fused_decode.norm_and_linear, fused_decode.act_and_down = originals
+        return
+    norm_and_linear, act_and_down = originals
+
+    def fused_norm_and_linear(norm, x, residual, layer):
+        fuse = getattr(layer.method, "fused_rms_norm_linear", None) if type(norm) is RMSNorm else None
+        result = fuse(layer, x, residual, norm.weight, norm.eps) if fuse is not None else None
+        return result if result is not None else norm_and_linear(norm, x, residual, layer)
+
+    def fused_act_and_down(mlp, gate_up):
+        fuse = (getattr(mlp.down_proj.method, "fused_silu_and_mul_linear", None)
+                if mlp.act_and_mul is kernels.silu_and_mul else None)
+        result = fuse(mlp.down_proj, gate_up) if fuse is not None else None
+        return result if result is not None else act_and_down(mlp, gate_up)
+
+    fused_decode.norm_and_linear, fused_decode.act_and_down = fused_norm_and_linear, fused_act_and_down
+
+
+_FUSED_DECODE_ORIGINALS: dict = {}
+# bs1 A/B variants: (one-row GEMV on, fused prologues on).
+BS1_VARIANTS = {"dot (old)": (False, False), "row": (True, False), "row+fused": (True, True)}
+
+
+def greedy_tokens(engine, num_tokens: int = 48) -> list[int]:
+    from hearth_llm.engine.sampling_params import SamplingParams
+
+    engine.add_request(list(range(200, 232)), SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True,
+                                                             detokenize=False))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for delta in engine.step() for t in delta.new_token_ids]
+    for request_id in list(engine.groups):
+        engine.release(request_id)
+    return tokens
+
+
+def bs1_ab(engine, args) -> dict:
+    """Each :data:`BS1_VARIANTS` entry: graphs captured again, bs1 ms/token (64 tokens), graph
+    device time, and greedy agreement with the first variant over 48 tokens (the quality guard
+    across kernels: the math is the same, only the float32 summation order differs)."""
+    from hearth_llm.kernels.quant import triton_fp8
+
+    results, reference = {}, None
+    for label, (row, fused) in BS1_VARIANTS.items():
+        triton_fp8.ROW_GEMV = row
+        fuse_fp8_prologues(fused)
+        engine.runner.enable_cuda_graphs(min(engine.config.max_num_seqs, 512), engine.max_model_len)
+        tokens = greedy_tokens(engine)
+        reference = reference or tokens
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(tokens))
+        ms = ours_bs1_ms_per_token(engine, num_tokens=64)
+        results[label] = {"bs1_ms_per_token": ms, "decode_graph_ms": decode_graph_bs1_ms(engine),
+                          "greedy_tokens_equal_before_first_difference": agree}
+        print(f"fp8 bs1 A/B {label}: {json.dumps(results[label])}", flush=True)
+    return results
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b")
@@ -85,16 +154,28 @@ def main(argv=None) -> None:
     parser.add_argument("--num-layers", type=int, default=None, help="fewer decoder layers (smoke tests)")
     parser.add_argument("--kv-cache-memory", default="40GiB")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--bs1-ab", action="store_true",
+                        help="fp8: bs1 with the old several-row GEMV, the one-row GEMV, and the fused prologues")
+    parser.add_argument("--fused-prologues", action="store_true",
+                        help="fp8: bs1 decode's RMSNorm/SwiGLU inside the FP8 GEMV (see fuse_fp8_prologues)")
     add_workload_options(parser)
     args = parser.parse_args(argv)
     args.max_model_len = args.max_model_len or 4096
     started = time.perf_counter()
+    if args.fused_prologues:
+        fuse_fp8_prologues()
     engine = build_engine(args)
     model = engine.runner.model
     results = {"shape": args.shape, "method": args.method, "init_s": time.perf_counter() - started,
                "weight_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
     print(f"{args.method} {args.shape}: engine up in {results['init_s']:.1f} s, "
           f"weights {results['weight_bytes'] / 2**30:.2f} GiB", flush=True)
+    if args.bs1_ab:
+        results["bs1_ab"] = bs1_ab(engine, args)
+        if args.json:
+            with open(args.json, "w") as sink:
+                json.dump(results, sink, indent=2)
+        return
     generate = engine_generate(engine)
     results["measures"] = {}
     for name in sorted(args.workloads, key=lambda w: w != "bs1"):  # bs1 first: short, printed before a kill

@@ -7,6 +7,8 @@ flatter the small layers), divided by the number of calls. GB/s counts the weigh
     python -m hearth_llm.benchmarks.quant_kernels --part w4 --rows 1 4 16
     python -m hearth_llm.benchmarks.quant_kernels --part fp8 --rows 1 4
     python -m hearth_llm.benchmarks.quant_kernels --part check     # GPU correctness, PASS/FAIL lines
+    python -m hearth_llm.benchmarks.quant_kernels --part fp8-row   # one-row FP8 GEMV: launch sweep, fused prologues
+    python -m hearth_llm.benchmarks.quant_kernels --part check-fp8-row
 """
 from __future__ import annotations
 
@@ -118,6 +120,127 @@ def bench_fp8(rows, configs) -> None:
                                                     if mm == m), flush=True)
 
 
+# One-row GEMV launches the sweep tries per shape (BN, BK, WARPS, STAGES, SPLIT): the table's
+# entry first, then alternatives that change one thing (tile depth, split, stages).
+ROW_SWEEP = {
+    "qkv": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4), (64, 128, 4, 6, 4)],
+    "o": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4), (64, 128, 4, 6, 4)],
+    "gate_up": [(64, 256, 4, 4, 1), (64, 512, 4, 3, 1), (128, 256, 8, 3, 1), (64, 256, 4, 4, 2)],
+    "down": [(64, 512, 4, 3, 4), (64, 256, 4, 4, 4), (64, 512, 4, 3, 2), (64, 256, 4, 4, 8), (64, 512, 4, 3, 8)],
+}
+PROLOGUE_OF = {"qkv": "rms_norm", "gate_up": "rms_norm", "down": "silu", "o": None}
+
+
+def bench_row(limit_s: float = 1e9) -> dict:
+    """M=1: bf16 cuBLAS, the several-row tensor-core GEMV (the old one-row path), the one-row GEMV
+    at each :data:`ROW_SWEEP` launch, then at the best launch its fused prologue against the
+    unfused op + plain GEMV. Returns {shape: best launch tuple}; stops sweeping past ``limit_s``."""
+    import time
+
+    from hearth_llm import kernels
+    from hearth_llm.kernels.quant import fp8, triton_fp8
+
+    started = time.perf_counter()
+    best: dict = {}
+    layer = {"old dot": 0.0, "row best": 0.0, "fused best": 0.0, "unfused best": 0.0, "bf16": 0.0}
+    for name, (n, k) in SHAPES.items():
+        wq, ws = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+        copies = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies_for(n * k) - 1)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        results = {"bf16": bf16_us(n, k, 1),
+                   "old dot": graphed_us([lambda c=c: triton_fp8.dot_gemv(x, c[0], c[1]) for c in copies])}
+        for config in ROW_SWEEP[name]:
+            if time.perf_counter() - started > limit_s and config != ROW_SWEEP[name][0]:
+                break
+            launch = triton_fp8.RowLaunch(*config)
+            results["row " + "/".join(map(str, config))] = graphed_us(
+                [lambda c=c, launch=launch: triton_fp8.row_gemv(x, c[0], c[1], launch=launch) for c in copies])
+        row_label = min((label for label in results if label.startswith("row ")), key=results.get)
+        best[name] = tuple(int(v) for v in row_label[4:].split("/"))
+        launch = triton_fp8.RowLaunch(*best[name])
+        layer["bf16"] += results["bf16"]
+        layer["old dot"] += results["old dot"]
+        layer["row best"] += results[row_label]
+        prologue = PROLOGUE_OF[name]
+        if prologue == "rms_norm":
+            hidden, residual = torch.randn_like(x), torch.randn_like(x)
+            norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+            results["fused rms"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
+                hidden, c[0], c[1], prologue=triton_fp8.RMS_NORM, residual=residual, norm_weight=norm_weight,
+                eps=1e-5, launch=launch) for c in copies])
+            results["rms_norm+row"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
+                kernels.rms_norm(hidden, norm_weight, 1e-5, residual)[0], c[0], c[1], launch=launch) for c in copies])
+        elif prologue == "silu":
+            gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+            results["fused silu"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
+                gate_up, c[0], c[1], prologue=triton_fp8.SILU_AND_MUL, launch=launch) for c in copies])
+            results["silu+row"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
+                kernels.silu_and_mul(gate_up), c[0], c[1], launch=launch) for c in copies])
+        fused = [v for label, v in results.items() if label.startswith("fused")]
+        unfused = [v for label, v in results.items() if "+row" in label]
+        layer["fused best"] += fused[0] if fused else results[row_label]
+        layer["unfused best"] += unfused[0] if unfused else results[row_label]
+        print(f"FP8 row M=1 {name:7} best {row_label} | " + " | ".join(
+            f"{label} {us:.1f} us ({n * k * (2 if label == 'bf16' else 1) / us / 1e3:.0f} GB/s)"
+            for label, us in results.items()), flush=True)
+    print("FP8 row layer sum M=1: " + " | ".join(f"{label} {v:.1f} us" for label, v in layer.items()), flush=True)
+    print("FP8 row best launches: " + repr(best), flush=True)
+    return best
+
+
+def check_row(device: str = "cuda") -> bool:
+    """The one-row FP8 GEMV on the GPU at the engine's launches (so its compiled kernels serve):
+    plain (one case with a bias) against the exact product of the quantizer's codes, each call
+    twice (the split buffers must come back clean), and the fused RMSNorm / SwiGLU prologues
+    against that op's kernel followed by the plain GEMV; one PASS/FAIL line each. Every weight
+    has subnormal e4m3 codes (columns of small values)."""
+    from hearth_llm import kernels
+    from hearth_llm.kernels.quant import fp8, triton_fp8
+
+    ok = True
+
+    def report(good: bool, what: str) -> None:
+        nonlocal ok
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} fp8 row {what}", flush=True)
+
+    cases = [((6144, 4096), None, "rms_norm"), ((1008, 14336), triton_fp8.RowLaunch(64, 512, 4, 3, 4), "silu"),
+             ((28672, 4096), None, "rms_norm")]
+    for (n, k), launch, prologue in cases:
+        launch = launch or triton_fp8.row_launch(n, k)
+        generator = torch.Generator(device).manual_seed(n)
+        weight = torch.randn(n, k, device=device, generator=generator) * 0.02
+        weight[:, :64] *= 1e-4  # subnormal e4m3 codes
+        wq, ws = fp8.quantize_rows(weight)
+        x = torch.randn(1, k, device=device, generator=generator).bfloat16()
+        bias = torch.randn(n, device=device, generator=generator).bfloat16() if n == 6144 else None
+        codes, xs = triton_fp8.quantize_rows(x)
+        exact = (codes.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
+        exact = exact + bias.float() if bias is not None else exact
+        for call in range(2):
+            out, _ = triton_fp8.row_gemv(x, wq, ws, bias, launch=launch)
+            err = ((out.float() - exact).abs().max() / exact.abs().max()).item()
+            report(err <= 1e-2 and out.dtype == torch.bfloat16,
+                   f"gemv N={n} K={k} {launch} bias={bias is not None} call {call + 1}: rel err {err:.2e}")
+        if prologue == "rms_norm":
+            residual = torch.randn_like(x)
+            norm_weight = torch.rand(k, device=device, generator=generator).bfloat16() + 0.5
+            normed, summed = kernels.rms_norm(x, norm_weight, 1e-5, residual)
+            expected = triton_fp8.row_gemv(normed, wq, ws, launch=launch)[0].float()
+            out, fused_summed = triton_fp8.row_gemv(x, wq, ws, prologue=triton_fp8.RMS_NORM, residual=residual,
+                                                    norm_weight=norm_weight, eps=1e-5, launch=launch)
+            err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+            report(err <= 1e-2 and torch.equal(fused_summed, summed),
+                   f"rms_norm N={n} K={k}: rel err {err:.2e} vs rms_norm + gemv, summed equal "
+                   f"{torch.equal(fused_summed, summed)}")
+        else:
+            gate_up = torch.randn(1, 2 * k, device=device, generator=generator).bfloat16()
+            expected = triton_fp8.row_gemv(kernels.silu_and_mul(gate_up), wq, ws, launch=launch)[0].float()
+            out = triton_fp8.row_gemv(gate_up, wq, ws, prologue=triton_fp8.SILU_AND_MUL, launch=launch)[0]
+            err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+            report(err <= 1e-2, f"silu N={n} K={k}: rel err {err:.2e} vs silu_and_mul + gemv")
+    return ok
+
 def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
           fp8_shapes=((4096, 4096), (1000, 14336), (6144, 4096))) -> bool:
     """The new GEMVs against their float32 references at 8B sizes; prints one PASS/FAIL line each."""
@@ -161,14 +284,21 @@ def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["w4", "fp8", "check"], required=True)
+    parser.add_argument("--part", choices=["w4", "fp8", "check", "fp8-row", "check-fp8-row"], required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="*", default=None,
                         help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH[,J4]]; fp8 (tensor-core GEMV): "
                              "d:BN,BK,WARPS,STAGES,RECIP[,SPLIT]; several")
+    parser.add_argument("--limit-s", type=float, default=1e9, help="fp8-row: stop sweeping after this long")
     args = parser.parse_args(argv)
     if args.part == "check":
         print("check " + ("PASS" if check() else "FAIL"), flush=True)
+        return
+    if args.part == "check-fp8-row":
+        print("check fp8 row " + ("PASS" if check_row() else "FAIL"), flush=True)
+        return
+    if args.part == "fp8-row":
+        bench_row(args.limit_s)
         return
     if args.part == "w4":
         configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or [])]

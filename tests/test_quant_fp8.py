@@ -84,6 +84,104 @@ def test_tensor_core_fp8_gemv_quantizes_and_multiplies_like_the_reference(num_ro
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+# --- the one-row GEMV of batch-size-1 decode (triton_fp8.row_gemv, TRITON_INTERPRET here) ----------
+
+def _codes_times_power_of_two(num_columns: int, seed: int, scale: float = 2.0 ** -4):
+    """A row made of e4m3 codes (largest 448) times a power of two: the kernel's quantizer must give
+    back exactly these codes and this scale, whatever the interpreter's rounding of other values."""
+    codes, _ = fp8.quantize_rows(torch.randn(1, num_columns, generator=torch.Generator().manual_seed(seed)))
+    return codes, codes.float() * scale
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_one_row_fp8_gemv_quantizes_and_multiplies_like_the_reference(split_k):
+    from hearth_llm.kernels.quant import triton_fp8
+
+    generator = torch.Generator().manual_seed(11)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(40, 96, generator=generator))
+    codes, x = _codes_times_power_of_two(96, seed=12)
+    bias = torch.randn(40, generator=generator)
+    expected = (codes.float() @ weight_fp8.float().t()) * 2.0 ** -4 * weight_scale[None, :] + bias
+    launch = triton_fp8.RowLaunch(block_n=16, block_k=32, num_warps=1, num_stages=2, split_k=split_k)
+    for _ in range(2):  # split-K's workspace and counters must be clean again for the second call
+        out, summed = triton_fp8.row_gemv(x, weight_fp8, weight_scale, bias, launch=launch)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        assert summed is x
+
+
+def test_one_row_fp8_gemv_with_rms_norm_is_the_gemv_of_the_normed_row_and_returns_the_sum():
+    from hearth_llm.kernels.norm import reference as norm_reference
+    from hearth_llm.kernels.quant import triton_fp8
+
+    generator = torch.Generator().manual_seed(13)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(40, 96, generator=generator))
+    x, residual = torch.randn(1, 96, generator=generator), torch.randn(1, 96, generator=generator)
+    norm_weight = torch.rand(96, generator=generator) + 0.5
+    normed, summed = norm_reference.rms_norm(x, norm_weight, 1e-6, residual)
+    launch = triton_fp8.RowLaunch(block_n=16, block_k=32, num_warps=1, num_stages=2, split_k=3)
+    expected, _ = triton_fp8.row_gemv(normed, weight_fp8, weight_scale, launch=launch)
+    out, fused_summed = triton_fp8.row_gemv(x, weight_fp8, weight_scale, prologue=triton_fp8.RMS_NORM,
+                                            residual=residual, norm_weight=norm_weight, eps=1e-6, launch=launch)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(fused_summed, summed, rtol=0, atol=0)
+
+
+def test_one_row_fp8_gemv_with_silu_and_mul_is_the_gemv_of_the_activation():
+    from hearth_llm.kernels.activation import reference as activation_reference
+    from hearth_llm.kernels.quant import triton_fp8
+
+    generator = torch.Generator().manual_seed(14)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(40, 96, generator=generator))
+    gate_up = torch.randn(1, 192, generator=generator)
+    launch = triton_fp8.RowLaunch(block_n=16, block_k=32, num_warps=1, num_stages=2, split_k=2)
+    expected, _ = triton_fp8.row_gemv(activation_reference.silu_and_mul(gate_up), weight_fp8, weight_scale,
+                                      launch=launch)
+    out, _ = triton_fp8.row_gemv(gate_up, weight_fp8, weight_scale, prologue=triton_fp8.SILU_AND_MUL, launch=launch)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_one_row_fp8_gemv_refuses_a_row_of_the_wrong_width_by_name():
+    from hearth_llm.kernels.quant import triton_fp8
+
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(40, 96))
+    with pytest.raises(ValueError, match=r"x must be \[1, 192\]"):
+        triton_fp8.row_gemv(torch.randn(1, 96), weight_fp8, weight_scale, prologue=triton_fp8.SILU_AND_MUL)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        triton_fp8.row_gemv(torch.randn(1, 96), weight_fp8, weight_scale, prologue=triton_fp8.RMS_NORM)
+    with pytest.raises(ValueError, match="one row"):
+        triton_fp8.row_gemv(torch.randn(2, 96), weight_fp8, weight_scale)
+
+
+def test_fp8_method_fuses_a_decode_rows_norm_and_swiglu_like_the_unfused_layers(tiny_llama, monkeypatch):
+    """A tiny Llama quantized at load: the method's fused one-row entry points (what bs1 decode's
+    fused path calls) give the plain one-row GEMV of the unfused op's output, and stay within
+    e4m3 rounding of the unfused layers (the interpreter's float32 -> e4m3 cast is not the
+    quantizer's round-to-nearest-even); more than one row is declined (None)."""
+    from hearth_llm.engine.models.quant import fp8_method
+    from hearth_llm.kernels.quant import triton_fp8
+
+    monkeypatch.setattr(fp8_method, "DEVICE_TYPES", frozenset({"cpu"}))
+    with LLM(str(tiny_llama), dtype="float32", device="cpu", show_progress=False, quantization="fp8") as llm:
+        layer = llm.engine.runner.model.layers[0]
+        norm, qkv, mlp = layer.input_layernorm, layer.self_attn.qkv_proj, layer.mlp
+        generator = torch.Generator().manual_seed(15)
+        hidden = torch.randn(1, norm.weight.shape[0], generator=generator)
+        residual = torch.randn(1, norm.weight.shape[0], generator=generator)
+        out, summed = qkv.method.fused_rms_norm_linear(qkv, hidden, residual, norm.weight, norm.eps)
+        normed, expected_summed = norm(hidden, residual)
+        plain, _ = triton_fp8.row_gemv(normed, qkv.weight_fp8, qkv.weight_scale)
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+        torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+        unfused = qkv(normed)
+        torch.testing.assert_close(out, unfused, rtol=0.1, atol=0.05 * unfused.abs().max().item())
+        gate_up = mlp.gate_up_proj(normed)
+        down = mlp.down_proj.method.fused_silu_and_mul_linear(mlp.down_proj, gate_up)
+        unfused = mlp.down_proj(mlp.act_and_mul(gate_up))
+        torch.testing.assert_close(down, unfused, rtol=0.1, atol=0.05 * unfused.abs().max().item())
+        assert qkv.method.fused_rms_norm_linear(qkv, hidden.repeat(2, 1), residual.repeat(2, 1), norm.weight,
+                                                norm.eps) is None
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_tiny_model(TINY_CONFIGS["llama"](), tmp_path_factory.mktemp("fp8") / "llama")

@@ -11,13 +11,20 @@ weight with per-output-row scales, and ``out = (x_codes @ W_codes.T) * x_scale *
   swapped (weight rows on the MMA's M side, up to 16 tokens padded on its N side), so the weight
   streams through ``tl.dot``'s pipelined asynchronous loads (a CUDA-core GEMV could not keep
   enough bytes in flight: 1.0-1.4 TB/s against 2-3.4).
+- :func:`row_gemv` — the same for one row (batch-size-1 decode), optionally with the op before
+  the matmul computed on the way in, as ``kernels/gemv`` does for bf16: RMSNorm(x + residual)
+  (:func:`rms_norm_linear`) or SwiGLU (:func:`silu_and_mul_linear`). The row is quantized as a
+  vector (not as 16 padded rows), only the first of the MMA's 16 columns is live, and split-K
+  reduces one float32 per output. Per-shape tiles: :data:`ROW_LAUNCHES`.
 - The old GEMV of pre-quantized codes (``_fp8_gemv_kernel``) and ``torch._scaled_mm``
   (cuBLASLt row-wise), which wins once the step is compute-bound.
-``fp8_linear`` picks by the number of rows (``DOT_MAX_ROWS``, then ``GEMV_MAX_ROWS``).
+``fp8_linear`` picks by the number of rows (1: ``row_gemv``, then ``DOT_MAX_ROWS``, ``GEMV_MAX_ROWS``).
 
 >>> out = fp8_linear(x.cuda(), weight_fp8.cuda(), weight_scale.cuda())  # ≈ fp8.fp8_linear_reference(...)
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -223,6 +230,207 @@ def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     return out
 
 
+# One-row GEMV (``row_gemv``). PROLOGUE values: what the row is before it is quantized.
+PLAIN = 0         # x itself
+RMS_NORM = 1      # RMSNorm(x + residual) * norm_weight, rounded where kernels.rms_norm stores it
+SILU_AND_MUL = 2  # silu(x[:K]) * x[K:2K], rounded where kernels.silu_and_mul stores it
+# Off: one-row steps take the tensor-core GEMV of several rows (``dot_gemv``), as before.
+ROW_GEMV = True
+
+
+@dataclass(frozen=True, slots=True)
+class RowLaunch:
+    """Tile of one program of the one-row GEMV (``block_n`` weight rows, K walked ``block_k`` at a
+    time, ``num_stages`` loads in flight) and the number of K parts (``split_k``)."""
+
+    block_n: int = 64
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
+# Launches by weight shape (N, K); others take :func:`row_launch`'s rule. The Llama-3-8B shapes
+# are the H200 sweep's (benchmarks/quant_kernels.py --part fp8 --row-sweep).
+ROW_LAUNCHES: dict[tuple[int, int], RowLaunch] = {
+    (6144, 4096): RowLaunch(64, 512, 4, 3, 2),
+    (4096, 4096): RowLaunch(64, 512, 4, 3, 2),
+    (28672, 4096): RowLaunch(64, 256, 4, 4, 1),
+    (4096, 14336): RowLaunch(64, 512, 4, 3, 4),
+}
+
+
+def row_launch(num_rows: int, k: int) -> RowLaunch:
+    """The launch for an ``[num_rows, k]`` weight: the table's, else 64-row tiles with K split so
+    that about two programs run on each of 132 SMs (at most 8 parts of at least 1024 columns)."""
+    known = ROW_LAUNCHES.get((num_rows, k))
+    if known is not None:
+        return known
+    tiles = triton.cdiv(num_rows, 64)
+    split = max(1, min(8, 264 // tiles, k // 1024))
+    return RowLaunch(64, 256 if num_rows > DOT_WIDE_N else 512, 4, 4 if num_rows > DOT_WIDE_N else 3, split)
+
+
+@triton.jit
+def _row_values(x_ptr, residual_ptr, norm_ptr, cols, mask, K, inverse_rms,
+                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Columns ``cols`` of the row the weight multiplies, in float32, each intermediate rounded to
+    x's dtype where the unfused kernels store it (``inverse_rms`` is used by RMS_NORM only)."""
+    storage = x_ptr.dtype.element_ty
+    if PROLOGUE == 2:
+        gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        row = (gate * tl.sigmoid(gate) * up).to(storage).to(tl.float32)
+    else:
+        row = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            row = (row + residual).to(storage).to(tl.float32)
+        if PROLOGUE == 1:
+            norm_weight = tl.load(norm_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            row = ((row * inverse_rms).to(storage).to(tl.float32) * norm_weight).to(storage).to(tl.float32)
+    return row
+
+
+@triton.jit
+def _fp8_row_gemv_kernel(x_ptr, residual_ptr, norm_ptr, summed_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+                         N, K, eps, stride_w, ws32_ptr, count_ptr, k_per_split,
+                         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PASS_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """``out[0, n] = fp8_linear_reference(row, W)[n]`` for the one ``row`` of the prologue.
+
+    Every program first walks the whole row in L2 (a few KiB): its sum of squares (RMS_NORM; the
+    program (0, 0) also stores x + residual, the next residual stream), then its amax, which gives
+    the per-token scale. The main loop quantizes ``BLOCK_K`` columns of the row as a vector and
+    puts them in column 0 of a 16-column e4m3 tile (the MMA's narrowest N; the other 15 are zero),
+    so the weight tile ``[BLOCK_N, BLOCK_K]`` streams through ``tl.dot``'s pipelined loads as in
+    ``_fp8_dot_gemv_kernel``. Split-K as there, on one float32 per output."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kp = tl.arange(0, PASS_BLOCK)
+    inverse_rms = 1.0
+    if PROLOGUE == 1:
+        is_writer = ((pid_n == 0) & (pid_k == 0)).to(tl.int32)
+        squares = tl.zeros((PASS_BLOCK,), dtype=tl.float32)
+        for start in range(0, K, PASS_BLOCK):
+            cols = start + kp
+            summed = _row_values(x_ptr, residual_ptr, norm_ptr, cols, cols < K, K, 1.0,
+                                 PROLOGUE=0, HAS_RESIDUAL=HAS_RESIDUAL)
+            squares += summed * summed
+            if HAS_RESIDUAL:
+                tl.store(summed_ptr + cols, summed.to(summed_ptr.dtype.element_ty), mask=(cols < K) & (tl.zeros_like(cols) + is_writer != 0))
+        inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    row_max = tl.zeros((PASS_BLOCK,), dtype=tl.float32)
+    for start in range(0, K, PASS_BLOCK):
+        cols = start + kp
+        v = _row_values(x_ptr, residual_ptr, norm_ptr, cols, cols < K, K, inverse_rms,
+                        PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL)
+        row_max = tl.maximum(row_max, tl.abs(v))
+    scale = tl.maximum(tl.math.div_rn(tl.max(row_max, axis=0), FP8_MAX_C), MIN_SCALE_C)
+    inverse_scale = tl.math.div_rn(1.0, scale)  # DOT_RECIP's quantization: times the reciprocal
+
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w                 # [BN, 1]
+    is_first_column = (tl.arange(0, 16) == 0)[:, None]                                      # [16, 1]
+    k0 = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for start in range(k_start, k_end, BLOCK_K):
+        k = start + k0
+        in_part = k < k_end
+        w = tl.load(w_rows + k[None, :], mask=in_part[None, :], other=0.0)                # [BN, BK] e4m3
+        v = _row_values(x_ptr, residual_ptr, norm_ptr, k, in_part, K, inverse_rms,
+                        PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL)
+        q = tl.clamp(v * inverse_scale, -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty)
+        # The row as column 0 of a [16, BK] tile: selected as bytes (a zero byte is e4m3 zero).
+        q_bits = tl.where(is_first_column, q.to(tl.uint8, bitcast=True)[None, :], 0).to(tl.uint8)
+        acc = tl.dot(w, tl.trans(q_bits.to(w_ptr.dtype.element_ty, bitcast=True)), acc)   # [BN, 16]
+    total = tl.sum(acc, axis=1)  # column 0; the others are zero
+    if SPLIT_K > 1:
+        tl.atomic_add(ws32_ptr + n, total, mask=n < N, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is in before the count says so
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            total = tl.atomic_add(ws32_ptr + n, zeros, mask=n < N, sem="acquire")
+            tl.store(ws32_ptr + n, zeros, mask=n < N)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
+            out = total * tl.load(ws_ptr + n, mask=n < N, other=0.0) * scale
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
+    else:
+        out = total * tl.load(ws_ptr + n, mask=n < N, other=0.0) * scale
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+def row_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, *, prologue: int = PLAIN, residual: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+             launch: RowLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8_linear_reference(row, W) + bias, summed)`` for the one row ``x`` ``[1, K]`` (SwiGLU:
+    ``[1, 2K]``) in one launch, the row being ``x`` (PLAIN), ``RMSNorm(x + residual)`` (RMS_NORM;
+    ``summed`` is ``x + residual``, or ``x`` when residual is None) or ``silu(gate) * up``
+    (SILU_AND_MUL); ``summed`` is ``x`` but for RMS_NORM with a residual."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"x must be one row [1, K], got {tuple(x.shape)}")
+    num_rows, k = weight_fp8.shape
+    width = 2 * k if prologue == SILU_AND_MUL else k
+    if x.shape[1] != width:
+        raise ValueError(f"x must be [1, {width}] for this FP8 weight {tuple(weight_fp8.shape)}, got {tuple(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty(1, num_rows, dtype=x.dtype, device=x.device)
+    summed = x
+    has_residual = prologue == RMS_NORM and residual is not None
+    if has_residual:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+        residual = residual.contiguous()
+        summed = torch.empty_like(x)
+    if prologue == RMS_NORM and (norm_weight is None or norm_weight.shape != (k,)):
+        raise ValueError(f"norm_weight must be ({k},) for RMS_NORM, got "
+                         f"{None if norm_weight is None else tuple(norm_weight.shape)}")
+    launch = launch or row_launch(num_rows, k)
+    block_k = min(launch.block_k, triton.next_power_of_2(k))
+    num_tiles = triton.cdiv(num_rows, launch.block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, launch.split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x.device, 1, num_rows, num_tiles)
+    if workspace is None:  # first met inside a CUDA graph capture: no persistent buffers there
+        split_k, k_per_split, workspace, counts = 1, k, out, out
+    _fp8_row_gemv_kernel[(num_tiles, split_k)](
+        x, residual if has_residual else x, norm_weight.contiguous() if norm_weight is not None else x, summed,
+        weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out,
+        num_rows, k, eps, weight_fp8.stride(0), workspace, counts, k_per_split,
+        PROLOGUE=prologue, HAS_RESIDUAL=has_residual, HAS_BIAS=bias is not None, FP8_MAX_C=FP8_MAX,
+        MIN_SCALE_C=MIN_SCALE, BLOCK_N=launch.block_n, BLOCK_K=block_k,
+        PASS_BLOCK=min(4096, triton.next_power_of_2(k)), SPLIT_K=split_k,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return out, summed
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8_linear(RMSNorm(x + residual)), x + residual)`` for one row in one launch; what
+    ``kernels.rms_norm`` then :func:`fp8_linear` compute.
+
+    >>> out, summed = rms_norm_linear(hidden, residual, norm.weight, norm.eps, weight_fp8, weight_scale)
+    """
+    return row_gemv(x, weight_fp8, weight_scale, bias, prologue=RMS_NORM, residual=residual,
+                    norm_weight=norm_weight, eps=eps)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_linear(silu(x[:, :K]) * x[:, K:])`` for one row ``[1, 2K]`` in one launch."""
+    return row_gemv(x, weight_fp8, weight_scale, bias, prologue=SILU_AND_MUL)[0]
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 [M, K], float32 scales [M])`` of a CUDA ``x`` ``[M, K]``; as ``fp8.quantize_rows``."""
     x = x.contiguous()
@@ -243,6 +451,8 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     if x.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
         raise ValueError(f"x must be [M, {weight_fp8.shape[1]}] for this FP8 weight, got {tuple(x.shape)}")
     m = x.shape[0]
+    if m == 1 and ROW_GEMV and dot_max_rows >= 1 and x.shape[1] >= 32:
+        return row_gemv(x, weight_fp8, weight_scale, bias)[0]
     if 0 < m <= min(dot_max_rows, 16) and x.shape[1] >= 32:  # tl.dot takes e4m3 K tiles of 32+
         return dot_gemv(x, weight_fp8, weight_scale, bias)
     x_fp8, x_scale = quantize_rows(x)
