@@ -403,14 +403,14 @@ def passages_row(args) -> dict:
                        speedup=round(statistics.median(ratios), 2), speedup_rounds=[round(r, 2) for r in ratios],
                        min_cosine=min_cosine(vectors["hearth"].tolist(), vectors["sentence_transformers"].tolist()))
         _progress(row)
-        if args.also_mixed_lengths and not args.mixed_lengths:
-            row["mixed_lengths"] = mixed_lengths_row(sides, args)
-            _progress({"mixed_lengths": row["mixed_lengths"]})
         if args.breakdown and args.shape in PASSAGE_SHAPES:
             from .embeddings_breakdown import passages_breakdown
 
             row["breakdown"] = passages_breakdown(ours, passages, row.get("sentence_transformers_passages_per_s"))
             _progress({"breakdown": row["breakdown"]})
+        if args.also_mixed_lengths and not args.mixed_lengths:
+            row["mixed_lengths"] = mixed_lengths_row(sides, args)
+            _progress({"mixed_lengths": row["mixed_lengths"]})
         if args.also_compile and not args.compile:
             # one round of ours only (the ratio is to sentence-transformers' median above): a
             # cold compile already takes seconds
