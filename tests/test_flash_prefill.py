@@ -94,6 +94,14 @@ def test_plan_is_none_without_a_long_prefill_or_when_disabled(monkeypatch):
     assert flash_prefill.plan_flash_prefill([300], [300], np.arange(19)[None], BLOCK_SIZE, to_device_of("cpu")) is None
 
 
+def test_plan_caps_the_keys_it_gathers(monkeypatch):
+    monkeypatch.setattr(flash_prefill, "FLASH_MAX_GATHERED_KEYS", 100)
+    table = np.arange(21).reshape(3, 7)
+    plan = flash_prefill.plan_flash_prefill([50, 40, 9], [50, 100, 9], table, BLOCK_SIZE, to_device_of("cpu"),
+                                            min_query_len=8)
+    assert plan.cu_seqlens_k.tolist() == [0, 50] and plan.rest.seqs.tolist() == [1, 2]
+
+
 def test_plan_gathers_keys_in_position_order_across_shuffled_blocks():
     table = np.array([[7, 2, 5]])
     plan = flash_prefill.plan_flash_prefill([10], [40], table, BLOCK_SIZE, to_device_of("cpu"), min_query_len=8)

@@ -26,6 +26,9 @@ import torch
 
 # A sequence with at least this many new tokens runs on FlashAttention (its keys gathered first).
 FLASH_MIN_QUERY_LEN = 128
+# Keys gathered per layer at most (the first routed sequences up to it; later ones stay on Triton): the
+# gathered copy is transient device memory outside the KV cache, 1 GiB at this cap for 8 KV heads of 128.
+FLASH_MAX_GATHERED_KEYS = 1 << 18
 # Off: every step runs the paged Triton kernels as before (benchmarks flip it for an A/B).
 ENABLED = True
 
@@ -59,12 +62,13 @@ def plan_flash_prefill(num_new_tokens: Sequence[int], context_lens: Sequence[int
                        block_size: int, to_device: Callable[[list], list[torch.Tensor]],
                        min_query_len: int | None = None) -> FlashPrefillPlan | None:
     """The plan for one step, or None when no sequence brings ``min_query_len`` new tokens (default
-    :data:`FLASH_MIN_QUERY_LEN`). ``block_table`` ``[B, W]`` holds each sequence's block ids;
+    :data:`FLASH_MIN_QUERY_LEN`); routed sequences' contexts add up to :data:`FLASH_MAX_GATHERED_KEYS` at most. ``block_table`` ``[B, W]`` holds each sequence's block ids;
     ``to_device`` copies int64 host arrays to the device (the runner's one pinned transfer)."""
     min_query_len = FLASH_MIN_QUERY_LEN if min_query_len is None else min_query_len
     query_lens = np.asarray(num_new_tokens, dtype=np.int64)
     contexts = np.asarray(context_lens, dtype=np.int64)
     is_routed = query_lens >= min_query_len
+    is_routed &= np.cumsum(np.where(is_routed, contexts, 0)) <= FLASH_MAX_GATHERED_KEYS
     if not ENABLED or not is_routed.any():
         return None
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
