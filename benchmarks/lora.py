@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .throughput import SHAPES, random_checkpoint, synchronize, workload
+from .random_weights import checkpoint_shapes
+from .throughput import SHAPES, hf_config, random_checkpoint, synchronize, workload
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -49,11 +50,12 @@ def write_random_adapters(shapes: dict[str, tuple[int, ...]], directory: Path, c
     return paths
 
 
-def make_engine(shape: str, device: str, enable_lora: bool, max_num_seqs: int, kv_cache_memory: str):
+def make_engine(shape: str, device: str, enable_lora: bool, max_num_seqs: int, kv_cache_memory: str,
+                num_layers: int | None = None):
     from hearth_llm.engine.config import EngineConfig
     from hearth_llm.engine.llm_engine import LLMEngine
 
-    weights, checkpoint = random_checkpoint(shape, torch.bfloat16, device)
+    weights, checkpoint = random_checkpoint(shape, torch.bfloat16, device, num_layers=num_layers)
     config = EngineConfig(model=shape, dtype="bfloat16", device=device, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=16384, kv_cache_memory=kv_cache_memory, max_model_len=4096,
                           show_progress=False, enable_lora=enable_lora, max_loras=8, max_lora_rank=16)
@@ -138,13 +140,17 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--adapter-counts", type=int, nargs="+", default=(1, 4, 8), help="adapters per run")
     parser.add_argument("--no-base-only", action="store_true", help="skip the LoRA engine serving base requests")
-    parser.add_argument("--profile", help="a file for a torch.profiler table of 20 steps of the last adapter run")
+    parser.add_argument("--profile", help="a file for a torch.profiler table of 20 steps of the last adapter run "
+                                          "(and FILE.base_only: of the LoRA engine's base-only run)")
     parser.add_argument("--no-overlap", action="store_true", help="run the LoRA shrink on the main stream (the default)")
     parser.add_argument("--overlap", action="store_true",
                         help="run the LoRA shrink on a side stream beside the base projection (not GPU-verified yet)")
     parser.add_argument("--no-stack", action="store_true",
                         help="a separate shrink kernel, not every slot's A stacked under the dense base weight")
     parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
+    parser.add_argument("--num-layers", type=int, help="fewer decoder layers than the shape's (a quick look)")
+    parser.add_argument("--no-base-engine", action="store_true",
+                        help="no engine without LoRA: ratios are to the LoRA engine serving base requests")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.no_overlap or args.overlap:
@@ -158,14 +164,17 @@ def main(argv=None) -> None:
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
 
-    engine, shapes = make_engine(args.shape, args.device, False, args.num_seqs, args.kv_cache_memory)
-    results["base"] = run(engine, requests, [None], shift=0)
-    results["base_bs1_ms"] = bs1_ms_per_token(engine, None)
-    print(json.dumps(results), flush=True)
-    del engine
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    shapes = checkpoint_shapes(hf_config(args.shape, args.num_layers), torch.bfloat16)  # (names and dims only)
+    if not args.no_base_engine:
+        engine, shapes = make_engine(args.shape, args.device, False, args.num_seqs, args.kv_cache_memory,
+                                     args.num_layers)
+        results["base"] = run(engine, requests, [None], shift=0)
+        results["base_bs1_ms"] = bs1_ms_per_token(engine, None)
+        print(json.dumps(results), flush=True)
+        del engine
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
     with tempfile.TemporaryDirectory() as directory:
         if args.adapters_dir:
@@ -174,22 +183,32 @@ def main(argv=None) -> None:
         started = time.perf_counter()
         paths = write_random_adapters(shapes, Path(directory), max(args.adapter_counts), args.rank, args.device)
         results["adapter_write_seconds"] = round(time.perf_counter() - started, 2)
-        engine, _ = make_engine(args.shape, args.device, True, args.num_seqs, args.kv_cache_memory)
+        started = time.perf_counter()
+        engine, _ = make_engine(args.shape, args.device, True, args.num_seqs, args.kv_cache_memory, args.num_layers)
+        results["lora_engine_seconds"] = round(time.perf_counter() - started, 1)
         loras = [LoRARequest(f"adapter{i}", str(path)) for i, path in enumerate(paths)]
-        if not args.no_base_only:
-            results["lora_engine_base_only"] = run(engine, requests, [None], shift=1)
-            results["lora_engine_base_only"]["ratio_to_base"] = round(
-                results["lora_engine_base_only"]["tok_per_s"] / results["base"]["tok_per_s"], 3)
+        if not args.no_base_only or args.no_base_engine:
+            results["lora_engine_base_only"] = run(engine, requests, [None], shift=1,
+                                                   profile=args.profile and f"{args.profile}.base_only")
+            if "base" in results:
+                results["lora_engine_base_only"]["ratio_to_base"] = round(
+                    results["lora_engine_base_only"]["tok_per_s"] / results["base"]["tok_per_s"], 3)
             print(json.dumps(results["lora_engine_base_only"]), flush=True)
-        for shift, count in enumerate(args.adapter_counts, start=2):
+        base_tok_per_s = results.get("base", results.get("lora_engine_base_only"))["tok_per_s"]
+        shift_of = {count: 2 + index for index, count in enumerate(sorted(args.adapter_counts))}  # as the vLLM side's
+        for count in args.adapter_counts:
+            shift = shift_of[count]
             is_last = count == args.adapter_counts[-1]
             results[f"adapters_{count}"] = run(engine, requests, loras[:count], shift=shift,
                                                profile=args.profile if is_last else None)
             results[f"adapters_{count}"]["ratio_to_base"] = round(
-                results[f"adapters_{count}"]["tok_per_s"] / results["base"]["tok_per_s"], 3)
+                results[f"adapters_{count}"]["tok_per_s"] / base_tok_per_s, 3)
             print(json.dumps(results[f"adapters_{count}"]), flush=True)
+        if "base_bs1_ms" not in results:
+            results["base_bs1_ms_on_lora_engine"] = bs1_ms_per_token(engine, None)
         results["adapter_bs1_ms"] = bs1_ms_per_token(engine, loras[0])
-        results["bs1_ratio"] = round(results["adapter_bs1_ms"] / results["base_bs1_ms"], 3)
+        results["bs1_ratio"] = round(results["adapter_bs1_ms"] / results.get(
+            "base_bs1_ms", results.get("base_bs1_ms_on_lora_engine")), 3)
         results["num_slot_loads"] = engine.lora_manager.num_slot_loads
     print(json.dumps(results, indent=2))
     if args.json:

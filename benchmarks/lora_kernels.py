@@ -49,8 +49,15 @@ def _slot_tensors(in_features, slices, num_slots, rank, device):
     return a, b, torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
-def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None) -> dict:
-    from hearth_llm.kernels.lora import LoRAPlan, add_lora_planned, expand_planned, reference, scratch_numel
+def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None, separate: bool = True) -> dict:
+    """One projection at one step size. ``base_matmul_ms`` is what the base engine runs (plus
+    ``base_silu_ms``, its SwiGLU, for gate_up); ``stacked_gemm_ms`` + ``expand_ms`` what a LoRA step runs
+    (``fused_silu_ms`` for gate_up: the SwiGLU that adds the update, replacing the expand and the SwiGLU);
+    ``gemv_stacked_ms`` at one row: the stacked weight by the batch-1 Triton GEMV (what a one-row step runs
+    when the weight is small enough). ``separate=False`` skips the separate shrink + expand (``lora_ms``)."""
+    from hearth_llm import kernels
+    from hearth_llm.kernels.lora import (LoRAPlan, add_lora_planned, expand_planned, expand_silu_and_mul_planned,
+                                         reference, scratch_numel)
 
     device = torch.device("cuda")
     in_features, slices = PROJECTIONS[name]
@@ -65,16 +72,18 @@ def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None) 
     scratch = torch.zeros(scratch_numel(num_tokens, a.shape[1]), dtype=torch.float32, device=device)
     token_slots = torch.from_numpy(np.repeat(seq_slots, counts)).to(device)
 
-    out = add_lora_planned(y.clone(), x, plan, a, b, bounds, rank, scratch).float()
     expected = reference.add_lora(y.float(), x.float(), token_slots, a.float(), b.float())
-    error = ((out - expected).abs().max() / (expected - y.float()).abs().max()).item()
     result = {"projection": name, "tokens": num_tokens, "adapters": num_adapters,
-              "base_matmul_ms": round(_graph_ms(lambda: torch.nn.functional.linear(x, weight)), 4),
-              "lora_ms": round(_graph_ms(lambda: add_lora_planned(y, x, plan, a, b, bounds, rank, scratch)), 4),
-              "max_rel_error": round(error, 5)}
+              "base_matmul_ms": round(_graph_ms(lambda: torch.nn.functional.linear(x, weight)), 4)}
+    if separate:
+        out = add_lora_planned(y.clone(), x, plan, a, b, bounds, rank, scratch).float()
+        result["max_rel_error"] = round(((out - expected).abs().max() / (expected - y.float()).abs().max()).item(), 5)
+        result["lora_ms"] = round(_graph_ms(lambda: add_lora_planned(y, x, plan, a, b, bounds, rank, scratch)), 4)
+        result["lora_over_matmul"] = round(result["lora_ms"] / result["base_matmul_ms"], 3)
     # A stacked under the weight: the base GEMM also computes every slot's shrink, then one expand.
     stacked = torch.cat([weight, a.reshape(-1, in_features)])
     slot_stride = a.shape[1]
+    full = torch.nn.functional.linear(x, stacked)
 
     def stacked_step(w=stacked):
         full = torch.nn.functional.linear(x, w)
@@ -84,10 +93,51 @@ def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None) 
     result["stacked_max_rel_error"] = round(((got - expected).abs().max() / expected.abs().max()).item(), 5)
     result["stacked_ms"] = round(_graph_ms(stacked_step), 4)
     result["stacked_over_matmul"] = round(result["stacked_ms"] / result["base_matmul_ms"], 3)
+    result["stacked_gemm_ms"] = round(_graph_ms(lambda: torch.nn.functional.linear(x, stacked)), 4)
+    result["expand_ms"] = round(_graph_ms(lambda: expand_planned(full[:, :out_features], full[:, out_features:], plan,
+                                                                 b, bounds, rank, slot_stride)), 4)
+    if name == "gate_up":
+        base_out = torch.nn.functional.linear(x, weight)
+        result["base_silu_ms"] = round(_graph_ms(lambda: kernels.silu_and_mul(base_out)), 4)
+        zero_a = torch.cat([torch.zeros_like(weight), a.reshape(-1, in_features)])
+        update_only = torch.nn.functional.linear(x, zero_a)  # base columns zero: the update alone goes in
+        fused = expand_silu_and_mul_planned(update_only[:, :out_features], update_only[:, out_features:], plan, b,
+                                            rank, slot_stride).float()
+        want = torch.nn.functional.silu(expected[:, :slices[0]]) * expected[:, slices[0]:]
+        result["fused_silu_max_rel_error"] = round(((fused - want).abs().max() / want.abs().max()).item(), 5)
+        result["fused_silu_ms"] = round(_graph_ms(lambda: expand_silu_and_mul_planned(
+            full[:, :out_features], full[:, out_features:], plan, b, rank, slot_stride)), 4)
+    if num_tokens == 1 and stacked.numel() <= (1 << 25):
+        from hearth_llm.kernels.gemv import triton_gemv
+        result["gemv_stacked_ms"] = round(_graph_ms(lambda: triton_gemv.linear(x, stacked)), 4)
+        result["gemv_base_ms"] = round(_graph_ms(lambda: triton_gemv.linear(x, weight)), 4)
     if old is not None:
         result["old_lora_ms"] = round(_graph_ms(lambda: old.add_lora(y, x, token_slots, a, b)), 4)
-    result["lora_over_matmul"] = round(result["lora_ms"] / result["base_matmul_ms"], 3)
     return result
+
+
+def layer_summary(rows: list[dict]) -> dict:
+    """ms per layer: the base engine's four projections (+ SwiGLU), a LoRA step's before the fused SwiGLU
+    (stacked GEMM + expand everywhere, + SwiGLU) and with it; at one row, the GEMV where it applies."""
+    by_name = {r["projection"]: r for r in rows}
+    gate_up = by_name["gate_up"]
+    base = sum(r["base_matmul_ms"] for r in rows) + gate_up["base_silu_ms"]
+    expand_everywhere = sum(r["stacked_gemm_ms"] + r["expand_ms"] for r in rows) + gate_up["base_silu_ms"]
+    fused = sum(r["stacked_gemm_ms"] + r["expand_ms"] for r in rows if r is not gate_up) \
+        + gate_up["stacked_gemm_ms"] + gate_up["fused_silu_ms"]
+    summary = {"tokens": rows[0]["tokens"], "base_ms": round(base, 4), "lora_expand_ms": round(expand_everywhere, 4),
+               "lora_fused_silu_ms": round(fused, 4), "expand_ratio": round(expand_everywhere / base, 3),
+               "fused_silu_ratio": round(fused / base, 3)}
+    if any("gemv_stacked_ms" in r for r in rows):
+        def matmul(r, stacked):
+            key = ("gemv_stacked_ms" if stacked else "gemv_base_ms") if "gemv_base_ms" in r else None
+            return r[key] if key else (r["stacked_gemm_ms"] if stacked else r["base_matmul_ms"])
+        gemv_base = sum(matmul(r, False) for r in rows) + gate_up["base_silu_ms"]
+        gemv_lora = sum(matmul(r, True) + r["expand_ms"] for r in rows if r is not gate_up) \
+            + gate_up["stacked_gemm_ms"] + gate_up["fused_silu_ms"]
+        summary.update(gemv_base_ms=round(gemv_base, 4), gemv_lora_ms=round(gemv_lora, 4),
+                       gemv_ratio=round(gemv_lora / gemv_base, 3))
+    return summary
 
 
 def sweep(num_tokens: int, rank: int) -> list[dict]:
@@ -117,6 +167,7 @@ def main(argv=None) -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--sweep", type=int, nargs="*", default=(), help="token counts to sweep launch shapes at")
+    parser.add_argument("--no-separate", action="store_true", help="skip the separate shrink + expand (lora_ms)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     old = None
@@ -127,8 +178,8 @@ def main(argv=None) -> None:
     results, is_exact = [], True
     for num_tokens in args.tokens:
         for name in PROJECTIONS:
-            result = measure(name, num_tokens, args.adapters, args.rank, old)
-            is_exact &= result["max_rel_error"] < 0.02 and result["stacked_max_rel_error"] < 0.02
+            result = measure(name, num_tokens, args.adapters, args.rank, old, separate=not args.no_separate)
+            is_exact &= all(value < 0.02 for key, value in result.items() if key.endswith("max_rel_error"))
             print(json.dumps(result), flush=True)
             results.append(result)
     for num_tokens in args.tokens:
@@ -136,7 +187,7 @@ def main(argv=None) -> None:
         layer = {key: round(sum(r[key] for r in rows), 4) for key in ("base_matmul_ms", "lora_ms", "stacked_ms",
                                                                        "old_lora_ms")
                  if key in rows[0]}
-        print(json.dumps({"tokens": num_tokens, "per_layer": layer}), flush=True)
+        print(json.dumps({"tokens": num_tokens, "per_layer": layer, **layer_summary(rows)}), flush=True)
     print(("PASS" if is_exact else "FAIL") + " lora kernels match the reference (max error < 2% of the update)")
     for num_tokens in args.sweep:
         results += sweep(num_tokens, args.rank)

@@ -3,14 +3,18 @@ files, in vLLM's own process (never imported by our engine). Self-contained: nee
 and safetensors, no hearth_llm.
 
     PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/lora_vllm_side.py \\
-        --num-seqs 64 --lengths 100 512 --adapters-dir /tmp/lora_adapters --json out.json
+        --adapters-dir /tmp/lora_adapters --time-budget-s 285 --json out.json
 
 vLLM: ``enable_lora=True, max_loras=8, max_lora_rank=16``, dummy base weights (a directory with only
 config.json), ``skip_tokenizer_init``. Adapters: random PEFT directories (A, B ~ N(0, 0.01) in bf16,
 ``lora_alpha = 2r``, q/k/v/o/gate/up/down), made here from fixed seeds exactly as
 ``benchmarks.lora.write_random_adapters`` makes them, or read from ``--adapters-dir`` if it holds them.
-Runs: base-model requests on the LoRA engine, then the workload spread over 8 adapters (request ``i``
-on adapter ``i % 8``), then batch-1 decode ms/token with one adapter.
+Runs, in this order: base-model requests on the LoRA engine, the workload spread over 8 adapters (request
+``i`` on adapter ``i % 8``), batch-1 decode ms/token with one adapter and without, then 1 and 4 adapters.
+The workload is ours by default (256 seqs, prompt and output lengths U[100, 1024]: benchmarks.lora's).
+``--time-budget-s``: the seconds this process may take from its start; a run after the first two that would
+not end within it (guessed from the runs before it, 1.3x the slowest plus its warm-up) is skipped and listed
+in ``skipped``. The results file is rewritten after every run.
 """
 from __future__ import annotations
 
@@ -81,16 +85,21 @@ def write_random_adapters(config: dict, directory: Path, count: int, rank: int) 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--lengths", type=int, nargs=2, default=(100, 512))
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--lengths", type=int, nargs=2, default=(100, 1024))
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters-dir", default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--no-base-only", action="store_true", help="skip the base-model requests on the LoRA engine")
     parser.add_argument("--bs1-repeats", type=int, default=2, help="batch-1 timings per case (the best is kept)")
     parser.add_argument("--no-base-bs1", action="store_true", help="time batch-1 decode with the adapter only")
+    parser.add_argument("--adapter-counts", type=int, nargs="+", default=(8, 1, 4),
+                        help="adapter runs after the base-only one, in this order (8 first: the issue's row)")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="skip runs that would end later than this many seconds after the start")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    process_started = time.perf_counter()
 
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -137,16 +146,43 @@ def main(argv=None) -> None:
         num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {"seconds": round(elapsed, 3), "output_tokens": num_output, "tok_per_s": round(num_output / elapsed, 1)}
 
+    results["skipped"] = []
+    slowest = [0.0]
+
+    def save() -> None:  # after every run: a process killed by its time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as sink:
+                json.dump(results, sink, indent=2)
+
+    def fits(name: str, estimate: float) -> bool:
+        """Whether a run of about ``estimate`` seconds ends within the budget; records a skip if not."""
+        if args.time_budget_s is None or time.perf_counter() - process_started + estimate <= args.time_budget_s:
+            return True
+        results["skipped"].append(name)
+        print(json.dumps({"skipped": name, "elapsed_s": round(time.perf_counter() - process_started, 1)}), flush=True)
+        return False
+
+    def timed_run(name: str, adapters: list, shift: int, is_required: bool = False) -> None:
+        if not is_required and not fits(name, 1.3 * slowest[0] + 5):
+            return
+        started_run = time.perf_counter()
+        results[name] = run(adapters, shift)
+        slowest[0] = max(slowest[0], time.perf_counter() - started_run)
+        if name != "lora_engine_base_only" and "lora_engine_base_only" in results:
+            results[name]["ratio_to_vllm_base_only"] = round(
+                results[name]["tok_per_s"] / results["lora_engine_base_only"]["tok_per_s"], 3)
+        print(json.dumps({name: results[name]}), flush=True)
+        save()
+
     if not args.no_base_only:
-        results["lora_engine_base_only"] = run([None], shift=1)
-        print(json.dumps(results["lora_engine_base_only"]), flush=True)
-    results["adapters_8"] = run(loras, shift=2)
-    if "lora_engine_base_only" in results:
-        results["adapters_8"]["ratio_to_vllm_base_only"] = round(
-            results["adapters_8"]["tok_per_s"] / results["lora_engine_base_only"]["tok_per_s"], 3)
-    print(json.dumps(results["adapters_8"]), flush=True)
-    bs1_cases = (("base_bs1_ms", None), ("adapter_bs1_ms", loras[0]))
-    for name, lora in bs1_cases[1:] if args.no_base_bs1 else bs1_cases:
+        timed_run("lora_engine_base_only", [None], shift=1, is_required=True)
+    counts = list(args.adapter_counts)
+    shift_of = {count: 2 + index for index, count in enumerate(sorted(counts))}  # benchmarks.lora's, counts 1 4 8
+    timed_run(f"adapters_{counts[0]}", loras[:counts[0]], shift=shift_of[counts[0]], is_required=True)
+    bs1_cases = (("adapter_bs1_ms", loras[0]), ("base_bs1_ms", None))
+    for name, lora in bs1_cases[:1] if args.no_base_bs1 else bs1_cases:
+        if not fits(name, 4.0 * args.bs1_repeats):
+            continue
         prompt = {"prompt_token_ids": list(range(100, 132))}
         best = 1e9
         for _ in range(args.bs1_repeats):  # (129 tokens - 1 token) / 128: the prefill and first token left out, as ours
@@ -157,11 +193,13 @@ def main(argv=None) -> None:
             best = min(best, (time.perf_counter() - t1 - (t1 - t0)) / 128)
         results[name] = round(best * 1000, 3)
         print(json.dumps({name: results[name]}), flush=True)
+        save()
+    for count in counts[1:]:
+        timed_run(f"adapters_{count}", loras[:count], shift=shift_of[count])
     results["seconds_since_init_started"] = round(time.perf_counter() - started, 1)
+    results["seconds_in_all"] = round(time.perf_counter() - process_started, 1)
     print(json.dumps(results, indent=2), flush=True)
-    if args.json:
-        with open(args.json, "w") as sink:
-            json.dump(results, sink, indent=2)
+    save()
 
 
 if __name__ == "__main__":
