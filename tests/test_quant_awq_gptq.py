@@ -225,3 +225,96 @@ def test_gptq_act_order_groups_of_the_wrong_size_are_refused_by_layer():
     g_idx[0] = 1  # group 0 has 127 inputs, group 1 has 129
     with pytest.raises(ValueError, match="layers.0.mlp.down_proj.g_idx must give each of its 2 groups exactly 128"):
         _input_order("layers.0.mlp.down_proj", g_idx)
+
+
+def random_w4_rows(num_rows: int, num_columns: int, seed: int) -> torch.Tensor:
+    from hearth_llm.kernels.quant import gguf_reference
+
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (num_rows, num_columns), generator=generator)
+    scales = (torch.rand(num_rows, num_columns // GROUP, generator=generator) * 0.1).half()
+    zeros = torch.randint(0, 16, (num_rows, num_columns // GROUP), generator=generator)
+    return gguf_reference.pack_w4g128(codes, scales, zeros)
+
+
+def test_w4_layout_is_an_exact_repacking_of_w4g128_rows():
+    """kernels/quant/w4_layout.py: codes and headers split out of the rows and back, bit for bit,
+    every weight's value unchanged; nibble i of word 16 g + c is input 128 g + 16 i + c."""
+    from hearth_llm.kernels.quant import gguf_reference, w4_layout
+
+    rows = random_w4_rows(24, 384, seed=3)
+    weight = w4_layout.from_rows(rows)
+    assert weight.codes.shape == (24, 48) and weight.headers.shape == (3, 24)
+    assert weight.codes.numel() * 4 + weight.headers.numel() * 4 == rows.numel()  # the same 68 bytes a group
+    assert torch.equal(w4_layout.to_rows(weight), rows)
+    assert torch.equal(w4_layout.dequantize(weight), gguf_reference.dequantize(rows, "W4G128"))
+    nibble_2_of_word_5 = (weight.codes[:, 16 + 5] >> 8) & 0xF
+    assert torch.equal(nibble_2_of_word_5.to(torch.uint8), w4_layout.code_columns(weight)[:, 128 + 32 + 5])
+
+
+@pytest.mark.parametrize("num_rows, split_k", [(1, 1), (1, 3), (3, 2)])
+def test_w4_cuda_core_gemv_matches_the_reference(num_rows, split_k):
+    """triton_w4.gemv (TRITON_INTERPRET here; tests/test_gpu_w4.py on CUDA): float32 x, a bias,
+    split-K over programs whose last one reduces (3 groups in 3 parts; 2 parts of 2 and 1)."""
+    from hearth_llm.kernels.quant import triton_w4, w4_layout
+
+    weight = w4_layout.from_rows(random_w4_rows(40, 384, seed=num_rows))
+    generator = torch.Generator().manual_seed(11)
+    x, bias = torch.randn(num_rows, 384, generator=generator), torch.randn(40, generator=generator)
+    expected = w4_layout.reference_linear(x, weight, bias)
+    for _ in range(2):  # the second call finds the split workspace the first one left (zeroed)
+        out = triton_w4.gemv(x, weight, bias, split_k=split_k, block_n=16)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("num_rows, split_k, groups_per_iter", [(1, 1, 1), (5, 2, 2), (16, 3, 1)])
+def test_w4_tensor_core_gemv_matches_the_reference(num_rows, split_k, groups_per_iter):
+    """triton_w4.dot_gemv on float16 x (the interpreter's tl.dot mishandles bfloat16; the GPU test
+    runs bfloat16): code - zero are exact in x's dtype, each group's dot is scaled in float32."""
+    from hearth_llm.kernels.quant import triton_w4, w4_layout
+
+    weight = w4_layout.from_rows(random_w4_rows(40, 384, seed=num_rows))
+    generator = torch.Generator().manual_seed(12)
+    x, bias = torch.randn(num_rows, 384, generator=generator).half(), torch.randn(40, generator=generator).half()
+    expected = w4_layout.reference_linear(x.float(), weight, bias.float())
+    out = triton_w4.dot_gemv(x, weight, bias, split_k=split_k, block_n=16, groups_per_iter=groups_per_iter)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
+
+
+def test_w4_dequantize_kernel_is_exact():
+    from hearth_llm.kernels.quant import triton_w4, w4_layout
+
+    weight = w4_layout.from_rows(random_w4_rows(40, 256, seed=4))
+    assert torch.equal(triton_w4.dequantize(weight, torch.float32), w4_layout.dequantize(weight))
+
+
+def test_w4_linear_refuses_x_of_the_wrong_width():
+    from hearth_llm.kernels.quant import triton_w4, w4_layout
+
+    weight = w4_layout.from_rows(random_w4_rows(8, 256, seed=5))
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        triton_w4.w4_linear(torch.randn(1, 128), weight)
+
+
+def test_repacked_awq_layers_run_token_equal_to_hf(quantized_dirs, monkeypatch):
+    """The CUDA path on the CPU: layers repacked into W4Weight after loading (REPACK_DEVICE_TYPES)
+    and multiplied by triton_w4 in the interpreter, token-equal to HF on the dequantized model."""
+    from hearth_llm.engine.models.quant import awq_gptq
+    from hearth_llm.kernels import register_linear_routine
+    from hearth_llm.kernels.quant import triton_w4, w4_layout
+
+    monkeypatch.setattr(awq_gptq, "REPACK_DEVICE_TYPES", frozenset({"cpu"}))
+    register_linear_routine(w4_layout.W4Weight, "cpu", triton_w4.w4_linear)
+    try:
+        prompts = random_prompts(2, [5, 1], seed=44)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        with LLM(str(quantized_dirs["awq"]), dtype="float32", device="cpu", show_progress=False) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            layers = [layer for name, layer in linear_layers(llm.engine.runner.model) if name.startswith("layers.")]
+            resident = sum(layer.method.resident_bytes(layer) for layer in layers)
+    finally:  # back to what any device gets
+        register_linear_routine(w4_layout.W4Weight, "cpu", w4_layout.reference_linear)
+    assert all(awq_gptq.W4G128LinearMethod.w4_weight(layer) is not None for layer in layers)
+    assert resident == sum(layer.output_size * layer.input_size for layer in layers) // GROUP * 68
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(quantized_dirs["dense"], prompt, 3)

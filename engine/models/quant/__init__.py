@@ -29,7 +29,7 @@ from hearth_llm.kernels.quant import gguf_cpu_native
 from hearth_llm.kernels.quant.fp8 import has_fp8_gemm
 
 from ...config import QUANTIZATION_METHODS
-from .awq_gptq import W4G128, Int4CheckpointScheme
+from .awq_gptq import W4G128, Int4CheckpointScheme, W4G128LinearMethod
 from .compressed_tensors import FP8_FORMAT, Fp8CheckpointScheme
 from .fp8_method import FP8, FP8_CHECKPOINT, Fp8CheckpointLinearMethod, Fp8LinearMethod
 from .gguf_block_method import GGUFBlockLinearMethod
@@ -134,7 +134,7 @@ def quantized_layer_method(shard_types: dict, layer, plan: QuantizationPlan, dev
     if formats == {FP8_FORMAT}:
         return FP8_CHECKPOINT
     if W4G128 in formats:  # AWQ/GPTQ: the only way to run them (repacked, never dequantized)
-        return GGUFBlockLinearMethod(shard_types) if formats == {W4G128} else None
+        return W4G128LinearMethod(shard_types) if formats == {W4G128} else None
     if not formats <= set(GGUFBlockLinearMethod.quant_types) or not plan.keeps_gguf_blocks(device, dtype, formats):
         return None
     return GGUFBlockLinearMethod(shard_types)

@@ -19,8 +19,11 @@ of 128 inputs; the value of weight ``(n, k)`` in group ``g = k // 128`` is ``s[g
 :class:`Int4CheckpointScheme` validates ``quantization_config`` (4 bits, groups of 128, and the
 layout fields above; anything else is refused by name before any weight is read), lists the
 layers as ``W4G128`` weights of logical shape ``[N, K]``, and turns each layer's three tensors into
-one :class:`GGUFBlocks` (``kernels/quant/gguf_reference.pack_w4g128``), which the block method
-runs like any GGUF type (Triton on CUDA, numba or tiles on the CPU).
+one :class:`GGUFBlocks` (``kernels/quant/gguf_reference.pack_w4g128``). :class:`W4G128LinearMethod`
+loads them as the block method does (tensor-parallel cuts on 128-groups, act-order checks) and
+runs them as it does on the CPU (numba or tiles); on CUDA it repacks each layer once after loading
+into ``kernels/quant/w4_layout``'s :class:`W4Weight` (the same values: codes and headers split so
+the GEMV reads wide coalesced words), which ``kernels/quant/triton_w4.py`` multiplies.
 
 >>> scheme = Int4CheckpointScheme.from_config({"quant_method": "awq", "bits": 4, "group_size": 128,
 ...                                            "zero_point": True, "version": "gemm"})
@@ -32,12 +35,19 @@ from dataclasses import dataclass
 import torch
 
 from hearth_llm.engine.loader.gguf_blocks import GGUFBlocks
+from hearth_llm.kernels import linear
+from hearth_llm.kernels.quant import GGUFBlockWeight, w4_layout
 from hearth_llm.kernels.quant.gguf_reference import pack_w4g128
+
+from .gguf_block_method import GGUFBlockLinearMethod
 
 W4G128 = "W4G128"
 GROUP_SIZE = 128
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column order[i]
 _PARTS = ("qweight", "qzeros", "scales")
+# Devices whose layers are repacked into W4Weight after loading (the CPU keeps the rows for its C
+# and numba kernels); tests add "cpu" to run the repacked path in the Triton interpreter.
+REPACK_DEVICE_TYPES = frozenset({"cuda"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,3 +158,57 @@ def _expect(field: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"config.json: quantization_config.{field}={value!r} is not supported; supported: "
                          f"{list(allowed)}")
+
+
+class W4G128LinearMethod(GGUFBlockLinearMethod):
+    """AWQ/GPTQ layers (one ``W4G128`` run): loaded as :class:`GGUFBlockLinearMethod` loads blocks;
+    on CUDA (``REPACK_DEVICE_TYPES``) repacked by :func:`w4_layout.from_rows` after loading (buffers
+    ``w4_codes`` and ``w4_headers``: the rows' bytes, rearranged) and multiplied through
+    ``kernels.linear`` as a :class:`w4_layout.W4Weight`."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        super().process_weights_after_loading(layer)
+        if self.w4_weight(layer) is not None:  # repacked already
+            return
+        (run,) = layer.gguf_runs
+        rows = getattr(layer, run.name)
+        if rows.device.type not in REPACK_DEVICE_TYPES:
+            return
+        weight = w4_layout.from_rows(rows)
+        delattr(layer, run.name)
+        layer.register_buffer("w4_codes", weight.codes)
+        layer.register_buffer("w4_headers", weight.headers)
+
+    @staticmethod
+    def w4_weight(layer) -> w4_layout.W4Weight | None:
+        """The repacked weight (made per call from the buffers), or None where the rows stay."""
+        codes = getattr(layer, "w4_codes", None)
+        return None if codes is None else w4_layout.W4Weight(codes, layer.w4_headers)
+
+    def block_weights(self, layer) -> list[GGUFBlockWeight]:
+        weight = self.w4_weight(layer)
+        if weight is None:
+            return super().block_weights(layer)
+        return [GGUFBlockWeight(W4G128, w4_layout.to_rows(weight))]  # a copy: rows for the block kernels
+
+    def apply(self, layer, x, bias):
+        weight = self.w4_weight(layer)
+        if weight is None:
+            return super().apply(layer, x, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        order = getattr(layer, "gguf_input_order", None)
+        if order is not None:  # act-order: feed the columns in the order they were stored
+            flat = flat.index_select(-1, order)
+        out = linear(flat, weight, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def forward_routine(self, layer):
+        return None if self.w4_weight(layer) is not None else super().forward_routine(layer)
+
+    def resident_bytes(self, layer) -> int:
+        weight = self.w4_weight(layer)
+        if weight is None:
+            return super().resident_bytes(layer)
+        order = getattr(layer, "gguf_input_order", None)
+        extra = 0 if order is None else order.numel() * order.element_size()
+        return sum(t.numel() * t.element_size() for t in (weight.codes, weight.headers)) + extra

@@ -1,0 +1,231 @@
+"""GPU benchmark of the w4a16 (AWQ/GPTQ) kernels of ``kernels/quant/triton_w4.py`` at Llama-3-8B
+layer shapes, against bf16 cuBLAS and the old ``W4G128`` row kernel, and the engine's bs1 decode.
+
+Timings as ``quant_kernels.py`` takes them: one CUDA graph of calls cycling through enough weight
+copies to exceed the L2 cache, divided by the number of calls. GB/s counts the weight's bytes.
+
+    python -m hearth_llm.benchmarks.w4_kernels --part check              # PASS/FAIL against the reference
+    python -m hearth_llm.benchmarks.w4_kernels --part kernels --rows 1 4 8
+    python -m hearth_llm.benchmarks.w4_kernels --part engine --methods awq bf16   # bs1 ms/token, same run
+    python -m hearth_llm.benchmarks.w4_kernels --part compile --configs 0-3     # Triton cache warm-up only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+WORKING_SET = 256 << 20
+
+# (kernel, config) pairs the kernel part times; "split" is the programs split-K aims for (0: no split).
+CONFIGS = [
+    ("gemv", dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=1), 264),
+    ("gemv", dict(block_n=128, num_warps=4, num_stages=1, groups_per_iter=2), 264),
+    ("gemv", dict(block_n=32, num_warps=4, num_stages=1, groups_per_iter=2), 528),
+    ("gemv", dict(block_n=64, num_warps=8, num_stages=1, groups_per_iter=2), 264),
+    ("dot", dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1), 264),
+    ("dot", dict(block_n=64, num_warps=4, num_stages=3, groups_per_iter=2), 264),
+    ("dot", dict(block_n=128, num_warps=4, num_stages=3, groups_per_iter=1), 264),
+    ("dot", dict(block_n=128, num_warps=8, num_stages=4, groups_per_iter=1), 264),
+    ("dot", dict(block_n=64, num_warps=4, num_stages=2, groups_per_iter=4), 528),
+    ("dot", dict(block_n=32, num_warps=4, num_stages=4, groups_per_iter=2), 528),
+]
+
+
+def label(kind: str, config: dict, target: int) -> str:
+    return (f"{kind} BN{config['block_n']}/W{config['num_warps']}/st{config['num_stages']}/G{config['groups_per_iter']}"
+            f"/P{target}")
+
+
+def random_w4(n: int, k: int, device="cuda"):
+    """A random :class:`W4Weight`: random code words, fp16 scales in [0.001, 0.011), zeros 0..15."""
+    from hearth_llm.kernels.quant.w4_layout import W4Weight
+
+    codes = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device)
+    scales = (torch.rand(k // 128, n, device=device) * 0.01 + 0.001).half()
+    zeros = torch.randint(0, 16, (k // 128, n), dtype=torch.int32, device=device)
+    headers = scales.view(torch.int16).to(torch.int32) & 0xFFFF | (zeros << 16)
+    return W4Weight(codes, headers)
+
+
+def copies_of(weight, nbytes: int):
+    from hearth_llm.kernels.quant.w4_layout import W4Weight
+
+    count = max(2, min(64, -(-WORKING_SET // nbytes)))
+    return [weight] + [W4Weight(weight.codes.clone(), weight.headers.clone()) for _ in range(count - 1)]
+
+
+def call_for(kind: str, config: dict, target: int, x, bias=None):
+    from hearth_llm.kernels.quant import triton_w4
+
+    def call(weight):
+        tiles = -(-weight.out_features // config["block_n"])
+        split = 1 if target == 0 else triton_w4.split_for(tiles, weight.in_features // 128, target)
+        fn = triton_w4.gemv if kind == "gemv" else triton_w4.dot_gemv
+        return fn(x, weight, bias, split_k=split, **config)
+    return call
+
+
+def part_check() -> bool:
+    """Every kernel, with and without split-K and bias, against ``w4_layout.reference_linear``."""
+    from hearth_llm.kernels.quant import gguf_reference, triton_w4, w4_layout
+
+    ok = True
+    torch.manual_seed(0)
+    for n, k in ((256, 512), (6144, 4096), (4096, 14336)):
+        weight = random_w4(n, k)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        dense = w4_layout.dequantize(weight)
+        rows = w4_layout.to_rows(weight)
+        exact = torch.equal(triton_w4.dequantize(weight, torch.float32), dense) and \
+            torch.equal(w4_layout.from_rows(rows).codes, weight.codes) and \
+            torch.equal(gguf_reference.dequantize(rows, "W4G128"), dense)
+        print(f"{'PASS' if exact else 'FAIL'} W4 layout/dequantize exact {n}x{k}", flush=True)
+        ok &= exact
+        for m in (1, 2, 4, 8, 16, 40):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            expected = F.linear(x.float(), dense, bias.float())
+            cases = [("default", lambda: triton_w4.w4_linear(x, weight, bias))]
+            if m <= 4:
+                cases += [(f"gemv S{s}", lambda s=s: triton_w4.gemv(x, weight, bias, split_k=s)) for s in (1, 3)]
+            if m <= 16:
+                cases += [(f"dot S{s}", lambda s=s: triton_w4.dot_gemv(x, weight, bias, split_k=s)) for s in (1, 3)]
+            for name, fn in cases:
+                for _ in range(2):  # the second call sees the workspace the first left
+                    out = fn().float()
+                err = ((out - expected).abs().max() / expected.abs().max()).item()
+                good = err < 1e-2
+                ok &= good
+                print(f"{'PASS' if good else 'FAIL'} W4 {name} M={m} {n}x{k}: max rel err {err:.2e}", flush=True)
+    return ok
+
+
+def part_kernels(rows, config_ids) -> dict:
+    from hearth_llm.benchmarks import timing
+    from hearth_llm.kernels.quant import triton_w4g128, w4_layout
+
+    results: dict = {}
+    totals: dict = {}
+    for name, (n, k) in SHAPES.items():
+        weights = copies_of(random_w4(n, k), n * k // 2)
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(max(2, min(64, -(-WORKING_SET // (n * k * 2)))))]
+        old_rows = None
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cells = {"bf16": timing.graphed_us([lambda w=w: F.linear(x, w) for w in dense], num_warmup=2)}
+            if m == 1:
+                old_rows = old_rows or [w4_layout.to_rows(w) for w in weights[:8]] * (len(weights) // 8 or 1)
+                cells["old W4G128"] = timing.graphed_us(
+                    [lambda d=d: triton_w4g128.w4g128_linear(x, d) for d in old_rows], num_warmup=2)
+            for index in config_ids:
+                kind, config, target = CONFIGS[index]
+                try:
+                    call = call_for(kind, config, target, x)
+                    cells[label(kind, config, target)] = timing.graphed_us(
+                        [lambda w=w: call(w) for w in weights], num_warmup=2)
+                except Exception as error:  # noqa: BLE001 - one config failing must not hide the rest
+                    print(f"W4 {label(kind, config, target)} M={m} {name}: {type(error).__name__}: {error}"[:400],
+                          flush=True)
+            from hearth_llm.kernels.quant import triton_w4
+            cells["w4 default"] = timing.graphed_us([lambda w=w: triton_w4.w4_linear(x, w) for w in weights],
+                                                    num_warmup=2)
+            for key, us in cells.items():
+                totals[(m, key)] = totals.get((m, key), 0.0) + us
+            nbytes = {key: n * k * 2 if key == "bf16" else n * k // 2 + n * k // 32 for key in cells}
+            print(f"W4 M={m:<2} {name:7} " + " | ".join(f"{key} {us:.1f} us ({nbytes[key] / us / 1e3:.0f} GB/s)"
+                                                        for key, us in cells.items()), flush=True)
+            results[f"{name} M={m}"] = cells
+    for m in rows:
+        line = {key: round(us, 1) for (mm, key), us in totals.items() if mm == m}
+        best = min((us, key) for key, us in line.items() if key not in ("bf16", "old W4G128"))
+        print(f"W4 layer sum M={m}: " + " | ".join(f"{key} {us}" for key, us in line.items())
+              + f" || best {best[1]} {best[0]:.1f} vs bf16 {line['bf16']} ({best[0] / line['bf16']:.2f}x)", flush=True)
+        results[f"layer sum M={m}"] = line
+    return results
+
+
+def part_compile(config_ids, rows) -> None:
+    """Compile the configs' kernels (Triton's disk cache keeps them) on a small weight of the same
+    specialization, so a later timing run does not compile."""
+    for index in config_ids:
+        kind, config, target = CONFIGS[index]
+        weight = random_w4(512, 1024)
+        for m in rows:
+            x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+            for split in (1, 2):
+                fn = call_for(kind, config, 0 if split == 1 else 10**6, x)
+                try:
+                    fn(weight)
+                except Exception as error:  # noqa: BLE001
+                    print(f"compile {label(kind, config, target)} M={m}: {type(error).__name__}: {error}"[:300])
+    torch.cuda.synchronize()
+
+
+def part_engine(methods, num_layers, max_num_seqs: int) -> dict:
+    """bs1 ms/token of the engine on the Llama-3-8B shape with random weights (``quant_engine``'s
+    checkpoints: AWQ GEMM parts for ``awq``), one engine at a time, with the decode graphs' replays."""
+    import gc
+
+    from hearth_llm.benchmarks import quant_engine
+    from hearth_llm.benchmarks.throughput import decode_graph_bs1_ms, ours_bs1_ms_per_token
+
+    results = {}
+    for method in methods:
+        args = argparse.Namespace(shape="llama3-8b", method=method, device="cuda", num_layers=num_layers,
+                                  max_model_len=4096, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+                                  kv_cache_memory="8GiB")
+        started = time.perf_counter()
+        engine = quant_engine.build_engine(args)
+        init_s = time.perf_counter() - started
+        graphs = engine.runner.decode_graphs
+        ms = ours_bs1_ms_per_token(engine, num_tokens=128)
+        ms = min(ms, ours_bs1_ms_per_token(engine, num_tokens=128))
+        result = {"bs1_ms_per_token": ms, "decode_graph_ms": decode_graph_bs1_ms(engine), "init_s": init_s,
+                  "graph_replays": None if graphs is None else graphs.num_replays}
+        results[method] = result
+        print(f"W4 engine {method} 8B ({num_layers or 32} layers): {json.dumps(result)}", flush=True)
+        del engine, graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "awq" in results and "bf16" in results:
+        ratio = results["awq"]["bs1_ms_per_token"] / results["bf16"]["bs1_ms_per_token"]
+        results["awq_over_bf16"] = ratio
+        print(f"W4 engine bs1 awq / bf16 = {ratio:.3f} (goal <= 0.45)", flush=True)
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("check", "kernels", "engine", "compile"), required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--configs", default=f"0-{len(CONFIGS) - 1}", help="indices into CONFIGS, e.g. 0-3,6")
+    parser.add_argument("--methods", nargs="+", default=["awq"], choices=("awq", "bf16", "fp8"))
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    config_ids = []
+    for part in args.configs.split(","):
+        low, _, high = part.partition("-")
+        config_ids += list(range(int(low), int(high or low) + 1))
+    if args.part == "check":
+        results = {"ok": part_check()}
+    elif args.part == "kernels":
+        results = part_kernels(args.rows, config_ids)
+    elif args.part == "compile":
+        part_compile(config_ids, args.rows)
+        return
+    else:
+        results = part_engine(args.methods, args.num_layers, args.max_num_seqs)
+    if args.json:
+        with open(args.json, "w") as sink:
+            json.dump(results, sink, indent=2)
+
+
+if __name__ == "__main__":
+    main()

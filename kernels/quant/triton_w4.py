@@ -1,0 +1,280 @@
+"""Triton: ``x @ W.T + bias`` for a :class:`~.w4_layout.W4Weight` (AWQ/GPTQ 4-bit, groups of 128).
+
+What every path computes is ``w4_layout.reference_linear``. The codes become floats without an
+int->float conversion (a quarter-rate instruction on Hopper): OR-ing nibble ``i`` (bits ``4 P`` of
+a 16-bit half, ``P = i % 4``) into the mantissa of a float whose unit is bit ``4 P`` gives
+``2^(23 - 4 P) + code`` exactly, and subtracting ``2^(23 - 4 P) + zero`` leaves ``code - zero``
+(``_codes_minus_zero``): a LOP3 and an FADD a weight. The group scale multiplies each group's
+float32 dot once (so the products are those of the exact ``code - zero``).
+
+- :func:`dot_gemv` (up to ``DOT_MAX_ROWS`` rows of bf16/fp16 ``x``): the tensor cores with the
+  operands swapped, ``out.T = W @ x.T``: ``BLOCK_N`` weight rows on the MMA's M side, the tokens
+  zero-padded to 16 on its N side; per group, nibble ``i`` of the 16 words is the ``[BLOCK_N, 16]``
+  operand of 16 consecutive inputs (exact integers in ``x``'s dtype), so a group is eight K=16 dots.
+  The word loads feed ``tl.dot`` and go through its pipelined asynchronous loads.
+- :func:`gemv` (CUDA cores, any float ``x``, up to ``GEMV_MAX_ROWS``): the same decode, float32
+  FMAs against ``x`` broadcast over each thread's rows.
+- More rows: the weight is dequantized into a scratch copy in ``x``'s dtype for cuBLAS.
+
+Both GEMVs split the groups over several programs when the layer has few output tiles: each
+adds its float32 partial into a zeroed workspace, and the last program of a tile (a counter)
+reads the sums, clears the workspace and counter, and writes the output (no extra launch).
+
+>>> out = w4_linear(x.cuda(), w4_layout.from_rows(rows.cuda()))   # ≈ w4_layout.reference_linear(x, ...)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4_layout import W4Weight
+
+GEMV_MAX_ROWS = 1
+DOT_MAX_ROWS = 16
+# (block_n, num_warps, num_stages) of each kernel, and the programs split-K aims for.
+DOT_CONFIG = dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1)
+GEMV_CONFIG = dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=1)
+TARGET_PROGRAMS = 264  # ~2 per SM on the H200's 132
+MIN_GROUPS_PER_SPLIT = 4
+
+
+@triton.jit
+def _zero_offsets(header):
+    """``(2^(23 - 4P) + zero)`` for P = 0..3, float32, from a header word (zero in bits 16..23)."""
+    zero23 = (((header >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)   # 2^23 + zero
+    return zero23, zero23 - 7864320.0, zero23 - 8355840.0, zero23 - 8386560.0
+
+
+@triton.jit
+def _scale(header):
+    return (header & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _codes_minus_zero(words, hi, z0, z1, z2, z3, I: tl.constexpr):
+    """Float32 ``code - zero`` of nibble ``I`` (0..7) of ``words`` (``hi`` = ``words >> 16``);
+    ``z*`` broadcast against ``words``."""
+    P: tl.constexpr = I % 4
+    MAGIC: tl.constexpr = (150 - 4 * P) << 23
+    MASK: tl.constexpr = 0xF << (4 * P)
+    if I < 4:
+        f = ((words & MASK) | MAGIC).to(tl.float32, bitcast=True)
+    else:
+        f = ((hi & MASK) | MAGIC).to(tl.float32, bitcast=True)
+    if P == 0:
+        return f - z0
+    elif P == 1:
+        return f - z1
+    elif P == 2:
+        return f - z2
+    else:
+        return f - z3
+
+
+@triton.jit
+def _finish(acc, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS: tl.constexpr,
+            IS_SPLIT: tl.constexpr):
+    """Store ``acc`` (``[BLOCK_N, BLOCK_T]`` float32, output rows ``n``, tokens ``t``) plus the
+    bias; split (``num_splits`` programs a tile), through the workspace and the tile's counter (module docstring)."""
+    store_mask = (t[None, :] < M) & (n[:, None] < N)
+    out_ptrs = out_ptr + t[None, :].to(tl.int64) * stride_out + n[:, None]
+    if IS_SPLIT:
+        partial = ws_ptr + t[None, :] * N + tl.minimum(n, N - 1)[:, None]
+        tl.atomic_add(partial, acc, mask=n[:, None] < N, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is in before the count says so
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            zeros = tl.zeros(acc.shape, dtype=tl.float32)
+            total = tl.atomic_add(partial, zeros, mask=n[:, None] < N, sem="acquire")  # read where they landed
+            tl.store(partial, zeros, mask=n[:, None] < N)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit(do_not_specialize=["groups_per_split", "num_splits"])
+def _w4_dot_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
+                   stride_x, stride_c, stride_out, groups_per_split, num_splits, HAS_BIAS: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """See :func:`dot_gemv`: ``acc[BN, BT] += scale * sum_i dot(code_i - zero, x_i.T)`` per group."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = tl.minimum(n, N - 1)  # rows past the end read the last row; never stored
+    t = tl.arange(0, BLOCK_T)
+    c = tl.arange(0, 16)
+    x_cols = x_ptr + tl.minimum(t, M - 1)[None, :].to(tl.int64) * stride_x + c[:, None]    # [16, BT]
+    live = (t < M)[None, :]
+    code_rows = codes_ptr + n_in[:, None].to(tl.int64) * stride_c + c[None, :]             # [BN, 16]
+    num_groups = K // 128
+    g_start = tl.program_id(1) * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for g0 in range(g_start, g_end, GROUPS_PER_ITER):
+        for gi in tl.static_range(GROUPS_PER_ITER):
+            g = g0 + gi
+            valid = g * 16 + c < g_end * 16                                                   # [16]: g < g_end
+            words = tl.load(code_rows + g * 16, mask=valid[None, :], other=0)                 # [BN, 16]
+            header = tl.load(headers_ptr + g * N + n_in, mask=g + 0 * n < g_end, other=0)    # [BN]
+            z0, z1, z2, z3 = _zero_offsets(header[:, None])
+            hi = words >> 16
+            d = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            for i in tl.static_range(8):
+                q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i).to(x_ptr.dtype.element_ty)
+                xv = tl.load(x_cols + g * 128 + 16 * i, mask=live & valid[:, None], other=0.0)  # [16, BT]
+                d = tl.dot(q, xv, d)
+            acc += d * _scale(header)[:, None]
+    _finish(acc, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS, IS_SPLIT)
+
+
+@triton.jit(do_not_specialize=["groups_per_split", "num_splits"])
+def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
+                    stride_x, stride_c, stride_out, groups_per_split, num_splits, HAS_BIAS: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
+                    IS_SPLIT: tl.constexpr):
+    """See :func:`gemv`: per group, ``d[T, BN, 16] += x_i[T, 1, 16] * (code_i - zero)[1, BN, 16]``
+    over the eight nibbles, then ``acc += scale * d``; summed over the 16 words at the end."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = tl.minimum(n, N - 1)
+    t = tl.arange(0, BLOCK_T)
+    c = tl.arange(0, 16)
+    x_cols = x_ptr + tl.minimum(t, M - 1)[:, None].to(tl.int64) * stride_x + c[None, :]    # [BT, 16]
+    live = (t < M)[:, None]
+    code_rows = codes_ptr + n_in[:, None].to(tl.int64) * stride_c + c[None, :]             # [BN, 16]
+    num_groups = K // 128
+    g_start = tl.program_id(1) * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    acc = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
+    for g0 in range(g_start, g_end, GROUPS_PER_ITER):
+        for gi in tl.static_range(GROUPS_PER_ITER):
+            g = g0 + gi
+            valid = g * 16 + c < g_end * 16                                                   # [16]: g < g_end
+            words = tl.load(code_rows + g * 16, mask=valid[None, :], other=0)                 # [BN, 16]
+            header = tl.load(headers_ptr + g * N + n_in, mask=g + 0 * n < g_end, other=0)    # [BN]
+            z0, z1, z2, z3 = _zero_offsets(header[:, None])
+            hi = words >> 16
+            d = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
+            for i in tl.static_range(8):
+                q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i)
+                xv = tl.load(x_cols + g * 128 + 16 * i, mask=live & valid[None, :], other=0.0).to(tl.float32)
+                d += xv[:, None, :] * q[None, :, :]
+            acc += d * _scale(header)[None, :, None]
+    _finish(tl.trans(tl.sum(acc, axis=2)), n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr,
+            num_splits, HAS_BIAS, IS_SPLIT)
+
+
+@triton.jit
+def _w4_dequant_kernel(codes_ptr, headers_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = tl.minimum(n, N - 1)
+    g = tl.program_id(1)
+    c = tl.arange(0, 16)
+    words = tl.load(codes_ptr + n_in[:, None].to(tl.int64) * (K // 8) + g * 16 + c[None, :])
+    header = tl.load(headers_ptr + g * N + n_in)
+    z0, z1, z2, z3 = _zero_offsets(header[:, None])
+    scale = _scale(header)[:, None]
+    hi = words >> 16
+    out_rows = out_ptr + n[:, None].to(tl.int64) * K + g * 128 + c[None, :]
+    for i in tl.static_range(8):
+        values = _codes_minus_zero(words, hi, z0, z1, z2, z3, i) * scale
+        tl.store(out_rows + 16 * i, values.to(out_ptr.dtype.element_ty), mask=n[:, None] < N)
+
+
+def dequantize(weight: W4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weight in ``dtype`` (one launch; equal to ``w4_layout.dequantize``)."""
+    num_rows, num_columns = weight.out_features, weight.in_features
+    out = torch.empty(num_rows, num_columns, dtype=dtype, device=weight.codes.device)
+    block_n = 32
+    _w4_dequant_kernel[(triton.cdiv(num_rows, block_n), num_columns // 128)](
+        weight.codes, weight.headers, out, num_rows, num_columns, BLOCK_N=block_n)
+    return out
+
+
+_SPLIT_BUFFERS: dict = {}
+
+
+def _split_buffers(device: torch.device, block_t: int, num_rows: int, num_tiles: int):
+    """The zeroed float32 workspace ``[block_t, num_rows]`` and int32 tile counters of a split-K
+    GEMV, one pair per (device, shape), kept: each call leaves them zero. ``(None, None)`` when
+    first asked for inside a CUDA graph capture (the caller then runs unsplit). As
+    ``triton_fp8``'s for its GEMV."""
+    key = (device, block_t, num_rows, num_tiles)
+    if key not in _SPLIT_BUFFERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None, None
+        _SPLIT_BUFFERS[key] = (torch.zeros(block_t, num_rows, dtype=torch.float32, device=device),
+                               torch.zeros(num_tiles, dtype=torch.int32, device=device))
+    return _SPLIT_BUFFERS[key]
+
+
+def split_for(num_tiles: int, num_groups: int, target_programs: int = TARGET_PROGRAMS) -> int:
+    """Parts to split the groups in: enough programs for ``target_programs``, each part at least
+    ``MIN_GROUPS_PER_SPLIT`` groups."""
+    wanted = -(-target_programs // num_tiles)
+    return max(1, min(wanted, num_groups // MIN_GROUPS_PER_SPLIT))
+
+
+def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split_k: int | None) -> torch.Tensor:
+    x = x.contiguous()
+    m, k = x.shape
+    num_rows = weight.out_features
+    out = torch.empty(m, num_rows, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n, groups_per_iter = config["block_n"], config["groups_per_iter"]
+    num_tiles = triton.cdiv(num_rows, block_n)
+    num_groups = k // 128
+    split_k = split_k or split_for(num_tiles, num_groups)
+    groups_per_split = triton.cdiv(triton.cdiv(num_groups, split_k), groups_per_iter) * groups_per_iter
+    split_k = triton.cdiv(num_groups, groups_per_split)
+    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x.device, block_t, num_rows, num_tiles)
+    if workspace is None:  # first met inside a CUDA graph capture: no persistent buffers there
+        split_k, groups_per_split, workspace, counts = 1, num_groups, out, out
+    kernel[(num_tiles, split_k)](
+        x, weight.codes, weight.headers, bias if bias is not None else out, out, workspace, counts, m, num_rows, k,
+        x.stride(0), weight.codes.stride(0), out.stride(0), groups_per_split, split_k, HAS_BIAS=bias is not None,
+        BLOCK_T=block_t, BLOCK_N=block_n, GROUPS_PER_ITER=groups_per_iter, IS_SPLIT=split_k > 1,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out
+
+
+def _check(x: torch.Tensor, weight: W4Weight) -> None:
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"x must be [M, {weight.in_features}] for this W4 weight, got {tuple(x.shape)}")
+
+
+def dot_gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
+             split_k: int | None = None, **config) -> torch.Tensor:
+    """Up to 16 rows of bf16/fp16 ``x`` on the tensor cores (``_w4_dot_kernel``); ``config``
+    overrides ``DOT_CONFIG`` (block_n, num_warps, num_stages, groups_per_iter)."""
+    _check(x, weight)
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > 16:
+        raise ValueError(f"dot_gemv takes up to 16 rows of bfloat16/float16 x, got {x.shape[0]} of {x.dtype}")
+    return _launch(_w4_dot_kernel, x, weight, bias, 16, {**DOT_CONFIG, **config}, split_k)
+
+
+def gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
+         split_k: int | None = None, **config) -> torch.Tensor:
+    """A few rows of ``x`` on the CUDA cores (``_w4_gemv_kernel``, float32 FMAs); ``config``
+    overrides ``GEMV_CONFIG``."""
+    _check(x, weight)
+    return _launch(_w4_gemv_kernel, x, weight, bias, triton.next_power_of_2(max(x.shape[0], 1)),
+                   {**GEMV_CONFIG, **config}, split_k)
+
+
+def w4_linear(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
+              gemv_max_rows: int = GEMV_MAX_ROWS, dot_max_rows: int = DOT_MAX_ROWS) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``x`` ``[M, K]``, the result in ``x``'s dtype: up to ``gemv_max_rows``
+    rows the CUDA-core GEMV, up to ``dot_max_rows`` (bf16/fp16) the tensor-core one, more rows
+    dequantize a scratch weight for cuBLAS."""
+    _check(x, weight)
+    m = x.shape[0]
+    if m <= gemv_max_rows:
+        return gemv(x, weight, bias)
+    if m <= min(dot_max_rows, 16) and x.dtype in (torch.bfloat16, torch.float16):
+        return dot_gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
