@@ -130,6 +130,18 @@ def test_the_compiled_blocks_function_is_the_layers_second_half():
     assert torch.allclose(actual, expected, atol=1e-5), (actual - expected).abs().max()
 
 
+def test_add_and_norm_is_the_layer_norm_of_the_sum_on_the_cpu():
+    from hearth_llm.embeddings.bert import add_and_norm
+
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(32, eps=1e-12)
+    norm.weight.data.normal_(1, 0.5)
+    norm.bias.data.normal_(0, 0.5)
+    x, residual = torch.randn(7, 32), torch.randn(7, 32)
+    with torch.no_grad():
+        assert torch.equal(add_and_norm(x, residual, norm), norm(residual + x))
+
+
 def test_compiled_blocks_stay_off_on_the_cpu(tmp_path):
     path = write_tiny_sentence_model(tmp_path)
     with EmbeddingEngine(EmbeddingConfig(model=str(path), dtype="float32")) as engine:

@@ -91,6 +91,22 @@ def test_varlen_flash_attention_matches_attention_per_run(dtype):
     assert (fast.float() - per_run.float()).abs().max().item() <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_and_norm_on_cuda_is_the_two_torch_ops_to_rounding(dtype):
+    from hearth_llm.embeddings.bert import add_and_norm
+
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(1024, eps=1e-5).to("cuda", dtype)
+    norm.weight.data.normal_(1, 0.5)
+    norm.bias.data.normal_(0, 0.5)
+    x, residual = (torch.randn(300, 1024, device="cuda", dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        fused, eager = add_and_norm(x, residual, norm), norm(residual + x)
+    assert fused.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2      # one rounding step of the output in half precision
+    torch.testing.assert_close(fused.float(), eager.float(), rtol=tolerance, atol=tolerance)
+
+
 def test_compiled_blocks_embed_as_the_eager_encoder_in_bfloat16(tmp_path):
     path = write_encoder(tmp_path, "xlm-roberta", "mean")
     vectors = {}
