@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hearth_llm.embeddings import bert
 from hearth_llm.embeddings.batching import plan_batches
 from hearth_llm.embeddings.bert import PackedLayout, packed_attention
 
@@ -180,6 +181,17 @@ def _forward_us(runner, batch: list[list[int]]) -> dict:
         return runner.model(input_ids, attention_mask, layout=layout)
 
     result = {"eager": _cuda_us(lambda i: forward(), 5)}
+    for name, patches in _forward_variants().items():     # the same forward with another kernel swapped in
+        saved = {attribute: getattr(bert, attribute) for attribute in patches}
+        try:
+            for attribute, replacement in patches.items():
+                setattr(bert, attribute, replacement)
+            result[name] = _cuda_us(lambda i: forward(), 5)
+        except RuntimeError as error:
+            result[name] = f"failed: {type(error).__name__}: {str(error)[:120]}"
+        finally:
+            for attribute, original in saved.items():
+                setattr(bert, attribute, original)
     if not torch.cuda.is_available():
         return result
     try:
@@ -195,6 +207,30 @@ def _forward_us(runner, batch: list[list[int]]) -> dict:
     except RuntimeError as error:
         result["cuda_graph"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
     return result
+
+
+def _forward_variants() -> dict:
+    """Kernels the forward pass could take instead, as replacements of bert.py's functions."""
+    def torch_add_and_norm(x, residual, norm):
+        return norm(residual + x)
+
+    def dense_attention(backend):
+        def attend(qkv, layout, num_heads):
+            if len(layout.runs) != 1:
+                return original_attention(qkv, layout, num_heads)
+            _, num_texts, length = layout.runs[0]
+            query, key, value = qkv.view(num_texts, length, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(query, key, value)
+            return out.transpose(1, 2).reshape(qkv.shape[0], -1)
+        return attend
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    original_attention = bert.packed_attention
+    return {"torch_add_then_norm": {"add_and_norm": torch_add_and_norm},
+            "sdpa_cudnn_attention": {"packed_attention": dense_attention(SDPBackend.CUDNN_ATTENTION)},
+            "sdpa_flash_attention": {"packed_attention": dense_attention(SDPBackend.FLASH_ATTENTION)}}
 
 
 def _profile(runner, batch: list[list[int]]) -> dict:
