@@ -72,7 +72,7 @@ def build_engine(args):
     config = EngineConfig(model=checkpoint.source, dtype="bfloat16", device=args.device,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, show_progress=False,
-                          quantization="fp8" if args.method == "fp8" else None)
+                          quantization="fp8" if args.method == "fp8" else None, kv_cache_dtype=args.kv_cache_dtype)
     return LLMEngine(config, checkpoint=checkpoint)
 
 
@@ -107,8 +107,8 @@ def fuse_fp8_prologues(enabled: bool = True) -> None:
 
 
 _FUSED_DECODE_ORIGINALS: dict = {}
-# bs1 A/B variants: (one-row GEMV on, fused prologues on).
-BS1_VARIANTS = {"dot (old)": (False, False), "row": (True, False), "row+fused": (True, True)}
+# bs1 A/B variants: (one-row GEMV on, fused prologues on); the newest first, in case of a kill.
+BS1_VARIANTS = {"row+fused": (True, True), "row": (True, False), "dot (old)": (False, False)}
 
 
 def greedy_tokens(engine, num_tokens: int = 48) -> list[int]:
@@ -153,6 +153,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer decoder layers (smoke tests)")
     parser.add_argument("--kv-cache-memory", default="40GiB")
+    parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" (the model dtype) or "fp8" (e4m3 cache)')
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--bs1-ab", action="store_true",
                         help="fp8: bs1 with the old several-row GEMV, the one-row GEMV, and the fused prologues")
@@ -166,9 +167,10 @@ def main(argv=None) -> None:
         fuse_fp8_prologues()
     engine = build_engine(args)
     model = engine.runner.model
-    results = {"shape": args.shape, "method": args.method, "init_s": time.perf_counter() - started,
+    results = {"shape": args.shape, "method": args.method, "kv_cache_dtype": args.kv_cache_dtype,
+               "init_s": time.perf_counter() - started,
                "weight_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
-    print(f"{args.method} {args.shape}: engine up in {results['init_s']:.1f} s, "
+    print(f"{args.method} {args.shape} kv {args.kv_cache_dtype}: engine up in {results['init_s']:.1f} s, "
           f"weights {results['weight_bytes'] / 2**30:.2f} GiB", flush=True)
     if args.bs1_ab:
         results["bs1_ab"] = bs1_ab(engine, args)

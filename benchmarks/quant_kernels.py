@@ -120,18 +120,19 @@ def bench_fp8(rows, configs) -> None:
                                                     if mm == m), flush=True)
 
 
-# One-row GEMV launches the sweep tries per shape (BN, BK, WARPS, STAGES, SPLIT): the table's
-# entry first, then alternatives that change one thing (tile depth, split, stages).
+# One-row GEMV launches the sweep tries per shape (BN, BK, WARPS, STAGES, SPLIT[, PREFETCH]): the
+# table's entry first, then alternatives that change one thing (tile depth, split, stages; qkv's
+# second is the first without the row's prefetch).
 ROW_SWEEP = {
-    "qkv": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4), (64, 128, 4, 6, 4)],
-    "o": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4), (64, 128, 4, 6, 4)],
+    "qkv": [(64, 512, 4, 3, 2), (64, 512, 4, 3, 2, 0), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4)],
+    "o": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4)],
     "gate_up": [(64, 256, 4, 4, 1), (64, 512, 4, 3, 1), (128, 256, 8, 3, 1), (64, 256, 4, 4, 2)],
     "down": [(64, 512, 4, 3, 4), (64, 256, 4, 4, 4), (64, 512, 4, 3, 2), (64, 256, 4, 4, 8), (64, 512, 4, 3, 8)],
 }
 PROLOGUE_OF = {"qkv": "rms_norm", "gate_up": "rms_norm", "down": "silu", "o": None}
 
 
-def bench_row(limit_s: float = 1e9) -> dict:
+def bench_row(limit_s: float = 1e9, with_old: bool = False) -> dict:
     """M=1: bf16 cuBLAS, the several-row tensor-core GEMV (the old one-row path), the one-row GEMV
     at each :data:`ROW_SWEEP` launch, then at the best launch its fused prologue against the
     unfused op + plain GEMV. Returns {shape: best launch tuple}; stops sweeping past ``limit_s``."""
@@ -147,8 +148,9 @@ def bench_row(limit_s: float = 1e9) -> dict:
         wq, ws = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
         copies = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies_for(n * k) - 1)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        results = {"bf16": bf16_us(n, k, 1),
-                   "old dot": graphed_us([lambda c=c: triton_fp8.dot_gemv(x, c[0], c[1]) for c in copies])}
+        results = {"bf16": bf16_us(n, k, 1)}
+        if with_old:
+            results["old dot"] = graphed_us([lambda c=c: triton_fp8.dot_gemv(x, c[0], c[1]) for c in copies])
         for config in ROW_SWEEP[name]:
             if time.perf_counter() - started > limit_s and config != ROW_SWEEP[name][0]:
                 break
@@ -159,7 +161,7 @@ def bench_row(limit_s: float = 1e9) -> dict:
         best[name] = tuple(int(v) for v in row_label[4:].split("/"))
         launch = triton_fp8.RowLaunch(*best[name])
         layer["bf16"] += results["bf16"]
-        layer["old dot"] += results["old dot"]
+        layer["old dot"] += results.get("old dot", 0.0)
         layer["row best"] += results[row_label]
         prologue = PROLOGUE_OF[name]
         if prologue == "rms_norm":
@@ -290,6 +292,7 @@ def main(argv=None) -> None:
                         help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH[,J4]]; fp8 (tensor-core GEMV): "
                              "d:BN,BK,WARPS,STAGES,RECIP[,SPLIT]; several")
     parser.add_argument("--limit-s", type=float, default=1e9, help="fp8-row: stop sweeping after this long")
+    parser.add_argument("--with-old", action="store_true", help="fp8-row: time the several-row GEMV too")
     args = parser.parse_args(argv)
     if args.part == "check":
         print("check " + ("PASS" if check() else "FAIL"), flush=True)
@@ -298,7 +301,7 @@ def main(argv=None) -> None:
         print("check fp8 row " + ("PASS" if check_row() else "FAIL"), flush=True)
         return
     if args.part == "fp8-row":
-        bench_row(args.limit_s)
+        bench_row(args.limit_s, args.with_old)
         return
     if args.part == "w4":
         configs = [tuple(int(v) for v in c.split(",")) for c in (args.configs or [])]

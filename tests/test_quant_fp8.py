@@ -93,8 +93,10 @@ def _codes_times_power_of_two(num_columns: int, seed: int, scale: float = 2.0 **
     return codes, codes.float() * scale
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_one_row_fp8_gemv_quantizes_and_multiplies_like_the_reference(split_k):
+@pytest.mark.parametrize("split_k, block_k, prefetch", [(1, 32, True), (3, 32, True), (1, 64, False), (2, 64, True)])
+def test_one_row_fp8_gemv_quantizes_and_multiplies_like_the_reference(split_k, block_k, prefetch):
+    """K = 96: in 32-column tiles every part is whole tiles (unmasked weight loads); in 64-column
+    tiles the last tile is cut (masked), and with two parts the second holds only that cut tile."""
     from hearth_llm.kernels.quant import triton_fp8
 
     generator = torch.Generator().manual_seed(11)
@@ -102,7 +104,8 @@ def test_one_row_fp8_gemv_quantizes_and_multiplies_like_the_reference(split_k):
     codes, x = _codes_times_power_of_two(96, seed=12)
     bias = torch.randn(40, generator=generator)
     expected = (codes.float() @ weight_fp8.float().t()) * 2.0 ** -4 * weight_scale[None, :] + bias
-    launch = triton_fp8.RowLaunch(block_n=16, block_k=32, num_warps=1, num_stages=2, split_k=split_k)
+    launch = triton_fp8.RowLaunch(block_n=16, block_k=block_k, num_warps=1, num_stages=2, split_k=split_k,
+                                  prefetch=prefetch)
     for _ in range(2):  # split-K's workspace and counters must be clean again for the second call
         out, summed = triton_fp8.row_gemv(x, weight_fp8, weight_scale, bias, launch=launch)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

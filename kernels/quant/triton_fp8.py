@@ -241,13 +241,15 @@ ROW_GEMV = True
 @dataclass(frozen=True, slots=True)
 class RowLaunch:
     """Tile of one program of the one-row GEMV (``block_n`` weight rows, K walked ``block_k`` at a
-    time, ``num_stages`` loads in flight) and the number of K parts (``split_k``)."""
+    time, ``num_stages`` loads in flight), the number of K parts (``split_k``) and whether the row's
+    next tile is loaded a step ahead (``prefetch``)."""
 
     block_n: int = 64
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    prefetch: bool = True
 
 
 # Launches by weight shape (N, K); others take :func:`row_launch`'s rule. The Llama-3-8B shapes
@@ -272,24 +274,43 @@ def row_launch(num_rows: int, k: int) -> RowLaunch:
 
 
 @triton.jit
-def _row_values(x_ptr, residual_ptr, norm_ptr, cols, mask, K, inverse_rms,
-                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Columns ``cols`` of the row the weight multiplies, in float32, each intermediate rounded to
-    x's dtype where the unfused kernels store it (``inverse_rms`` is used by RMS_NORM only)."""
+def _row_inputs(x_ptr, residual_ptr, norm_ptr, cols, mask, K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The loads behind columns ``cols`` of the row, in float32 (see :func:`_row_from`); the ones a
+    prologue does not use are ``x``'s again (no load)."""
+    first = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    second, third = first, first
+    if PROLOGUE == 2:
+        second = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        if HAS_RESIDUAL:
+            second = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            third = tl.load(norm_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return first, second, third
+
+
+@triton.jit
+def _row_from(x_ptr, first, second, third, inverse_rms, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The row the weight multiplies, in float32, from :func:`_row_inputs`' loads, each intermediate
+    rounded to x's dtype where the unfused kernels store it (``inverse_rms``: RMS_NORM only)."""
     storage = x_ptr.dtype.element_ty
     if PROLOGUE == 2:
-        gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
-        row = (gate * tl.sigmoid(gate) * up).to(storage).to(tl.float32)
+        row = (first * tl.sigmoid(first) * second).to(storage).to(tl.float32)
     else:
-        row = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        row = first
         if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            row = (row + residual).to(storage).to(tl.float32)
+            row = (row + second).to(storage).to(tl.float32)
         if PROLOGUE == 1:
-            norm_weight = tl.load(norm_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            row = ((row * inverse_rms).to(storage).to(tl.float32) * norm_weight).to(storage).to(tl.float32)
+            row = ((row * inverse_rms).to(storage).to(tl.float32) * third).to(storage).to(tl.float32)
     return row
+
+
+@triton.jit
+def _row_values(x_ptr, residual_ptr, norm_ptr, cols, mask, K, inverse_rms,
+                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Columns ``cols`` of the row the weight multiplies (:func:`_row_inputs`, then :func:`_row_from`)."""
+    first, second, third = _row_inputs(x_ptr, residual_ptr, norm_ptr, cols, mask, K, PROLOGUE, HAS_RESIDUAL)
+    return _row_from(x_ptr, first, second, third, inverse_rms, PROLOGUE, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -297,7 +318,8 @@ def _fp8_row_gemv_kernel(x_ptr, residual_ptr, norm_ptr, summed_ptr, w_ptr, ws_pt
                          N, K, eps, stride_w, ws32_ptr, count_ptr, k_per_split,
                          PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                          FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PASS_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PASS_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
     """``out[0, n] = fp8_linear_reference(row, W)[n]`` for the one ``row`` of the prologue.
 
     Every program first walks the whole row in L2 (a few KiB): its sum of squares (RMS_NORM; the
@@ -305,7 +327,11 @@ def _fp8_row_gemv_kernel(x_ptr, residual_ptr, norm_ptr, summed_ptr, w_ptr, ws_pt
     the per-token scale. The main loop quantizes ``BLOCK_K`` columns of the row as a vector and
     puts them in column 0 of a 16-column e4m3 tile (the MMA's narrowest N; the other 15 are zero),
     so the weight tile ``[BLOCK_N, BLOCK_K]`` streams through ``tl.dot``'s pipelined loads as in
-    ``_fp8_dot_gemv_kernel``. Split-K as there, on one float32 per output."""
+    ``_fp8_dot_gemv_kernel``. Split-K as there, on one float32 per output.
+
+    ``EVEN_K``: every part is whole ``BLOCK_K`` tiles (no masks on the weight loads, which keeps
+    them 16-byte vectors). ``PREFETCH``: the row's loads for the next tile are issued before this
+    tile's quantization and MMA, so their L2 latency overlaps the loop instead of adding to it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     kp = tl.arange(0, PASS_BLOCK)
@@ -337,12 +363,24 @@ def _fp8_row_gemv_kernel(x_ptr, residual_ptr, norm_ptr, summed_ptr, w_ptr, ws_pt
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH:
+        first, second, third = _row_inputs(x_ptr, residual_ptr, norm_ptr, k_start + k0, k_start + k0 < k_end, K,
+                                           PROLOGUE, HAS_RESIDUAL)
     for start in range(k_start, k_end, BLOCK_K):
         k = start + k0
         in_part = k < k_end
-        w = tl.load(w_rows + k[None, :], mask=in_part[None, :], other=0.0)                # [BN, BK] e4m3
-        v = _row_values(x_ptr, residual_ptr, norm_ptr, k, in_part, K, inverse_rms,
-                        PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])                                                # [BN, BK] e4m3
+        else:
+            w = tl.load(w_rows + k[None, :], mask=in_part[None, :], other=0.0)
+        if PREFETCH:
+            v = _row_from(x_ptr, first, second, third, inverse_rms, PROLOGUE, HAS_RESIDUAL)
+            ahead = k + BLOCK_K
+            first, second, third = _row_inputs(x_ptr, residual_ptr, norm_ptr, ahead, ahead < k_end, K,
+                                               PROLOGUE, HAS_RESIDUAL)
+        else:
+            v = _row_values(x_ptr, residual_ptr, norm_ptr, k, in_part, K, inverse_rms,
+                            PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL)
         q = tl.clamp(v * inverse_scale, -FP8_MAX_C, FP8_MAX_C).to(w_ptr.dtype.element_ty)
         # The row as column 0 of a [16, BK] tile: selected as bytes (a zero byte is e4m3 zero).
         q_bits = tl.where(is_first_column, q.to(tl.uint8, bitcast=True)[None, :], 0).to(tl.uint8)
@@ -409,6 +447,7 @@ def row_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
         PROLOGUE=prologue, HAS_RESIDUAL=has_residual, HAS_BIAS=bias is not None, FP8_MAX_C=FP8_MAX,
         MIN_SCALE_C=MIN_SCALE, BLOCK_N=launch.block_n, BLOCK_K=block_k,
         PASS_BLOCK=min(4096, triton.next_power_of_2(k)), SPLIT_K=split_k,
+        EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0, PREFETCH=launch.prefetch,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out, summed
 
