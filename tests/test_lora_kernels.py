@@ -453,3 +453,46 @@ def test_one_row_stacked_matmul_takes_the_batch1_gemv(monkeypatch):
     assert calls == [1]
     torch.testing.assert_close(lora_linear._stacked_matmul(x, weight, None), torch.nn.functional.linear(x, weight))
     assert calls == [1]
+
+
+def test_gated_mlp_swiglu_adds_gate_up_update_and_a_broken_forward_leaves_nothing_pending():
+    """wrap_with_lora gives a gated MLP whose gate_up_proj has A stacked under its weight a SwiGLU that adds
+    the projection's update (the projection leaves it pending); the MLP's output is the per-token definition,
+    and a forward that stopped between the two (an exception) leaves nothing for the next step."""
+    from hearth_llm.engine.models.lora_linear import LoRASiluAndMul, wrap_with_lora
+    from hearth_llm.engine.models.mlp import GatedMLP
+
+    torch.manual_seed(4)
+    mlp = GatedMLP(hidden_size=16, intermediate_size=24)
+    with torch.no_grad():
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            layer.weight.normal_()
+    step = LoRAStep(capacity=8, device=torch.device("cpu"), planned=True)
+    methods = wrap_with_lora(mlp, num_slots=2, max_rank=4, step=step)
+    gate_up, down = methods["gate_up_proj"], methods["down_proj"]
+    assert isinstance(mlp.act_and_mul, LoRASiluAndMul) and gate_up.defers_expand and not down.defers_expand
+    shards = {"gate_up_proj": [ShardLoRA(0, 0, torch.randn(3, 16), torch.randn(3, 24)),
+                               ShardLoRA(1, 24, torch.randn(2, 16), torch.randn(2, 24))],
+              "down_proj": [ShardLoRA(0, 0, torch.randn(4, 24), torch.randn(4, 16))]}
+    for name, method in methods.items():
+        method.load_slot(1, shards[name])
+    x = torch.randn(5, 16)
+    step.begin_sequences([1, -1], [3, 2])
+    mlp.gate_up_proj(x)  # a forward that stops here
+    assert gate_up.pending_expand is not None
+    step.begin_sequences([1, -1], [3, 2])
+    assert gate_up.pending_expand is None
+    out = mlp(x)
+    step.end()
+    w_gate_up, w_down = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
+    expected = torch.empty(5, 16)
+    for row in range(5):
+        g_u = x[row] @ w_gate_up.T
+        if row < 3:
+            g_u[:24] += (x[row] @ shards["gate_up_proj"][0].a.T) @ shards["gate_up_proj"][0].b_scaled
+            g_u[24:] += (x[row] @ shards["gate_up_proj"][1].a.T) @ shards["gate_up_proj"][1].b_scaled
+        act = torch.nn.functional.silu(g_u[:24]) * g_u[24:]
+        expected[row] = act @ w_down.T
+        if row < 3:
+            expected[row] += (act @ shards["down_proj"][0].a.T) @ shards["down_proj"][0].b_scaled
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)

@@ -70,6 +70,7 @@ class LoRAStep:
         self.compact_token_slots = torch.full((0,), -1, dtype=torch.long)
         self.is_single_adapter = False
         self.side_stream = None  # CUDA: where the shrink runs beside the base projection
+        self.deferring_methods: list["LoRALinearMethod"] = []  # gate_up_projs whose SwiGLU adds their update
 
     def allocate(self, num_slots: int, max_ranks_per_layer: int) -> None:
         """The device plan and scratch (CUDA), once, before any graph is captured."""
@@ -84,6 +85,7 @@ class LoRAStep:
     def begin_sequences(self, slot_of_seq, num_tokens_of_seq) -> None:
         """Set this step: sequence ``i`` has ``num_tokens_of_seq[i]`` tokens on slot ``slot_of_seq[i]``
         (``-1``: the base model). Host work only, plus one transfer on CUDA."""
+        self._drop_pending_expands()
         if self.plan is not None:
             self.plan.set_sequences(slot_of_seq, num_tokens_of_seq)
             self.num_tokens, self.has_adapters = self.plan.num_tokens, self.plan.has_adapters
@@ -93,6 +95,7 @@ class LoRAStep:
 
     def begin(self, token_slots: list[int] | torch.Tensor) -> None:
         """Set this step's slot per token (``-1`` for base-model tokens)."""
+        self._drop_pending_expands()
         slots = torch.as_tensor(token_slots, dtype=torch.long).cpu()
         if len(slots) > self.capacity:
             raise RuntimeError(f"a step of {len(slots)} tokens exceeds the LoRA step's capacity ({self.capacity})")
@@ -107,6 +110,12 @@ class LoRAStep:
         """After the forward pass: a forward the runner did not prepare (a pooling pass, a graph
         warm-up) runs the base model."""
         self.has_adapters = False
+        self._drop_pending_expands()
+
+    def _drop_pending_expands(self) -> None:
+        # (left by a forward that raised between a gate_up_proj and its SwiGLU)
+        for method in self.deferring_methods:
+            method.pending_expand = None
 
     @contextlib.contextmanager
     def capturing(self):
@@ -115,6 +124,7 @@ class LoRAStep:
         if self.plan is None:
             raise RuntimeError("LoRAStep.capturing needs the CUDA plan (allocate on a CUDA device)")
         self.plan.clear()  # stale tiles could name tokens beyond the captured batch
+        self._drop_pending_expands()
         self.has_adapters, self.is_capturing = True, True
         try:
             yield
@@ -364,6 +374,7 @@ def _defer_gate_up_expands(model, wrapped: dict[str, LoRALinearMethod]) -> None:
         if isinstance(method, LoRALinearMethod) and method.stacked_weight is not None \
                 and len(method.slice_bounds) == 3 and method in wrapped.values():
             method.defers_expand = True
+            method.step.deferring_methods.append(method)
             module.act_and_mul = LoRASiluAndMul(method)
 
 
