@@ -32,10 +32,11 @@ PROJECTIONS = {
     "llama3-8b": [("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
                   ("down", 4096, 14336, "silu"), ("lm_head", 128256, 4096, "plain")],
 }
-# A few launches per prologue for a short sweep (--quick-sweep), besides the default.
-QUICK_LAUNCHES = {"norm": [(8, 512, 4), (16, 512, 4), (32, 512, 8), (8, 1024, 4)],
-                  "silu": [(8, 1024, 4), (8, 512, 4), (4, 1024, 4), (16, 512, 4)],
-                  "plain": [(4, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 1024, 4)]}
+# A few launches per prologue for a short sweep (--quick-sweep), besides the default:
+# (outputs a program, K tile, warps, prefetch the next K tile).
+QUICK_LAUNCHES = {"norm": [(16, 1024, 4, False), (8, 512, 4, True), (16, 512, 4, False), (4, 1024, 4, True)],
+                  "silu": [(8, 1024, 4, False), (8, 1024, 4, True), (16, 512, 4, False), (4, 1024, 4, True)],
+                  "plain": [(4, 1024, 4, True), (2, 1024, 4, True), (4, 512, 4, False), (8, 512, 4, True)]}
 LAUNCHES = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 8), (2, 1024, 4),
             (32, 256, 4), (8, 256, 4), (32, 512, 8), (16, 256, 4), (4, 2048, 8), (16, 1024, 4)]
 
@@ -83,6 +84,10 @@ def check(gemv, reference) -> bool:
     return ok
 
 
+def _launch_name(launch) -> str:
+    return f"N{launch.block_n}/K{launch.block_k}/w{launch.num_warps}{'/pf' if launch.prefetch else ''}"
+
+
 def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool = False,
           shapes: list[str] | None = None) -> dict:
     """µs per call: cuBLAS, unfused pair, fused over LAUNCHES (QUICK_LAUNCHES when ``quick``) with
@@ -90,6 +95,8 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool
     projection. Consecutive calls in the graph are GEMVs of the same shape, so PDL's overlap of one
     call's start with the previous call's tail is in the numbers, as between a layer's GEMVs."""
     best = {}
+    if _DEFAULT_LAUNCH is not None:  # an engine variant may have left its own in place
+        gemv.default_launch = _DEFAULT_LAUNCH
     for shape, projections in PROJECTIONS.items():
         if shapes is not None and shape not in shapes:
             continue
@@ -118,9 +125,11 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool
             default = gemv.default_launch(outputs, reduction, {"norm": gemv.RMS_NORM, "silu": gemv.SILU_AND_MUL,
                                                                "plain": gemv.PLAIN}[prologue])
             tiles = QUICK_LAUNCHES[prologue] if quick else LAUNCHES
-            launches = {gemv.GemvLaunch(n, min(k, 1 << (reduction - 1).bit_length()), w) for n, k, w in tiles}
+            launches = {gemv.GemvLaunch(tile[0], min(tile[1], 1 << (reduction - 1).bit_length()), *tile[2:])
+                        for tile in tiles}
             no_pdl_us = float("nan")
-            for launch in [default] + sorted(launches - {default}, key=lambda g: (g.block_n, g.block_k, g.num_warps)):
+            for launch in [default] + sorted(launches - {default}, key=lambda g: (g.block_n, g.block_k, g.num_warps,
+                                                                                 g.prefetch)):
                 if time.perf_counter() > budget_end:
                     break
                 if prologue == "norm":
@@ -138,15 +147,15 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool
                     gemv.USE_PDL = True
                 results.append((graph_us(make, copies), launch))
             results.sort(key=lambda item: item[0])
-            cells = " ".join(f"N{g.block_n}/K{g.block_k}/w{g.num_warps}:{us:.1f}" for us, g in results)
+            cells = " ".join(f"{_launch_name(g)}:{us:.1f}" for us, g in results)
             fastest_us, fastest = results[0]
             default_us = next((us for us, g in results if g == default), float("nan"))
             best[f"{shape}.{name}"] = dict(cublas_us=cublas, unfused_us=unfused, fused_us=fastest_us,
-                                           launch=[fastest.block_n, fastest.block_k, fastest.num_warps],
+                                           launch=[fastest.block_n, fastest.block_k, fastest.num_warps, fastest.prefetch],
                                            default_us=default_us, default_no_pdl_us=no_pdl_us)
             say(f"gemv {shape} {name} [{outputs}x{reduction}] {prologue}: cuBLAS {cublas:.1f}us "
                 f"({weight_bytes / cublas / 1e3:.0f} GB/s) | unfused {unfused:.1f}us | fused best {fastest_us:.1f}us "
-                f"({weight_bytes / fastest_us / 1e3:.0f} GB/s) N{fastest.block_n}/K{fastest.block_k}/w{fastest.num_warps}"
+                f"({weight_bytes / fastest_us / 1e3:.0f} GB/s) {_launch_name(fastest)}"
                 f" | default {default_us:.1f}us (no PDL {no_pdl_us:.1f}) || {cells}")
             weights.clear()  # free the copies before the next projection
     return best
@@ -159,27 +168,38 @@ def build_engine(shape: str):
     return our_engine(checkpoint, "bfloat16", max_num_seqs=1, kv_cache_memory="2GiB", max_model_len=4096)
 
 
-# Engine variants timed one after another on the same engine, each captured afresh:
-# (label, fused GEMVs on, programmatic dependent launch, largest weight the GEMV takes, LM head by the GEMV).
+# Engine variants timed one after another on the same engine, each captured afresh: label ->
+# (fused GEMVs on, programmatic dependent launch, largest weight the GEMV takes, LM head by the GEMV,
+# every default launch prefetching the next K tile).
 VARIANTS = {
-    "unfused": (False, False, 1 << 25, False),
-    "fused": (True, False, 1 << 25, False),
-    "fused+pdl": (True, True, 1 << 25, False),
-    "fused+pdl+all": (True, True, float("inf"), False),
-    "fused+pdl+all+head": (True, True, float("inf"), True),
-    "fused+pdl+head": (True, True, 1 << 25, True),
+    "unfused": (False, False, 1 << 25, False, False),
+    "fused": (True, False, 1 << 25, False, False),
+    "fused+pdl": (True, True, 1 << 25, False, False),
+    "fused+pdl+head": (True, True, 1 << 25, True, False),
+    "fused+pdl+all": (True, True, float("inf"), False, False),
+    "fused+pdl+all+head": (True, True, float("inf"), True, False),
+    "fused+pdl+all+head+pf": (True, True, float("inf"), True, True),
+    "fused+pdl+head+pf": (True, True, 1 << 25, True, True),
 }
+_DEFAULT_LAUNCH = None
 
 
 def apply_variant(label: str) -> None:
+    import dataclasses
+
     from hearth_llm.engine.models import fused_decode
     from hearth_llm.kernels.gemv import triton_gemv
 
-    fused, pdl, max_numel, head = VARIANTS[label]
+    global _DEFAULT_LAUNCH
+    if _DEFAULT_LAUNCH is None:
+        _DEFAULT_LAUNCH = triton_gemv.default_launch
+    fused, pdl, max_numel, head, prefetch = VARIANTS[label]
     fused_decode.ENABLED = fused
     fused_decode.MAX_WEIGHT_NUMEL = max_numel
     fused_decode.LM_HEAD_GEMV = head
     triton_gemv.USE_PDL = pdl
+    triton_gemv.default_launch = _DEFAULT_LAUNCH if not prefetch else (
+        lambda *args, **kwargs: dataclasses.replace(_DEFAULT_LAUNCH(*args, **kwargs), prefetch=True))
 
 
 def recapture(engine, label: str) -> None:
@@ -399,8 +419,8 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
         largest = max(outputs * reduction for name, outputs, reduction, _ in PROJECTIONS.get(shape, [])
                       if name != "lm_head") if shape in PROJECTIONS else float("inf")
         for label in variants:
-            fused, pdl, max_numel, head = VARIANTS[label]
-            effective = (fused, pdl, max_numel >= largest, head)
+            fused, pdl, max_numel, head, prefetch = VARIANTS[label]
+            effective = (fused, pdl, max_numel >= largest, head, prefetch)
             if effective in seen:  # e.g. "+all" where every weight is under the limit anyway
                 continue
             seen.add(effective)

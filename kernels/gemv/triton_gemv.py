@@ -32,18 +32,22 @@ class GemvLaunch:
     block_n: int = 8
     block_k: int = 512
     num_warps: int = 4
+    # Load the next K tile before multiplying this one (two tiles of W in flight per program, twice
+    # the registers for them).
+    prefetch: bool = False
 
 
 def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN) -> GemvLaunch:
     """The launch for an ``[num_outputs, reduction]`` weight and this prologue, from the H200 sweep at
     one row (bf16, 4 warps, µs per call in CUDA graphs; ``benchmarks/bs1_decode.py``, 2026-12-01):
-    an RMSNorm prologue reads the row twice in every program, so wide programs (16 outputs) pay
-    it least (Qwen3-0.6B qkv 5.4 / gate_up 6.3, Llama-3-8B qkv 16.3, against 6.1 / 9.7 / 28.1
-    with 8); without it narrow ones spread the weight over more programs (o_proj 1024x2048 3.4,
-    4096x4096 10.8 with 2 outputs); SwiGLU sits between (down 1024x3072 4.9 with 4 outputs, K 2048)."""
+    without a prologue narrow programs spread the weight over more programs (o_proj 1024x2048 3.4,
+    4096x4096 10.8 with 2 outputs); SwiGLU sits between (down 1024x3072 4.9 with 4 outputs, K 2048).
+    The RMSNorm prologue took 16 outputs when it read the row twice (Qwen3-0.6B qkv 5.4 / gate_up
+    6.3, Llama-3-8B qkv 16.3, against 6.1 / 9.7 / 28.1 with 8); in one pass it reads the row as
+    often as the plain GEMV, and 8 outputs keep a program at 165 registers (16: 255, spilling)."""
     block_k = triton.next_power_of_2(reduction)
     if prologue == RMS_NORM:
-        return GemvLaunch(block_n=16, block_k=min(1024, block_k), num_warps=4)
+        return GemvLaunch(block_n=8, block_k=min(1024, block_k), num_warps=4)
     if prologue == SILU_AND_MUL:
         return GemvLaunch(block_n=4, block_k=min(2048, block_k), num_warps=4)
     return GemvLaunch(block_n=2, block_k=min(1024, block_k), num_warps=4)
@@ -75,7 +79,7 @@ def _gemv_kernel(
     num_outputs, reduction, eps,
     x_stride_row, residual_stride_row, summed_stride_row, out_stride_row, weight_stride_row,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program: outputs [pid * BLOCK_N, +BLOCK_N) of row ``program_id(1)``.
 
@@ -96,26 +100,32 @@ def _gemv_kernel(
     outputs = block * BLOCK_N + tl.arange(0, BLOCK_N)
     output_mask = outputs < num_outputs
     weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_stride_row
-    cols = tl.arange(0, BLOCK_K)
-    col_mask = cols < reduction
+    first_cols = tl.arange(0, BLOCK_K)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    weight = tl.load(weight_rows + cols[None, :], mask=output_mask[:, None] & col_mask[None, :], other=0.0)
+    weight = tl.load(weight_rows + first_cols[None, :], mask=output_mask[:, None] & (first_cols < reduction)[None, :],
+                     other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the row (and the residual) are the previous kernel's outputs
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for start in range(0, reduction, BLOCK_K):
-        if start > 0:
-            cols = start + tl.arange(0, BLOCK_K)
-            col_mask = cols < reduction
-            weight = tl.load(weight_rows + cols[None, :], mask=output_mask[:, None] & col_mask[None, :], other=0.0)
+        cols = start + tl.arange(0, BLOCK_K)
+        col_mask = cols < reduction
+        next_cols = cols + BLOCK_K
+        next_mask = output_mask[:, None] & (next_cols < reduction)[None, :]
+        if PREFETCH:
+            next_weight = tl.load(weight_rows + next_cols[None, :], mask=next_mask, other=0.0)
         row = _row_chunk(x_row_ptr, residual_row_ptr, summed_row_ptr, cols, col_mask, reduction, is_summed_writer,
                          PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL)
         if PROLOGUE == 1:
             squares += row * row
             row = row * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         acc += weight.to(tl.float32) * row[None, :]
+        if PREFETCH:
+            weight = next_weight
+        else:
+            weight = tl.load(weight_rows + next_cols[None, :], mask=next_mask, other=0.0)
     out = tl.sum(acc, 1)
     if PROLOGUE == 1:
         out = out * tl.rsqrt(tl.sum(squares, 0) / reduction + eps)
@@ -162,7 +172,7 @@ def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prolo
         out, summed, x, residual, norm_weight, weight, num_outputs, reduction, eps,
         x.stride(0), residual.stride(0), summed.stride(0), out.stride(0), weight.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not x, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        USE_PDL=use_pdl, num_warps=launch.num_warps, **extra,
+        USE_PDL=use_pdl, PREFETCH=launch.prefetch, num_warps=launch.num_warps, **extra,
     )
 
 
