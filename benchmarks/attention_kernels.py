@@ -237,8 +237,8 @@ def routed_prefill_comparison(report, budget_s: float = 60.0) -> None:
                                       batch.query_start_loc, batch.max_query_len, batch.max_context_len, scale)
 
         def routed(layer, batch=batch, scale=scale, plan=plan):
-            return flash_prefill.paged_attention(batch.query, *batch.caches[layer], batch.block_tables,
-                                                 batch.context_lens, plan, scale, None, attend_rest=ta.paged_attention)
+            return flash_prefill.paged_attention(batch.query, *batch.caches[layer], plan, scale, None,
+                                                 attend_rest=ta.paged_attention)
 
         try:
             triton_us = time_per_call_us(triton, len(batch.caches), replays=3)

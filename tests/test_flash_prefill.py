@@ -62,9 +62,9 @@ def routed(step, table, sliding_window=None, varlen_attention=varlen_stand_in, m
     query_lens = torch.diff(step["query_start_loc"]).tolist()
     plan = flash_prefill.plan_flash_prefill(query_lens, step["context_lens"].tolist(), table, BLOCK_SIZE,
                                             to_device_of(step["query"].device), min_query_len=min_query_len)
-    out = flash_prefill.paged_attention(step["query"], step["key_cache"], step["value_cache"], step["block_tables"],
-                                        step["context_lens"], plan, step["scale"], sliding_window,
-                                        attend_rest=reference.paged_attention, varlen_attention=varlen_attention)
+    out = flash_prefill.paged_attention(step["query"], step["key_cache"], step["value_cache"], plan, step["scale"],
+                                        sliding_window, attend_rest=reference.paged_attention,
+                                        varlen_attention=varlen_attention)
     return plan, out
 
 
@@ -82,9 +82,11 @@ def test_plan_routes_only_sequences_with_enough_new_tokens():
     assert plan.cu_seqlens_q.tolist() == [0, 40] and plan.cu_seqlens_k.tolist() == [0, 60]
     assert plan.cu_seqlens_q.dtype == torch.int32
     assert plan.key_slots.tolist() == list(range(4 * BLOCK_SIZE, 4 * BLOCK_SIZE + 60))
-    assert plan.rest.seqs.tolist() == [0, 2] and plan.rest.token_rows.tolist() == [0, 41, 42, 43, 44, 45]
-    assert plan.rest.query_start_loc.tolist() == [0, 1, 6]
-    assert (plan.rest.max_query_len, plan.rest.max_context_len, plan.num_tokens) == (5, 30, 46)
+    decode, extend = plan.rest  # single-token sequences apart from the others
+    assert decode.token_rows.tolist() == [0] and decode.context_lens.tolist() == [30]
+    assert decode.block_tables.tolist() == [[0, 1, 2, 3]] and decode.query_start_loc.tolist() == [0, 1]
+    assert extend.token_rows.tolist() == [41, 42, 43, 44, 45] and extend.block_tables.tolist() == [[8, 9, 10, 11]]
+    assert (extend.max_query_len, extend.max_context_len, plan.num_tokens) == (5, 9, 46)
 
 
 def test_plan_is_none_without_a_long_prefill_or_when_disabled(monkeypatch):
@@ -99,7 +101,7 @@ def test_plan_caps_the_keys_it_gathers(monkeypatch):
     table = np.arange(21).reshape(3, 7)
     plan = flash_prefill.plan_flash_prefill([50, 40, 9], [50, 100, 9], table, BLOCK_SIZE, to_device_of("cpu"),
                                             min_query_len=8)
-    assert plan.cu_seqlens_k.tolist() == [0, 50] and plan.rest.seqs.tolist() == [1, 2]
+    assert plan.cu_seqlens_k.tolist() == [0, 50] and plan.rest[0].token_rows.tolist() == list(range(50, 99))
 
 
 def test_plan_gathers_keys_in_position_order_across_shuffled_blocks():
@@ -107,7 +109,7 @@ def test_plan_gathers_keys_in_position_order_across_shuffled_blocks():
     plan = flash_prefill.plan_flash_prefill([10], [40], table, BLOCK_SIZE, to_device_of("cpu"), min_query_len=8)
     slots = plan.key_slots.tolist()
     assert slots[:16] == list(range(7 * 16, 8 * 16)) and slots[16:32] == list(range(2 * 16, 3 * 16))
-    assert slots[32:] == list(range(5 * 16, 5 * 16 + 8)) and plan.rest is None
+    assert slots[32:] == list(range(5 * 16, 5 * 16 + 8)) and plan.rest == ()
 
 
 @pytest.mark.parametrize("query_lens, context_lens", [

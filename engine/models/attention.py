@@ -119,8 +119,8 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     the runner planned them and this layer's options allow it (see ``kernels/attention/flash_prefill.py``)."""
     plan = meta.flash_prefill
     if plan is not None and flash_prefill.supports(query, key_cache, value_cache, soft_cap, kv_scales):
-        return flash_prefill.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens, plan,
-                                             scale, sliding_window, attend_rest=kernels.paged_attention)
+        return flash_prefill.paged_attention(query, key_cache, value_cache, plan, scale, sliding_window,
+                                             attend_rest=kernels.paged_attention)
     return kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens,
                                    meta.query_start_loc, meta.max_query_len, meta.max_context_len, scale,
                                    sliding_window, soft_cap, kv_scales)

@@ -13,7 +13,7 @@ The routing is decided once per step on the host, from lengths the model runner 
 
 >>> to_device = lambda arrays: [torch.as_tensor(np.asarray(a, dtype=np.int64)) for a in arrays]
 >>> plan = plan_flash_prefill([3, 200], [40, 200], np.array([[0, 1], [2, 3]]), 128, to_device)
->>> plan.query_rows, plan.key_slots[[0, 127, 128]].tolist(), plan.rest.max_context_len
+>>> plan.query_rows, plan.key_slots[[0, 127, 128]].tolist(), plan.rest[0].max_context_len
 (slice(3, 203, None), [256, 383, 384], 40)
 """
 from __future__ import annotations
@@ -35,10 +35,11 @@ ENABLED = True
 
 @dataclass(slots=True)
 class RestOfBatch:
-    """The sequences of a step FlashAttention does not run, as a batch of their own."""
+    """Sequences of a step FlashAttention does not run, as a paged batch of their own."""
 
-    seqs: torch.Tensor             # [R] their indices in the step's batch
     token_rows: torch.Tensor       # [Tr] their tokens' rows in the step's flat batch
+    block_tables: torch.Tensor     # [R, W] their block table rows
+    context_lens: torch.Tensor     # [R]
     query_start_loc: torch.Tensor  # [R + 1] where each one's tokens start among token_rows
     max_query_len: int
     max_context_len: int
@@ -55,15 +56,18 @@ class FlashPrefillPlan:
     max_query_len: int
     max_context_len: int
     num_tokens: int                   # tokens in the whole step
-    rest: RestOfBatch | None          # None: every sequence runs on FlashAttention
+    # The other sequences: single-token ones (decode: the split-K kernel) and the rest (the paged
+    # prefill kernel), each group a batch of its own; empty when FlashAttention runs them all.
+    rest: tuple[RestOfBatch, ...] = ()
 
 
 def plan_flash_prefill(num_new_tokens: Sequence[int], context_lens: Sequence[int], block_table: np.ndarray,
                        block_size: int, to_device: Callable[[list], list[torch.Tensor]],
                        min_query_len: int | None = None) -> FlashPrefillPlan | None:
     """The plan for one step, or None when no sequence brings ``min_query_len`` new tokens (default
-    :data:`FLASH_MIN_QUERY_LEN`); routed sequences' contexts add up to :data:`FLASH_MAX_GATHERED_KEYS` at most. ``block_table`` ``[B, W]`` holds each sequence's block ids;
-    ``to_device`` copies int64 host arrays to the device (the runner's one pinned transfer)."""
+    :data:`FLASH_MIN_QUERY_LEN`); routed sequences' contexts add up to :data:`FLASH_MAX_GATHERED_KEYS` at most.
+    ``block_table`` ``[B, W]`` holds each sequence's block ids; ``to_device`` copies int64 host arrays
+    to the device (the runner's one pinned transfer)."""
     min_query_len = FLASH_MIN_QUERY_LEN if min_query_len is None else min_query_len
     query_lens = np.asarray(num_new_tokens, dtype=np.int64)
     contexts = np.asarray(context_lens, dtype=np.int64)
@@ -75,40 +79,49 @@ def plan_flash_prefill(num_new_tokens: Sequence[int], context_lens: Sequence[int
     np.cumsum(query_lens, out=starts[1:])
     routed = np.flatnonzero(is_routed)
     routed_contexts = contexts[routed]
-    key_starts = np.zeros(len(routed) + 1, dtype=np.int64)
-    np.cumsum(routed_contexts, out=key_starts[1:])
+    key_starts = _starts_of(routed_contexts)
     seq_of_key = np.repeat(routed, routed_contexts)
     positions = np.arange(key_starts[-1]) - np.repeat(key_starts[:-1], routed_contexts)
     key_slots = block_table[seq_of_key, positions // block_size] * block_size + positions % block_size
-    routed_query_lens = query_lens[routed]
-    query_starts = np.zeros(len(routed) + 1, dtype=np.int64)
-    np.cumsum(routed_query_lens, out=query_starts[1:])
     is_one_range = bool((np.diff(routed) == 1).all())
-    arrays = [key_slots, query_starts, key_starts]
+    arrays = [key_slots, _starts_of(query_lens[routed]), key_starts]
     if not is_one_range:
         arrays.append(_rows_of(starts, routed))
-    others = np.flatnonzero(~is_routed)
-    if len(others):
-        other_starts = np.zeros(len(others) + 1, dtype=np.int64)
-        np.cumsum(query_lens[others], out=other_starts[1:])
-        arrays += [others, _rows_of(starts, others), other_starts]
+    groups = [seqs for seqs in (np.flatnonzero(~is_routed & (query_lens == 1)),
+                                np.flatnonzero(~is_routed & (query_lens != 1))) if len(seqs)]
+    widths = []
+    for seqs in groups:
+        # Table rows as wide as the group's longest context, in multiples of 16 blocks (as the runner's:
+        # the kernels specialize on the row stride).
+        widths.append(min(block_table.shape[1], -(-int(contexts[seqs].max()) // (16 * block_size)) * 16))
+        arrays += [_rows_of(starts, seqs), block_table[seqs, :widths[-1]].reshape(-1), contexts[seqs],
+                   _starts_of(query_lens[seqs])]
     on_device = to_device(arrays)
-    rest = None
-    if len(others):
-        rest = RestOfBatch(seqs=on_device[-3], token_rows=on_device[-2], query_start_loc=on_device[-1],
-                           max_query_len=int(query_lens[others].max()), max_context_len=int(contexts[others].max()))
+    rest = []
+    first = len(on_device) - 4 * len(groups)
+    for index, (seqs, width) in enumerate(zip(groups, widths)):
+        rows, tables, lens, query_starts = on_device[first + 4 * index:first + 4 * index + 4]
+        rest.append(RestOfBatch(token_rows=rows, block_tables=tables.view(len(seqs), width), context_lens=lens,
+                                query_start_loc=query_starts, max_query_len=int(query_lens[seqs].max()),
+                                max_context_len=int(contexts[seqs].max())))
     query_rows = (slice(int(starts[routed[0]]), int(starts[routed[-1] + 1])) if is_one_range else on_device[3])
     return FlashPrefillPlan(query_rows=query_rows, cu_seqlens_q=on_device[1].to(torch.int32),
                             cu_seqlens_k=on_device[2].to(torch.int32), key_slots=on_device[0],
-                            max_query_len=int(routed_query_lens.max()), max_context_len=int(routed_contexts.max()),
-                            num_tokens=int(starts[-1]), rest=rest)
+                            max_query_len=int(query_lens[routed].max()), max_context_len=int(routed_contexts.max()),
+                            num_tokens=int(starts[-1]), rest=tuple(rest))
+
+
+def _starts_of(lens: np.ndarray) -> np.ndarray:
+    """``[0, lens[0], lens[0] + lens[1], ...]``: where each of ``lens`` starts, and the total."""
+    starts = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=starts[1:])
+    return starts
 
 
 def _rows_of(starts: np.ndarray, seqs: np.ndarray) -> np.ndarray:
     """The flat-batch rows of sequences ``seqs``, in order (``starts``: ``[B + 1]`` query starts)."""
     lens = starts[seqs + 1] - starts[seqs]
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
+    offsets = _starts_of(lens)
     return np.repeat(starts[seqs] - offsets[:-1], lens) + np.arange(offsets[-1])
 
 
@@ -145,12 +158,12 @@ def flash_varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_qu
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, plan: FlashPrefillPlan, scale: float,
-                    sliding_window: int | None, attend_rest: Callable,
+                    plan: FlashPrefillPlan, scale: float, sliding_window: int | None, attend_rest: Callable,
                     varlen_attention: Callable = flash_varlen_attention) -> torch.Tensor:
     """Causal attention of a step's queries ``[T, Hq, D]`` as ``reference.paged_attention`` computes
-    it: the plan's sequences by ``varlen_attention`` over their gathered keys, the rest by
-    ``attend_rest`` (``paged_attention``'s signature) on a compacted batch. Returns ``[T, Hq, D]``."""
+    it: the plan's sequences by ``varlen_attention`` over their gathered keys, the others by
+    ``attend_rest`` (``paged_attention``'s signature) on each group of :attr:`FlashPrefillPlan.rest`.
+    Returns ``[T, Hq, D]``."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
     values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
@@ -158,16 +171,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     routed_query = query[rows] if isinstance(rows, slice) else query.index_select(0, rows)
     routed_out = varlen_attention(routed_query, keys, values, plan.cu_seqlens_q, plan.cu_seqlens_k,
                                   plan.max_query_len, plan.max_context_len, scale, sliding_window)
-    rest = plan.rest
-    if rest is None:
+    if not plan.rest:
         return routed_out
     out = query.new_empty(plan.num_tokens, query.shape[1], head_dim)
     if isinstance(rows, slice):
         out[rows] = routed_out
     else:
         out.index_copy_(0, rows, routed_out)
-    rest_out = attend_rest(query.index_select(0, rest.token_rows), key_cache, value_cache,
-                           block_tables.index_select(0, rest.seqs), context_lens.index_select(0, rest.seqs),
-                           rest.query_start_loc, rest.max_query_len, rest.max_context_len, scale, sliding_window)
-    out.index_copy_(0, rest.token_rows, rest_out)
+    for group in plan.rest:
+        group_out = attend_rest(query.index_select(0, group.token_rows), key_cache, value_cache, group.block_tables,
+                                group.context_lens, group.query_start_loc, group.max_query_len,
+                                group.max_context_len, scale, sliding_window)
+        out.index_copy_(0, group.token_rows, group_out)
     return out
