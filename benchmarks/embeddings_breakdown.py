@@ -28,6 +28,8 @@ from hearth_llm.embeddings import bert
 from hearth_llm.embeddings.batching import plan_batches
 from hearth_llm.embeddings.bert import PackedLayout, packed_attention
 
+BATCH_TOKENS_SWEEP = (4096, 8192, 16384, 32768)
+BATCH_TOKENS_SWEEP_PASSAGES = 3000
 KERNEL_KINDS = (("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")),
                 ("attention", ("flash", "fmha", "attention", "cudnn")),
                 ("norm", ("norm",)), ("gelu", ("gelu",)),
@@ -52,10 +54,8 @@ def passages_breakdown(engine, passages: list[str], st_passages_per_s: float | N
     with torch.inference_mode():
         seconds = _wall(lambda: [pending.wait() for pending in [runner.launch(batch) for batch in batches]])
         result["device_only_passages_per_s"] = round(len(passages) / seconds, 1)
-        larger = [[token_ids[i] for i in batch] for batch in plan_batches(
-            lengths, 2 * engine.config.batch_token_budget, engine.config.batch_size_limit)]
-        larger_seconds = _wall(lambda: [pending.wait() for pending in [runner.launch(batch) for batch in larger]])
-        result["device_only_passages_per_s_twice_the_batch_tokens"] = round(len(passages) / larger_seconds, 1)
+        result["device_only_by_batch_tokens"] = _device_only_by_batch_tokens(
+            runner, token_ids[:BATCH_TOKENS_SWEEP_PASSAGES], engine.config.batch_size_limit)
         gemm_seconds = _gemm_only_seconds(runner.model, [sum(map(len, batch)) for batch in batches])
         result["gemm_only_passages_per_s"] = round(len(passages) / gemm_seconds, 1)
         flops = 2 * sum(lengths) * sum(w.numel() for w in _dense_weights(runner.model))
@@ -70,6 +70,19 @@ def passages_breakdown(engine, passages: list[str], st_passages_per_s: float | N
         except RuntimeError as error:     # no CUPTI on this machine...
             result["profile"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
     return result
+
+
+def _device_only_by_batch_tokens(runner, token_ids: list[list[int]], max_batch_size: int) -> dict:
+    """Passages per second of the device alone with each of BATCH_TOKENS_SWEEP as the batch budget
+    (smaller batches keep more of a layer's activations in L2; larger ones run larger GEMMs)."""
+    lengths = [len(ids) for ids in token_ids]
+    rates = {}
+    for budget in BATCH_TOKENS_SWEEP:
+        batches = [[token_ids[i] for i in batch] for batch in plan_batches(lengths, budget, max_batch_size)]
+        [pending.wait() for pending in [runner.launch(batch) for batch in batches[:2]]]     # new shapes: warm
+        seconds = _wall(lambda: [pending.wait() for pending in [runner.launch(batch) for batch in batches]])
+        rates[budget] = round(len(token_ids) / seconds, 1)
+    return rates
 
 
 def _dense_weights(model) -> list[torch.Tensor]:
@@ -144,6 +157,10 @@ def _ops_us(model, batch: list[list[int]], device: torch.device) -> dict:
     ops["qkv_proj_twice_the_tokens"] = _cuda_us(lambda i: F.linear(
         double, layers[i % num_layers].qkv_proj.weight, layers[i % num_layers].qkv_proj.bias), num_layers)
     ops["gelu"] = _cuda_us(lambda i: F.gelu(up), num_layers)
+    for chunk in (tokens, 4096, 2048):        # the feed-forward in token chunks: its GELU pass stays in L2
+        ops[f"mlp_in_chunks_of_{chunk}"] = _cuda_us(lambda i, chunk=chunk: [
+            layers[i % num_layers].down_proj(layers[i % num_layers].up_proj(x[first:first + chunk]))
+            for first in range(0, tokens, chunk)], num_layers)
     norm = layers[0].attention_norm
     ops["add_then_layer_norm_torch"] = _cuda_us(
         lambda i: F.layer_norm(x + residual, (width,), norm.weight, norm.bias, norm.eps), num_layers)
