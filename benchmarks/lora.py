@@ -82,6 +82,7 @@ def run(engine, requests, loras: list, shift: int, profile: str | None = None) -
         engine.add_request([(t + shift) % 10000 for t in prompt], params(max_tokens),
                            lora_request=loras[index % len(loras)])
     num_output, num_steps, profiler, first_steps_seconds, not_timed = 0, 0, None, 0.0, 0.0
+    preemptions_before = engine.scheduler.num_preemptions
     graphs = engine.runner.decode_graphs
     replays_before = getattr(graphs, "num_replays", 0)
     while engine.has_unfinished_requests():
@@ -109,7 +110,8 @@ def run(engine, requests, loras: list, shift: int, profile: str | None = None) -
         engine.release(request_id)
     return {"seconds": round(elapsed, 3), "output_tokens": num_output, "tok_per_s": round(num_output / elapsed, 1),
             "first_3_steps_seconds": round(first_steps_seconds, 3) if num_steps >= 3 else None, "steps": num_steps,
-            "graphed_steps": getattr(graphs, "num_replays", 0) - replays_before}
+            "graphed_steps": getattr(graphs, "num_replays", 0) - replays_before,
+            "preemptions": engine.scheduler.num_preemptions - preemptions_before}
 
 
 def bs1_ms_per_token(engine, lora, num_tokens: int = 128) -> float:
