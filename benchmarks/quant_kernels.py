@@ -121,72 +121,75 @@ def bench_fp8(rows, configs) -> None:
 
 
 # One-row GEMV launches the sweep tries per shape (BN, BK, WARPS, STAGES, SPLIT[, PREFETCH]): the
-# table's entry first, then alternatives that change one thing (tile depth, split, stages; qkv's
-# second is the first without the row's prefetch).
+# table's entry first, then the likeliest alternative, then the rest (tile depth, split, stages;
+# 256-column tiles of 4 stages fit two programs an SM, 512-column ones of 3 stages one; qkv's
+# "/0" is its table entry without the row's prefetch).
 ROW_SWEEP = {
-    "qkv": [(64, 512, 4, 3, 2), (64, 512, 4, 3, 2, 0), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4)],
-    "o": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4)],
-    "gate_up": [(64, 256, 4, 4, 1), (64, 512, 4, 3, 1), (128, 256, 8, 3, 1), (64, 256, 4, 4, 2)],
-    "down": [(64, 512, 4, 3, 4), (64, 256, 4, 4, 4), (64, 512, 4, 3, 2), (64, 256, 4, 4, 8), (64, 512, 4, 3, 8)],
+    "qkv": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 2), (64, 512, 4, 3, 2, 0), (64, 256, 4, 4, 4), (64, 512, 4, 3, 4)],
+    "o": [(64, 512, 4, 3, 2), (64, 256, 4, 4, 4), (64, 256, 4, 4, 2), (64, 512, 4, 3, 4)],
+    "gate_up": [(64, 256, 4, 4, 1), (64, 128, 4, 6, 1), (64, 512, 4, 3, 1), (128, 128, 8, 4, 1), (64, 256, 4, 4, 2)],
+    "down": [(64, 512, 4, 3, 4), (64, 256, 4, 4, 4), (64, 256, 4, 4, 2), (64, 512, 4, 3, 2), (64, 256, 4, 4, 8)],
 }
 PROLOGUE_OF = {"qkv": "rms_norm", "gate_up": "rms_norm", "down": "silu", "o": None}
 
 
 def bench_row(limit_s: float = 1e9, with_old: bool = False) -> dict:
-    """M=1: bf16 cuBLAS, the several-row tensor-core GEMV (the old one-row path), the one-row GEMV
-    at each :data:`ROW_SWEEP` launch, then at the best launch its fused prologue against the
-    unfused op + plain GEMV. Returns {shape: best launch tuple}; stops sweeping past ``limit_s``."""
+    """M=1: bf16 cuBLAS and the one-row GEMV at each :data:`ROW_SWEEP` launch, shapes in turn (every
+    shape's first two launches first, the rest while ``limit_s`` lasts), then at each shape's best
+    launch its fused prologue against the unfused op + plain GEMV (and, ``with_old``, the several-row
+    GEMV that ran one-row steps before). Each timing prints as it lands. Returns {shape: best launch}."""
     import time
 
     from hearth_llm import kernels
     from hearth_llm.kernels.quant import fp8, triton_fp8
 
     started = time.perf_counter()
-    best: dict = {}
-    layer = {"old dot": 0.0, "row best": 0.0, "fused best": 0.0, "unfused best": 0.0, "bf16": 0.0}
+    data, results = {}, {}
     for name, (n, k) in SHAPES.items():
         wq, ws = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
-        copies = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies_for(n * k) - 1)]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        results = {"bf16": bf16_us(n, k, 1)}
-        if with_old:
-            results["old dot"] = graphed_us([lambda c=c: triton_fp8.dot_gemv(x, c[0], c[1]) for c in copies])
-        for config in ROW_SWEEP[name]:
-            if time.perf_counter() - started > limit_s and config != ROW_SWEEP[name][0]:
-                break
-            launch = triton_fp8.RowLaunch(*config)
-            results["row " + "/".join(map(str, config))] = graphed_us(
-                [lambda c=c, launch=launch: triton_fp8.row_gemv(x, c[0], c[1], launch=launch) for c in copies])
-        row_label = min((label for label in results if label.startswith("row ")), key=results.get)
-        best[name] = tuple(int(v) for v in row_label[4:].split("/"))
-        launch = triton_fp8.RowLaunch(*best[name])
-        layer["bf16"] += results["bf16"]
-        layer["old dot"] += results.get("old dot", 0.0)
-        layer["row best"] += results[row_label]
-        prologue = PROLOGUE_OF[name]
-        if prologue == "rms_norm":
-            hidden, residual = torch.randn_like(x), torch.randn_like(x)
+        data[name] = ([(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies_for(n * k) - 1)],
+                      torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+        results[name] = {"bf16": bf16_us(n, k, 1)}
+
+    def timed(name: str, label: str, fn) -> None:
+        n, k = SHAPES[name]
+        us = results[name][label] = graphed_us([lambda c=c: fn(c) for c in data[name][0]])
+        print(f"FP8 row M=1 {name:7} {label}: {us:.1f} us ({n * k / us / 1e3:.0f} GB/s; bf16 cuBLAS "
+              f"{results[name]['bf16']:.1f} us)", flush=True)
+
+    for turn in range(max(len(configs) for configs in ROW_SWEEP.values())):
+        for name, configs in ROW_SWEEP.items():
+            if turn >= len(configs) or (turn >= 2 and time.perf_counter() - started > limit_s):
+                continue
+            launch = triton_fp8.RowLaunch(*configs[turn])
+            x = data[name][1]
+            timed(name, "row " + "/".join(map(str, configs[turn])),
+                  lambda c, x=x, launch=launch: triton_fp8.row_gemv(x, c[0], c[1], launch=launch))
+    best = {}
+    for name in SHAPES:
+        label = min((label for label in results[name] if label.startswith("row ")), key=results[name].get)
+        best[name] = tuple(int(v) for v in label[4:].split("/"))
+    print("FP8 row best launches: " + repr(best) + " | layer sum " + " | ".join(
+        f"{what} {sum(results[name][label] for name, label in labels.items()):.1f} us" for what, labels in (
+            ("bf16", {name: "bf16" for name in SHAPES}),
+            ("row best", {name: "row " + "/".join(map(str, best[name])) for name in SHAPES}))), flush=True)
+    for name, (n, k) in SHAPES.items():
+        launch, x = triton_fp8.RowLaunch(*best[name]), data[name][1]
+        if PROLOGUE_OF[name] == "rms_norm":
+            residual = torch.randn_like(x)
             norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-            results["fused rms"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
-                hidden, c[0], c[1], prologue=triton_fp8.RMS_NORM, residual=residual, norm_weight=norm_weight,
-                eps=1e-5, launch=launch) for c in copies])
-            results["rms_norm+row"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
-                kernels.rms_norm(hidden, norm_weight, 1e-5, residual)[0], c[0], c[1], launch=launch) for c in copies])
-        elif prologue == "silu":
+            timed(name, "fused rms_norm", lambda c, x=x, r=residual, w=norm_weight, launch=launch: triton_fp8.row_gemv(
+                x, c[0], c[1], prologue=triton_fp8.RMS_NORM, residual=r, norm_weight=w, eps=1e-5, launch=launch))
+            timed(name, "rms_norm + row", lambda c, x=x, r=residual, w=norm_weight, launch=launch: triton_fp8.row_gemv(
+                kernels.rms_norm(x, w, 1e-5, r)[0], c[0], c[1], launch=launch))
+        elif PROLOGUE_OF[name] == "silu":
             gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-            results["fused silu"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
-                gate_up, c[0], c[1], prologue=triton_fp8.SILU_AND_MUL, launch=launch) for c in copies])
-            results["silu+row"] = graphed_us([lambda c=c: triton_fp8.row_gemv(
-                kernels.silu_and_mul(gate_up), c[0], c[1], launch=launch) for c in copies])
-        fused = [v for label, v in results.items() if label.startswith("fused")]
-        unfused = [v for label, v in results.items() if "+row" in label]
-        layer["fused best"] += fused[0] if fused else results[row_label]
-        layer["unfused best"] += unfused[0] if unfused else results[row_label]
-        print(f"FP8 row M=1 {name:7} best {row_label} | " + " | ".join(
-            f"{label} {us:.1f} us ({n * k * (2 if label == 'bf16' else 1) / us / 1e3:.0f} GB/s)"
-            for label, us in results.items()), flush=True)
-    print("FP8 row layer sum M=1: " + " | ".join(f"{label} {v:.1f} us" for label, v in layer.items()), flush=True)
-    print("FP8 row best launches: " + repr(best), flush=True)
+            timed(name, "fused silu", lambda c, g=gate_up, launch=launch: triton_fp8.row_gemv(
+                g, c[0], c[1], prologue=triton_fp8.SILU_AND_MUL, launch=launch))
+            timed(name, "silu + row", lambda c, g=gate_up, launch=launch: triton_fp8.row_gemv(
+                kernels.silu_and_mul(g), c[0], c[1], launch=launch))
+        if with_old:
+            timed(name, "old dot", lambda c, x=x: triton_fp8.dot_gemv(x, c[0], c[1]))
     return best
 
 
