@@ -147,6 +147,24 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
             and head_dim <= 256 and head_dim % 8 == 0 and key_cache.is_contiguous() and value_cache.is_contiguous())
 
 
+# Layer configurations whose paged prefill kernel has run (see _warm_paged_prefill).
+_WARMED: set[tuple] = set()
+
+
+def _warm_paged_prefill(query, key_cache, value_cache, scale, sliding_window, attend_rest) -> None:
+    """Runs ``attend_rest`` once on two queries over two cache slots (output dropped) the first time
+    a layer configuration takes this path: with long prefills here, the paged prefill kernel may
+    otherwise first run (and compile, seconds) on a short chunk in the middle of a timed run."""
+    key = (query.device, query.dtype, query.shape[1:], key_cache.shape[2], sliding_window, attend_rest)
+    if key in _WARMED:
+        return
+    _WARMED.add(key)
+    device = query.device
+    attend_rest(query.new_zeros(2, *query.shape[1:]), key_cache, value_cache,
+                torch.zeros(1, 16, dtype=torch.long, device=device), torch.full((1,), 2, dtype=torch.long, device=device),
+                torch.tensor([0, 2], device=device), 2, 2, scale, sliding_window)
+
+
 def flash_varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len, max_context_len, scale,
                            sliding_window):
     """torch's FlashAttention-2 varlen forward, causal with the queries at the end of each sequence's
@@ -165,6 +183,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     ``attend_rest`` (``paged_attention``'s signature) on each group of :attr:`FlashPrefillPlan.rest`.
     Returns ``[T, Hq, D]``."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    _warm_paged_prefill(query, key_cache, value_cache, scale, sliding_window, attend_rest)
     keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
     values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
     rows = plan.query_rows
