@@ -153,6 +153,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-layers", type=int, help="fewer decoder layers than the shape's (a quick look)")
     parser.add_argument("--no-base-engine", action="store_true",
                         help="no engine without LoRA: ratios are to the LoRA engine serving base requests")
+    parser.add_argument("--base-bs1-only", action="store_true",
+                        help="the engine without LoRA times batch-1 decode only (throughput ratios as --no-base-engine)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.no_overlap or args.overlap:
@@ -170,7 +172,8 @@ def main(argv=None) -> None:
     if not args.no_base_engine:
         engine, shapes = make_engine(args.shape, args.device, False, args.num_seqs, args.kv_cache_memory,
                                      args.num_layers)
-        results["base"] = run(engine, requests, [None], shift=0)
+        if not args.base_bs1_only:
+            results["base"] = run(engine, requests, [None], shift=0)
         results["base_bs1_ms"] = bs1_ms_per_token(engine, None)
         print(json.dumps(results), flush=True)
         del engine
@@ -189,7 +192,7 @@ def main(argv=None) -> None:
         engine, _ = make_engine(args.shape, args.device, True, args.num_seqs, args.kv_cache_memory, args.num_layers)
         results["lora_engine_seconds"] = round(time.perf_counter() - started, 1)
         loras = [LoRARequest(f"adapter{i}", str(path)) for i, path in enumerate(paths)]
-        if not args.no_base_only or args.no_base_engine:
+        if not args.no_base_only or "base" not in results:
             results["lora_engine_base_only"] = run(engine, requests, [None], shift=1,
                                                    profile=args.profile and f"{args.profile}.base_only")
             if "base" in results:
