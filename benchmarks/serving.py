@@ -401,8 +401,19 @@ def free_port() -> int:
 
 
 def ours_name(engine_core: str | None) -> str:
-    """``hearth-http`` (the default thread core) or ``hearth-http-process``."""
-    return "hearth-http" if engine_core in (None, "thread") else f"hearth-http-{engine_core}"
+    """``hearth-http`` (the default thread core), ``hearth-http-process``, ``hearth-http-si0.5ms`` (the
+    thread core with ``--switch-interval 0.0005``)."""
+    core, _, interval = (engine_core or "thread").partition("@")
+    name = "hearth-http" if core == "thread" else f"hearth-http-{core}"
+    return name + (f"-si{float(interval) * 1000:g}ms" if interval else "")
+
+
+def ours_flags(engine_core: str | None) -> list[str]:
+    """``hearth-llm serve`` flags of an ``--engine-core`` value."""
+    if engine_core is None:
+        return []
+    core, _, interval = engine_core.partition("@")
+    return ["--engine-core", core] + (["--switch-interval", interval] if interval else [])
 
 
 def ours_command(model: str, port: int, engine_args: list[str]) -> list[str]:
@@ -422,20 +433,18 @@ def vllm_command(model_dir: str, port: int, args: argparse.Namespace) -> list[st
             "--uvicorn-log-level", "warning"]
 
 
-def measure_server(name: str, command: list[str], env: dict[str, str], port: int, args, requests, log_dir) -> dict:
-    server = None
+def measure_server(server: ServerProcess, args, requests) -> dict:
+    """Wait for ``server`` to answer, run the requests at every rate against it, stop it."""
     try:
-        server = ServerProcess(name, command, env, port, log_dir)
         startup_s = server.wait_ready(args.startup_timeout)
-        print(f"{name}: ready after {startup_s:.1f} s", flush=True)
-        return {"startup_s": round(startup_s, 1), **measure(http_sender("127.0.0.1", port), requests, args.rates,
-                                                            args.seed)}
+        print(f"{server.name}: ready after {startup_s:.1f} s", flush=True)
+        return {"startup_s": round(startup_s, 1), **measure(http_sender("127.0.0.1", server.port), requests,
+                                                            args.rates, args.seed)}
     except Exception as error:  # noqa: BLE001 - the other servers still run; the table says what failed
-        print(f"{name}: FAILED: {error}", flush=True)
+        print(f"{server.name}: FAILED: {error}", flush=True)
         return {"error": str(error)[-2000:]}
     finally:
-        if server is not None:
-            server.stop()
+        server.stop()
 
 
 def measure_in_process(model: str, engine_kwargs: dict, requests, args) -> dict:
@@ -522,6 +531,22 @@ def _rate(text: str) -> float:
     return rate
 
 
+def _engine_core(text: str) -> str:
+    core, has_interval, interval = text.partition("@")
+    if core not in ("thread", "process"):
+        raise argparse.ArgumentTypeError(f"an engine core is 'thread' or 'process' (optionally @SECONDS), got {text!r}")
+    if has_interval and not _is_positive_number(interval):
+        raise argparse.ArgumentTypeError(f"the switch interval after '@' must be > 0 seconds, got {text!r}")
+    return text
+
+
+def _is_positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
 def _lengths(parser, name: str, values) -> tuple[int, int]:
     low, high = values
     if not 1 <= low <= high:
@@ -535,9 +560,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shape", default=None, help="a random-weight checkpoint of this shape (bench throughput's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda with --shape, else cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, the engine's choice on cpu")
-    parser.add_argument("--engine-core", choices=("thread", "process"), nargs="+", default=None,
-                        help="our server's engine loop: a thread of the server process (default) or its own "
-                             "process; several: one server each, measured one after the other")
+    parser.add_argument("--engine-core", type=_engine_core, nargs="+", default=None, metavar="CORE[@SECONDS]",
+                        help="our server's engine loop: 'thread' (of the server process, the default) or 'process' "
+                             "(its own); '@SECONDS' adds that --switch-interval (thread@0.0005); several: one "
+                             "server each, measured one after the other")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="our server's sys.setswitchinterval (hearth-llm serve --switch-interval)")
     parser.add_argument("--no-ours", action="store_true",
@@ -563,6 +589,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite", help="the vLLM server's only PYTHONPATH")
     parser.add_argument("--server-pythonpath", default=None,
                         help="appended to our server's PYTHONPATH (on the H200: /tmp/vsite, for fastapi/uvicorn)")
+    parser.add_argument("--start-together", action="store_true",
+                        help="start every one of our servers (--engine-core ...) at once, then measure them one "
+                             "after the other: the starts overlap (they share the device; mind --kv-cache-memory)")
     parser.add_argument("--log-dir", default=None, help="keep each server's log here (default: a temporary directory)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -629,20 +658,25 @@ def main(argv=None) -> None:
         log_dir = Path(args.log_dir) if args.log_dir else work_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         if not args.no_ours:
-            env["PYTHONFAULTHANDLER"] = "1"  # a start that hangs is asked where it is (see ServerProcess.stop)
+            env["PYTHONFAULTHANDLER"] = "1"  # a start that hangs is asked where it is (see ServerProcess.dump_stacks)
+            ours = []  # (name, command, port) per engine core
             for core in args.engine_core or [None]:
-                name, port = ours_name(core), free_port()
-                flags = engine_flags + ([] if core is None else ["--engine-core", core])
-                results[name] = measure_server(name, ours_command(model, port, flags), env, port, args, requests,
-                                               log_dir)
+                port = free_port()
+                ours.append((ours_name(core), ours_command(model, port, engine_flags + ours_flags(core)), port))
+            started = {}
+            if args.start_together:  # the starts overlap; the runs still come one after the other
+                started = {name: ServerProcess(name, command, env, port, log_dir) for name, command, port in ours}
+            for name, command, port in ours:
+                server = started.get(name) or ServerProcess(name, command, env, port, log_dir)
+                results[name] = measure_server(server, args, requests)
         if "vllm" in args.peers:
             vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0",
                         "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
             port = free_port()
-            results["vllm"] = measure_server("vllm", vllm_command(model, port, args), vllm_env, port, args, requests,
-                                             log_dir)
+            server = ServerProcess("vllm", vllm_command(model, port, args), vllm_env, port, log_dir)
+            results["vllm"] = measure_server(server, args, requests)
         if "in-process" in args.peers:  # last: its engine keeps this process's device memory to the end
-            in_process_kwargs = {**engine_kwargs, "engine_core": (args.engine_core or ["thread"])[0]}
+            in_process_kwargs = {**engine_kwargs, "engine_core": (args.engine_core or ["thread"])[0].partition("@")[0]}
             results["hearth-in-process"] = measure_in_process(model, in_process_kwargs, requests, args)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
