@@ -258,17 +258,16 @@ def routed_prefill_comparison(report, budget_s: float = 60.0) -> None:
 
 def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | None = None) -> None:
     """The long-context mix (32 x 8,192-token prompts, 512 new tokens) through our engine once per
-    entry of ``flash_modes`` (long prefills on FlashAttention-2 or not; other token ids each run, so
-    no prefix hits), with each step's forward timed on the device (CUDA events around
-    ``runner.run``) and split by kind: steps with prefill tokens, and decode-only steps."""
-    import random
-
+    entry of ``flash_modes`` (long prefills on FlashAttention-2 or not), with each step's forward timed
+    on the device (CUDA events around ``runner.run``) and split by kind: steps with prefill tokens, and
+    decode-only steps. The first run takes the workload's own ids (as ``bench throughput`` and vLLM's
+    side), later ones the same ids shifted (no prefix hits); the same warm-up and timing as the bench's."""
     from hearth_llm.kernels.attention import flash_prefill
 
     from .throughput import engine_generate, our_engine, random_checkpoint
-    from .workloads import LONG_CONTEXT, max_model_len_for, warmup_batches
+    from .workloads import LONG_CONTEXT, long_context, max_model_len_for, warmup_batches
     requests, prompt_len, new_tokens = LONG_CONTEXT
-    requests = num_requests or requests
+    workload = long_context(num_requests or requests, prompt_len, new_tokens)
     max_model_len = max_model_len_for(LONG_CONTEXT)
     built = time.perf_counter()
     _, checkpoint = random_checkpoint(shape, torch.bfloat16, DEVICE, max_model_len=max_model_len)
@@ -295,10 +294,9 @@ def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | No
     try:
         for run, use_flash in enumerate(flash_modes):
             flash_prefill.ENABLED = use_flash
-            rng = random.Random(100 + run)
-            prompts = [[rng.randint(0, 9999) for _ in range(prompt_len)] for _ in range(requests)]
+            prompts = [[(token + run) % 10000 for token in prompt] for prompt, _ in workload]
             steps.clear()
-            seconds, num_output = generate(prompts, [new_tokens] * requests)
+            seconds, num_output = generate(prompts, [new_tokens] * len(prompts))
             torch.cuda.synchronize()
             prefill = [(tokens, start.elapsed_time(end)) for tokens, seqs, start, end in steps if tokens > seqs]
             decode = [start.elapsed_time(end) for tokens, seqs, start, end in steps if tokens == seqs]
