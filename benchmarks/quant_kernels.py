@@ -96,6 +96,11 @@ def bench_fp8(rows, configs) -> None:
             results = {"bf16": base}
             results["quant+scaled_mm"] = graphed_us(
                 [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0) for c in copies])
+            if m > 16:  # the quantizer's old IEEE division per element, for the A/B
+                triton_fp8.QUANTIZE_RECIP = False
+                results["quant(div)+scaled_mm"] = graphed_us(
+                    [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0) for c in copies])
+                triton_fp8.QUANTIZE_RECIP = True
             if m <= triton_fp8.DOT_MAX_ROWS:
                 results["default"] = graphed_us([lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1]) for c in copies])
             if m == 1:

@@ -5,7 +5,8 @@ What every path computes is ``fp8.fp8_linear_reference``, vLLM's dynamic per-tok
 weight with per-output-row scales, and ``out = (x_codes @ W_codes.T) * x_scale * w_scale (+ bias)``.
 
 - :func:`quantize_rows` — one launch per call (``fp8.quantize_rows`` in torch is seven: abs, amax,
-  divide, clamp, divide, clamp, cast), the same e4m3 codes and scales.
+  divide, clamp, divide, clamp, cast), the same scales and codes (one may sit an e4m3 step away
+  where the quotient is a rounding tie: it multiplies by the reciprocal of the scale).
 - :func:`dot_gemv` — bf16 ``x`` and the e4m3 weight in one launch: each program takes the rows'
   amax itself and quantizes its ``x`` slices, then the tensor cores multiply with the operands
   swapped (weight rows on the MMA's M side, up to 16 tokens padded on its N side), so the weight
@@ -52,6 +53,8 @@ DOT_TILES = {False: (512, 3), True: (256, 4)}
 # Quantize by multiplying with the reciprocal of the scale (as torch's CUDA division by a scalar
 # does); div_rn in this loop made the kernel 5-8x slower (its slow path is a call).
 DOT_RECIP = True
+# The same for the standalone quantizer in front of _scaled_mm (steps of more rows).
+QUANTIZE_RECIP = True
 # Layers of up to DOT_SPLIT_MAX_N output rows (qkv, o, down: 96 or 64 tiles of 64 rows for 132 SMs)
 # split K in DOT_SPLIT_K parts (see the kernel: the last part reduces, no extra launch).
 DOT_SPLIT_K = 2
@@ -60,7 +63,8 @@ DOT_SPLIT_MAX_N = 8192
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_columns, stride_x, stride_q,
-                          FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr):
+                          FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
+                          RECIP: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -71,10 +75,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_columns, stride_x, stride
     # IEEE-rounded divisions (Triton's ``/`` is the approximate one): the codes must be torch's.
     scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_C), MIN_SCALE_C)
     tl.store(scale_ptr + row, scale)
+    inverse_scale = tl.math.div_rn(1.0, scale)
     for start in range(0, num_columns, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         v = tl.load(x_row + cols, mask=cols < num_columns, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, tl.zeros_like(v) + scale), -FP8_MAX_C, FP8_MAX_C)
+        if RECIP:  # times the rounded reciprocal, as the GEMVs quantize (DOT_RECIP)
+            q = tl.clamp(v * inverse_scale, -FP8_MAX_C, FP8_MAX_C)
+        else:
+            q = tl.clamp(tl.math.div_rn(v, tl.zeros_like(v) + scale), -FP8_MAX_C, FP8_MAX_C)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_columns)
 
 
@@ -470,15 +478,18 @@ def silu_and_mul_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale:
     return row_gemv(x, weight_fp8, weight_scale, bias, prologue=SILU_AND_MUL)[0]
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(e4m3 [M, K], float32 scales [M])`` of a CUDA ``x`` ``[M, K]``; as ``fp8.quantize_rows``."""
+def quantize_rows(x: torch.Tensor, recip: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 [M, K], float32 scales [M])`` of a CUDA ``x`` ``[M, K]``; as ``fp8.quantize_rows``
+    (``recip``, default :data:`QUANTIZE_RECIP`: times the reciprocal of the scale instead of an
+    IEEE division per element, which made prefill-sized calls compute-bound)."""
     x = x.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX_C=FP8_MAX,
-                                    MIN_SCALE_C=MIN_SCALE, BLOCK=min(1024, triton.next_power_of_2(k)))
+                                    MIN_SCALE_C=MIN_SCALE, BLOCK=min(1024, triton.next_power_of_2(k)),
+                                    RECIP=QUANTIZE_RECIP if recip is None else recip)
     return q, scale
 
 
