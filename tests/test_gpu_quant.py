@@ -92,6 +92,42 @@ def test_triton_fp8_linear_matches_the_reference_on_gpu(num_rows):
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("shape, split_k", [((4096, 4096), 2), ((1008, 14336), 4), ((28672, 4096), 1)])
+def test_one_row_fp8_gemv_and_its_fused_prologues_match_the_unfused_ops_on_gpu(shape, split_k):
+    """The bs1 GEMV against the exact product of the quantizer's codes (weights with subnormal e4m3
+    codes among them), twice (split-K's buffers must come back clean); RMSNorm(x + residual) and
+    SwiGLU fused in against that op's kernel followed by the plain one-row GEMV."""
+    if not fp8.has_fp8_gemm(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 GEMMs")
+    from hearth_llm import kernels
+    from hearth_llm.kernels.quant import triton_fp8
+
+    n, k = shape
+    generator = torch.Generator("cuda").manual_seed(n)
+    weight = torch.randn(n, k, device="cuda", generator=generator) * 0.02
+    weight[:, :64] *= 1e-4
+    weight_fp8, weight_scale = fp8.quantize_rows(weight)
+    x = torch.randn(1, k, device="cuda", generator=generator).bfloat16()
+    codes, scale = triton_fp8.quantize_rows(x)
+    exact = (codes.float() @ weight_fp8.float().t()) * scale[:, None] * weight_scale[None, :]
+    launch = triton_fp8.RowLaunch(64, 512, 4, 3, split_k)
+    for _ in range(2):
+        out, _ = triton_fp8.row_gemv(x, weight_fp8, weight_scale, launch=launch)
+        torch.testing.assert_close(out.float(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+    residual = torch.randn_like(x)
+    norm_weight = torch.rand(k, device="cuda", generator=generator).bfloat16() + 0.5
+    normed, summed = kernels.rms_norm(x, norm_weight, 1e-5, residual)
+    expected, _ = triton_fp8.row_gemv(normed, weight_fp8, weight_scale, launch=launch)
+    out, fused_summed = triton_fp8.row_gemv(x, weight_fp8, weight_scale, prologue=triton_fp8.RMS_NORM,
+                                            residual=residual, norm_weight=norm_weight, eps=1e-5, launch=launch)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    assert torch.equal(fused_summed, summed)
+    gate_up = torch.randn(1, 2 * k, device="cuda", generator=generator).bfloat16()
+    expected, _ = triton_fp8.row_gemv(kernels.silu_and_mul(gate_up), weight_fp8, weight_scale, launch=launch)
+    out, _ = triton_fp8.row_gemv(gate_up, weight_fp8, weight_scale, prologue=triton_fp8.SILU_AND_MUL, launch=launch)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
 def test_fp8_engine_on_gpu_stays_close_to_bf16(tmp_path):
     if not fp8.has_fp8_gemm(torch.device("cuda")):
         pytest.skip("this GPU has no FP8 GEMMs")
