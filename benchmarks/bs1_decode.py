@@ -168,20 +168,23 @@ def build_engine(shape: str):
     return our_engine(checkpoint, "bfloat16", max_num_seqs=1, kv_cache_memory="2GiB", max_model_len=4096)
 
 
-# Engine variants timed one after another on the same engine, each captured afresh: label ->
-# (fused GEMVs on, programmatic dependent launch, largest weight the GEMV takes, LM head by the GEMV,
-# every default launch prefetching the next K tile).
-VARIANTS = {
-    "unfused": (False, False, 1 << 25, False, False),
-    "fused": (True, False, 1 << 25, False, False),
-    "fused+pdl": (True, True, 1 << 25, False, False),
-    "fused+pdl+head": (True, True, 1 << 25, True, False),
-    "fused+pdl+all": (True, True, float("inf"), False, False),
-    "fused+pdl+all+head": (True, True, float("inf"), True, False),
-    "fused+pdl+all+head+pf": (True, True, float("inf"), True, True),
-    "fused+pdl+head+pf": (True, True, 1 << 25, True, True),
-}
+# Engine variants timed one after another on the same engine, each captured afresh. A label is
+# "unfused" or "fused" plus options: "+pdl" programmatic dependent launch, "+all" every weight by the
+# GEMV (else those over 2^25 elements stay on cuBLAS), "+head" the LM head by the GEMV, "+epi"
+# SwiGLU as gate_up's epilogue, "+pf" every default launch prefetching the next K tile.
+VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
+            "fused+pdl+all+head+epi", "fused+pdl+head+epi", "fused+pdl+all+head+pf", "fused+pdl+head+pf",
+            "fused+pdl+all+head+epi+pf"]
 _DEFAULT_LAUNCH = None
+
+
+def variant_options(label: str) -> dict:
+    base, *options = label.split("+")
+    unknown = set(options) - {"pdl", "all", "head", "epi", "pf"}
+    if base not in ("fused", "unfused") or unknown:
+        raise ValueError(f"variant {label!r}: unknown parts {sorted(unknown) or base!r}")
+    return dict(fused=base == "fused", pdl="pdl" in options, all="all" in options, head="head" in options,
+                epi="epi" in options, pf="pf" in options)
 
 
 def apply_variant(label: str) -> None:
@@ -193,12 +196,13 @@ def apply_variant(label: str) -> None:
     global _DEFAULT_LAUNCH
     if _DEFAULT_LAUNCH is None:
         _DEFAULT_LAUNCH = triton_gemv.default_launch
-    fused, pdl, max_numel, head, prefetch = VARIANTS[label]
-    fused_decode.ENABLED = fused
-    fused_decode.MAX_WEIGHT_NUMEL = max_numel
-    fused_decode.LM_HEAD_GEMV = head
-    triton_gemv.USE_PDL = pdl
-    triton_gemv.default_launch = _DEFAULT_LAUNCH if not prefetch else (
+    options = variant_options(label)
+    fused_decode.ENABLED = options["fused"]
+    fused_decode.MAX_WEIGHT_NUMEL = float("inf") if options["all"] else 1 << 25
+    fused_decode.LM_HEAD_GEMV = options["head"]
+    fused_decode.SWIGLU_EPILOGUE = options["epi"]
+    triton_gemv.USE_PDL = options["pdl"]
+    triton_gemv.default_launch = _DEFAULT_LAUNCH if not options["pf"] else (
         lambda *args, **kwargs: dataclasses.replace(_DEFAULT_LAUNCH(*args, **kwargs), prefetch=True))
 
 
@@ -226,7 +230,7 @@ def _kernel_table(profiler, repeats: int) -> dict[str, list]:
 
 def _is_matmul(name: str) -> bool:
     lowered = name.lower()
-    return any(part in lowered for part in ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk"))
+    return any(part in lowered for part in ("gemv", "gemm", "nvjet", "cutlass", "xmma"))
 
 
 def layer_timeline(engine, shape: str, label: str, results: dict) -> None:
@@ -419,8 +423,9 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
         largest = max(outputs * reduction for name, outputs, reduction, _ in PROJECTIONS.get(shape, [])
                       if name != "lm_head") if shape in PROJECTIONS else float("inf")
         for label in variants:
-            fused, pdl, max_numel, head, prefetch = VARIANTS[label]
-            effective = (fused, pdl, max_numel >= largest, head, prefetch)
+            options = variant_options(label)
+            options["all"] = options["all"] or largest <= 1 << 25
+            effective = tuple(sorted(options.items()))
             if effective in seen:  # e.g. "+all" where every weight is under the limit anyway
                 continue
             seen.add(effective)
@@ -464,7 +469,7 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "sweep", "flash"],
                         choices=["check", "attention", "sweep", "engine", "flash"])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, help="engine variants (see VARIANTS)")
     parser.add_argument("--budget-s", type=float, default=80.0, help="stop starting new measurements after this")
     parser.add_argument("--sweep-budget-s", type=float, default=None, help="when the sweep stops (default: budget)")
     parser.add_argument("--quick-sweep", action="store_true", help="a few launches per projection (QUICK_LAUNCHES)")

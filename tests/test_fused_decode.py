@@ -37,6 +37,20 @@ def test_rms_norm_linear_matches_reference(with_residual, rows):
     torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_linear_with_swiglu_epilogue_matches_reference(with_residual):
+    x, residual, norm_weight, weight = _inputs(2, 72, 2 * 9, seed=2)  # 9 outputs: ragged against 4 a program
+    residual = residual if with_residual else None
+    launch = triton_gemv.GemvLaunch(block_n=4, block_k=32)
+    act, summed = triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-5, weight, launch)
+    expected_act, expected_summed = reference.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-5, weight)
+    assert act.shape == (2, 9)
+    torch.testing.assert_close(act, expected_act, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gate and up"):
+        triton_gemv.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-5, weight[:17])
+
+
 def test_silu_and_mul_linear_and_plain_linear_match_reference():
     x, _, _, weight = _inputs(2, 40, 12, seed=1)
     gate_up = torch.cat([x, 2 * x.flip(1)], dim=1)
@@ -63,7 +77,7 @@ def test_bad_shapes_are_refused_by_name():
 @pytest.fixture
 def fused_on_this_device(monkeypatch):
     """The fused path on this device's tensors (on CPU: the Triton interpreter), counting its calls."""
-    calls = {"rms_norm_linear": 0, "silu_and_mul_linear": 0, "linear": 0}
+    calls = {"rms_norm_linear": 0, "silu_and_mul_linear": 0, "linear": 0, "rms_norm_linear_silu_and_mul": 0}
     for name in calls:
         original = getattr(triton_gemv, name)
 
@@ -76,14 +90,17 @@ def fused_on_this_device(monkeypatch):
     monkeypatch.setattr(fused_decode, "PLAIN_GEMV", True)
     monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV", True)
     if DEVICE == "cpu":  # the interpreter runs programs one by one: a tile covers a tiny layer
-        monkeypatch.setattr(triton_gemv, "default_launch", lambda n, k, prologue=0: triton_gemv.GemvLaunch(256, 128))
+        monkeypatch.setattr(triton_gemv, "default_launch", lambda *args: triton_gemv.GemvLaunch(256, 128))
     return calls
 
 
+@pytest.mark.parametrize("swiglu_epilogue", [False, True])
 @pytest.mark.parametrize("name", ["qwen3"])
-def test_engine_with_fused_decode_matches_hf_greedy(name, tmp_path, make_llm, fused_on_this_device):
+def test_engine_with_fused_decode_matches_hf_greedy(name, swiglu_epilogue, tmp_path, make_llm, fused_on_this_device,
+                                                    monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("the HF-equality run is the CPU one (fp32); CUDA runs the bf16 check below")
+    monkeypatch.setattr(fused_decode, "SWIGLU_EPILOGUE", swiglu_epilogue)
     path = save_tiny_model(TINY_CONFIGS[name](), tmp_path / name, seed=3)
     llm = make_llm(path, dtype="float32")
     prompts = random_prompts(2, [1, 23], seed=21)
@@ -92,9 +109,17 @@ def test_engine_with_fused_decode_matches_hf_greedy(name, tmp_path, make_llm, fu
     num_layers = TINY_CONFIGS[name]().num_hidden_layers
     # Two fused norms and one fused SwiGLU per layer per one-row step (15 decode steps each, and a
     # one-token prompt's prefill).
-    assert fused_on_this_device["rms_norm_linear"] >= 2 * num_layers * 15 * len(prompts)
-    assert fused_on_this_device["silu_and_mul_linear"] >= num_layers * 15 * len(prompts)
-    assert fused_on_this_device["linear"] >= num_layers * 15 * len(prompts)  # o_proj
+    num_steps = num_layers * 15 * len(prompts)
+    if swiglu_epilogue:  # post-attention norm + gate_up + SwiGLU in one GEMV, down_proj a plain one
+        assert fused_on_this_device["rms_norm_linear"] >= num_steps
+        assert fused_on_this_device["rms_norm_linear_silu_and_mul"] >= num_steps
+        assert fused_on_this_device["silu_and_mul_linear"] == 0
+        assert fused_on_this_device["linear"] >= 2 * num_steps  # o_proj and down_proj
+    else:
+        assert fused_on_this_device["rms_norm_linear"] >= 2 * num_steps
+        assert fused_on_this_device["silu_and_mul_linear"] >= num_steps
+        assert fused_on_this_device["rms_norm_linear_silu_and_mul"] == 0
+        assert fused_on_this_device["linear"] >= num_steps  # o_proj
     # Several rows (a batch's prefill and decode) run the unfused ops and agree too.
     batch = random_prompts(3, [5, 17, 9], seed=22)
     assert_matches_hf(path, batch, llm.generate(batch, GREEDY, use_tqdm=False))

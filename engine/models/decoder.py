@@ -98,9 +98,7 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = fused_decode.norm_and_linear(self.input_layernorm, hidden, residual, attn.qkv_proj)
         hidden = fused_decode.linear(attn.o_proj, attn.attend_heads(positions, qkv, kv_cache, meta))
-        gate_up, residual = fused_decode.norm_and_linear(self.post_attention_layernorm, hidden, residual,
-                                                         mlp.gate_up_proj)
-        return fused_decode.act_and_down(mlp, gate_up), residual
+        return fused_decode.norm_and_mlp(self.post_attention_layernorm, mlp, hidden, residual)
 
 
 class DecoderModel(nn.Module):

@@ -11,7 +11,7 @@ tensors, at most :data:`MAX_ROWS` rows; and where it is faster, a weight of at m
 reference (``kernels/gemv/reference.py``).
 
 >>> qkv, residual = norm_and_linear(layer.input_layernorm, hidden, residual, layer.self_attn.qkv_proj)
->>> out = act_and_down(layer.mlp, gate_up)
+>>> out, residual = norm_and_mlp(layer.post_attention_layernorm, layer.mlp, hidden, residual)
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ MAX_WEIGHT_NUMEL = 1 << 25
 # o_proj by the Triton GEMV too (no prologue to fuse: it simply beats cuBLAS at one row, Qwen3-0.6B's
 # 1024x2048 3.4 µs against 12.7, which runs it at 331 GB/s).
 PLAIN_GEMV = True
+# SwiGLU as gate_up's epilogue (the matmul writes silu(gate) * up; down_proj is then a plain GEMV),
+# instead of down_proj's prologue, which re-reads the whole gate_up row in every program (off until
+# the H200 says; benchmarks/bs1_decode.py times both).
+SWIGLU_EPILOGUE = False
 # The LM head by the Triton GEMV too, for one row (off until the H200 says it beats cuBLAS on the
 # vocabulary-wide weight: benchmarks/bs1_decode.py times both).
 LM_HEAD_GEMV = False
@@ -83,6 +87,21 @@ def act_and_down(mlp, gate_up: torch.Tensor) -> torch.Tensor:
     if weight is not None:
         return _gemv().silu_and_mul_linear(gate_up, weight)
     return mlp.down_proj(mlp.act_and_mul(gate_up))
+
+
+def norm_and_mlp(norm, mlp, x: torch.Tensor, residual: torch.Tensor | None):
+    """``(mlp(norm(x + residual)), x + residual)`` for a GatedMLP: with :data:`SWIGLU_EPILOGUE`,
+    RMSNorm + gate_up + SwiGLU in one GEMV and down_proj in another; else :func:`norm_and_linear`
+    and :func:`act_and_down`."""
+    from .norms import RMSNorm
+
+    if SWIGLU_EPILOGUE and type(norm) is RMSNorm and mlp.act_and_mul is kernels.silu_and_mul:
+        gate_up_weight, down_weight = dense_weight(mlp.gate_up_proj, x), dense_weight(mlp.down_proj, x)
+        if gate_up_weight is not None and down_weight is not None:
+            act, residual = _gemv().rms_norm_linear_silu_and_mul(x, residual, norm.weight, norm.eps, gate_up_weight)
+            return _gemv().linear(act, down_weight), residual
+    gate_up, residual = norm_and_linear(norm, x, residual, mlp.gate_up_proj)
+    return act_and_down(mlp, gate_up), residual
 
 
 def linear(layer, x: torch.Tensor) -> torch.Tensor:

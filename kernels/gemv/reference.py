@@ -32,6 +32,21 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear((F.silu(gate) * up).to(x.dtype), weight)
 
 
+def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(silu(g) * u, x + residual)`` where ``[g, u] = RMSNorm(x + residual) @ weight.T`` (weight
+    ``[2 * I, K]``, gate rows first), the matmul's output rounded to x's dtype before SwiGLU.
+
+    >>> act, _ = rms_norm_linear_silu_and_mul(torch.ones(1, 4), None, torch.ones(4), 1e-6, torch.zeros(6, 4))
+    >>> act.tolist()
+    [[0.0, 0.0, 0.0]]
+    """
+    gate_up, summed = rms_norm_linear(x, residual, norm_weight, eps, weight)
+    intermediate = weight.shape[0] // 2
+    gate, up = gate_up[..., :intermediate].float(), gate_up[..., intermediate:].float()
+    return (F.silu(gate) * up).to(x.dtype), summed
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T``."""
     return F.linear(x, weight)

@@ -37,7 +37,7 @@ class GemvLaunch:
     prefetch: bool = False
 
 
-def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN) -> GemvLaunch:
+def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN, gated_out: bool = False) -> GemvLaunch:
     """The launch for an ``[num_outputs, reduction]`` weight and this prologue, from the H200 sweep at
     one row (bf16, 4 warps, µs per call in CUDA graphs; ``benchmarks/bs1_decode.py``, 2026-12-01):
     without a prologue narrow programs spread the weight over more programs (o_proj 1024x2048 3.4,
@@ -46,8 +46,8 @@ def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN) -> G
     6.3, Llama-3-8B qkv 16.3, against 6.1 / 9.7 / 28.1 with 8); in one pass it reads the row as
     often as the plain GEMV, and 8 outputs keep a program at 165 registers (16: 255, spilling)."""
     block_k = triton.next_power_of_2(reduction)
-    if prologue == RMS_NORM:
-        return GemvLaunch(block_n=8, block_k=min(1024, block_k), num_warps=4)
+    if prologue == RMS_NORM:  # a SwiGLU epilogue dots two weight rows per output
+        return GemvLaunch(block_n=4 if gated_out else 8, block_k=min(1024, block_k), num_warps=4)
     if prologue == SILU_AND_MUL:
         return GemvLaunch(block_n=4, block_k=min(2048, block_k), num_warps=4)
     return GemvLaunch(block_n=2, block_k=min(1024, block_k), num_warps=4)
@@ -79,7 +79,7 @@ def _gemv_kernel(
     num_outputs, reduction, eps,
     x_stride_row, residual_stride_row, summed_stride_row, out_stride_row, weight_stride_row,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, GATED_OUT: tl.constexpr,
 ):
     """One program: outputs [pid * BLOCK_N, +BLOCK_N) of row ``program_id(1)``.
 
@@ -89,6 +89,10 @@ def _gemv_kernel(
     With ``USE_PDL`` (programmatic dependent launch) the program starts while the kernel before it
     still runs: it lets the next kernel start too, loads its first weight tile (weights are not
     written by any kernel of the step), and only then waits for the previous kernel's results.
+
+    ``GATED_OUT``: W is ``[2 * num_outputs, K]`` (gate rows, then up rows) and output ``n`` is
+    ``silu(gate_n) * up_n``; a program dots the gate and the up row of each of its outputs
+    (interleaved in its tile), so SwiGLU is the matmul's epilogue and ``down_proj`` a plain GEMV.
     """
     block = tl.program_id(0)
     row_index = tl.program_id(1).to(tl.int64)
@@ -97,9 +101,15 @@ def _gemv_kernel(
     summed_row_ptr = summed_ptr + row_index * summed_stride_row
     # One program per row writes the sum x + residual (the next residual stream).
     is_summed_writer = (block == 0).to(tl.int32)
-    outputs = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED_OUT:  # tile row 2j is output j's gate row, 2j + 1 its up row
+        tile_rows = tl.arange(0, 2 * BLOCK_N)
+        outputs = block * BLOCK_N + tile_rows // 2
+        weight_row_index = outputs + (tile_rows % 2) * num_outputs
+    else:
+        outputs = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        weight_row_index = outputs
     output_mask = outputs < num_outputs
-    weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_stride_row
+    weight_rows = weight_ptr + weight_row_index.to(tl.int64)[:, None] * weight_stride_row
     first_cols = tl.arange(0, BLOCK_K)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -107,7 +117,7 @@ def _gemv_kernel(
                      other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the row (and the residual) are the previous kernel's outputs
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([2 * BLOCK_N if GATED_OUT else BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for start in range(0, reduction, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
@@ -129,6 +139,13 @@ def _gemv_kernel(
     out = tl.sum(acc, 1)
     if PROLOGUE == 1:
         out = out * tl.rsqrt(tl.sum(squares, 0) / reduction + eps)
+    if GATED_OUT:  # rounded to the storage dtype where the unfused path stores gate_up, as silu_and_mul does
+        storage = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(out, [BLOCK_N, 2]))
+        gate, up = gate.to(storage).to(tl.float32), up.to(storage).to(tl.float32)
+        out = gate * tl.sigmoid(gate) * up
+        outputs = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        output_mask = outputs < num_outputs
     tl.store(out_ptr + row_index * out_stride_row + outputs, out.to(out_ptr.dtype.element_ty), mask=output_mask)
 
 
@@ -160,11 +177,11 @@ def uses_pdl(tensor: torch.Tensor) -> bool:
     return USE_PDL and tensor.is_cuda and _device_has_pdl(tensor.device.index or 0)
 
 
-def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prologue, launch):
+def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prologue, launch, gated_out=False):
     num_rows, num_outputs = out.shape
     if num_rows == 0 or num_outputs == 0:
         return
-    launch = launch or default_launch(num_outputs, reduction, prologue)
+    launch = launch or default_launch(num_outputs, reduction, prologue, gated_out)
     grid = (triton.cdiv(num_outputs, launch.block_n), num_rows)
     use_pdl = uses_pdl(out)
     extra = {"launch_pdl": True} if use_pdl else {}
@@ -172,7 +189,7 @@ def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prolo
         out, summed, x, residual, norm_weight, weight, num_outputs, reduction, eps,
         x.stride(0), residual.stride(0), summed.stride(0), out.stride(0), weight.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not x, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        USE_PDL=use_pdl, PREFETCH=launch.prefetch, num_warps=launch.num_warps, **extra,
+        USE_PDL=use_pdl, PREFETCH=launch.prefetch, GATED_OUT=gated_out, num_warps=launch.num_warps, **extra,
     )
 
 
@@ -221,3 +238,27 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, launch: GemvLaunc
     out = x.new_empty(x.shape[0], weight.shape[0])
     _launch(out, x, x, x, x, weight, reduction, 0.0, SILU_AND_MUL, launch)
     return out
+
+
+def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, weight: torch.Tensor,
+                                 launch: GemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(silu_and_mul(RMSNorm(x + residual) @ weight.T), x + residual)`` in one launch, ``weight``
+    ``[2 * I, K]`` (gate rows, then up rows); see ``reference.rms_norm_linear_silu_and_mul``."""
+    x = _rows(x)
+    reduction = x.shape[1]
+    if norm_weight.shape != (reduction,):
+        raise ValueError(f"norm_weight must be ({reduction},), got {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    weight = _check_weight(weight, reduction, "weight")
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight must stack gate and up rows ([2 * I, {reduction}]), got {tuple(weight.shape)}")
+    out = x.new_empty(x.shape[0], weight.shape[0] // 2)
+    if residual is None:
+        summed, residual = x, x
+    else:
+        residual = _rows(residual)
+        summed = torch.empty_like(x)
+    _launch(out, summed, x, residual, norm_weight.contiguous(), weight, reduction, eps, RMS_NORM, launch, gated_out=True)
+    return out, summed
