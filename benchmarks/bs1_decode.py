@@ -68,6 +68,15 @@ def check(gemv, reference) -> bool:
                 out0, _ = gemv.rms_norm_linear(x, None, norm_weight, 1e-6, weight)
                 expected0, _ = reference.rms_norm_linear(x, None, norm_weight, 1e-6, weight)
                 diff0 = (out0.float() - expected0.float()).abs().max().item()
+                if name == "gate_up":  # and with SwiGLU as the epilogue
+                    act, act_summed = gemv.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-6, weight)
+                    expected_act, _ = reference.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-6, weight)
+                    act_diff = (act.float() - expected_act.float()).abs().max().item()
+                    act_scale = expected_act.float().abs().max().item()
+                    act_ok = act_diff <= 0.02 * act_scale + 1e-2 and torch.equal(act_summed, expected_summed)
+                    ok &= act_ok
+                    say(f"{'PASS' if act_ok else 'FAIL'} gemv {shape} gate_up+SwiGLU epilogue: max|diff| "
+                        f"{act_diff:.3g} of max {act_scale:.3g}")
             elif prologue == "silu":
                 gate_up = torch.randn(1, 2 * reduction, device="cuda", dtype=torch.bfloat16)
                 out, expected = gemv.silu_and_mul_linear(gate_up, weight), reference.silu_and_mul_linear(gate_up, weight)
