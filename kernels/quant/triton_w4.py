@@ -98,7 +98,7 @@ def _finish(acc, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, n
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit(do_not_specialize=["groups_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["M", "groups_per_split", "num_splits"])  # one compile for 1..16 rows
 def _w4_dot_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
                    stride_x, stride_c, stride_out, groups_per_split, num_splits, HAS_BIAS: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, IS_SPLIT: tl.constexpr):
@@ -137,18 +137,21 @@ def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, co
                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
                     IS_SPLIT: tl.constexpr):
     """See :func:`gemv`: per group, ``d[T, BN, 16] += x_i[T, 1, 16] * (code_i - zero)[1, BN, 16]``
-    over the eight nibbles, then ``acc += scale * d``; summed over the 16 words at the end."""
+    over the eight nibbles, then ``acc += scale * d``; summed over the 16 words at the end. One row
+    (``BLOCK_T == 1``) keeps everything two-dimensional: ``x_i`` is a ``[16]`` vector broadcast
+    over the ``[BN, 16]`` words."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = tl.minimum(n, N - 1)
     t = tl.arange(0, BLOCK_T)
     c = tl.arange(0, 16)
-    x_cols = x_ptr + tl.minimum(t, M - 1)[:, None].to(tl.int64) * stride_x + c[None, :]    # [BT, 16]
-    live = (t < M)[:, None]
     code_rows = codes_ptr + n_in[:, None].to(tl.int64) * stride_c + c[None, :]             # [BN, 16]
     num_groups = K // 128
     g_start = tl.program_id(1) * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, num_groups)
-    acc = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
+    if BLOCK_T == 1:
+        acc2 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS_PER_ITER):
         for gi in tl.static_range(GROUPS_PER_ITER):
             g = g0 + gi
@@ -157,14 +160,27 @@ def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, co
             header = tl.load(headers_ptr + g * N + n_in, mask=g + 0 * n < g_end, other=0)    # [BN]
             z0, z1, z2, z3 = _zero_offsets(header[:, None])
             hi = words >> 16
-            d = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
-            for i in tl.static_range(8):
-                q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i)
-                xv = tl.load(x_cols + g * 128 + 16 * i, mask=live & valid[None, :], other=0.0).to(tl.float32)
-                d += xv[:, None, :] * q[None, :, :]
-            acc += d * _scale(header)[None, :, None]
-    _finish(tl.trans(tl.sum(acc, axis=2)), n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr,
-            num_splits, HAS_BIAS, IS_SPLIT)
+            if BLOCK_T == 1:
+                d2 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i)
+                    xv = tl.load(x_ptr + g * 128 + 16 * i + c, mask=valid, other=0.0).to(tl.float32)  # [16]
+                    d2 += q * xv[None, :]
+                acc2 += d2 * _scale(header)[:, None]
+            else:
+                x_cols = x_ptr + tl.minimum(t, M - 1)[:, None].to(tl.int64) * stride_x + c[None, :]  # [BT, 16]
+                d3 = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i)
+                    xv = tl.load(x_cols + g * 128 + 16 * i, mask=(t < M)[:, None] & valid[None, :],
+                                 other=0.0).to(tl.float32)                                   # [BT, 16]
+                    d3 += xv[:, None, :] * q[None, :, :]
+                acc3 += d3 * _scale(header)[None, :, None]
+    if BLOCK_T == 1:
+        result = tl.sum(acc2, axis=1)[:, None]                                                # [BN, 1]
+    else:
+        result = tl.trans(tl.sum(acc3, axis=2))                                               # [BN, BT]
+    _finish(result, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS, IS_SPLIT)
 
 
 @triton.jit
