@@ -157,3 +157,14 @@ def test_fp8_cache_with_bf16_queries(query_lens, context_lens):
     scales = torch.tensor([0.5, 2.0], device=DEVICE)
     torch.testing.assert_close(triton_attention.paged_attention(**batch, kv_scales=scales).float(),
                                expected(batch, kv_scales=scales).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("query_scale", [1.0, 12.0])  # 12: scores spread wide, the max moves often
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_prefill_with_lazy_rescale_matches_reference(monkeypatch, query_scale, sliding_window):
+    # Chunks over cached keys beside a fresh prompt and a decode row (prefill kernel, several key tiles).
+    batch = paged_batch([30, 1, 45], [100, 70, 45])
+    batch["query"] = batch["query"] * query_scale
+    monkeypatch.setattr(triton_attention, "PREFILL_LAZY_RESCALE", True)
+    torch.testing.assert_close(triton_attention.paged_attention(**batch, sliding_window=sliding_window),
+                               expected(batch, sliding_window=sliding_window), atol=2e-5, rtol=1e-5)

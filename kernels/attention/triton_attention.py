@@ -23,6 +23,10 @@ PREFILL_BLOCK_M = 128
 PREFILL_BLOCK_N = 32
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
+# Prefill only: move the running max (and rescale the accumulator) only when a row's max grows by
+# more than 2^LAZY_RESCALE_LOG2 (see _attend_to_key_range). Off until the H200 says.
+PREFILL_LAZY_RESCALE = False
+LAZY_RESCALE_LOG2: tl.constexpr = tl.constexpr(8.0)
 # Heads wider than 128 keep the fp32 accumulator and the tiles in registers with smaller tiles, and
 # fp32 inputs (twice the bytes per tile in shared memory) keep the tiles measured before.
 PREFILL_WIDE_BLOCK_M = 64
@@ -41,6 +45,7 @@ def _attend_to_key_range(
     value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
     MASK_BY_QUERY_POSITION: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_IN_FP32: tl.constexpr, USE_DOT: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     """Online-softmax accumulation of ``query`` rows over cache positions [key_start, key_end).
 
@@ -51,6 +56,11 @@ def _attend_to_key_range(
     Scores are kept in the log2 domain (scaled by scale * log2(e)) so exp2 replaces exp; a soft
     cap c makes them ``c * tanh(scale * q.k / c)``, with ``soft_cap_log2`` = c * log2(e).
     ``row_max`` starts at -inf; rows that see no key stay at acc = 0, row_sum = 0.
+
+    With LAZY_RESCALE the running max moves (and acc and row_sum are rescaled) only in a tile where
+    some row's max grows by more than :data:`LAZY_RESCALE_LOG2` (FlashAttention-4's trick); until
+    then probabilities are taken against the stale max, so they stay below 2^LAZY_RESCALE_LOG2. The
+    same softmax in exact arithmetic, and most tiles skip the rescale of the whole accumulator.
     """
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
@@ -85,13 +95,27 @@ def _attend_to_key_range(
                 is_visible = is_visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
         scores = tl.where(is_visible, scores, float("-inf"))
 
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        # A row that has seen no visible key yet keeps max -inf; subtracting 0 instead of -inf
-        # keeps its probabilities at exp2(-inf) = 0 rather than NaN.
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.exp2(scores - safe_max[:, None])
-        rescale = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        if LAZY_RESCALE:
+            tile_max = tl.max(scores, 1)
+            if tl.max((tile_max > row_max + LAZY_RESCALE_LOG2).to(tl.int32), 0) > 0:
+                new_max = tl.maximum(row_max, tile_max)
+                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+                rescale = tl.exp2(row_max - safe_max)
+                row_sum = row_sum * rescale
+                acc = acc * rescale[:, None]
+                row_max = new_max
+            safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            row_sum = row_sum + tl.sum(probs, 1)
+            new_max = row_max  # acc is already at row_max's scale
+        else:
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            # A row that has seen no visible key yet keeps max -inf; subtracting 0 instead of -inf
+            # keeps its probabilities at exp2(-inf) = 0 rather than NaN.
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            rescale = tl.exp2(row_max - safe_max)
+            row_sum = row_sum * rescale + tl.sum(probs, 1)
 
         value = tl.load(
             value_cache_ptr + block[:, None] * value_cache_stride_block
@@ -99,7 +123,12 @@ def _attend_to_key_range(
             + kv_head * value_cache_stride_head + dims[None, :] * value_cache_stride_dim,
             mask=load_mask, other=0.0,
         ).to(query.dtype)
-        if not USE_DOT:
+        if LAZY_RESCALE:
+            if DOT_IN_FP32:
+                acc = tl.dot(probs.to(query.dtype).to(tl.float32), value.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(probs.to(query.dtype), value, acc)
+        elif not USE_DOT:
             acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * value[None, :, :], 1)
         elif DOT_IN_FP32:
             probs_of_dot_dtype = probs.to(query.dtype).to(tl.float32)
@@ -152,7 +181,7 @@ def _prefill_attention_kernel(
     num_queries_per_kv, block_size: tl.constexpr, head_dim, softmax_scale_log2, soft_cap_log2, sliding_window,
     HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_KV_SCALES: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, FP8_DOT_IN_FP16: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, FP8_DOT_IN_FP16: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     """One program: BLOCK_Q consecutive query tokens of one sequence, for all query heads that
     share one KV head (GQA), so every key tile loaded serves GROUP_SIZE heads at once."""
@@ -216,6 +245,7 @@ def _prefill_attention_kernel(
             value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
             MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=True,
             HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=True,
+        LAZY_RESCALE=LAZY_RESCALE,
         )
     acc, row_max, row_sum = _attend_to_key_range(
         acc, row_max, row_sum, query, query_pos, all_start, all_end,
@@ -225,6 +255,7 @@ def _prefill_attention_kernel(
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
         HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=True,
+        LAZY_RESCALE=LAZY_RESCALE,
     )
     acc, row_max, row_sum = _attend_to_key_range(
         acc, row_max, row_sum, query, query_pos, all_end, key_end,
@@ -234,6 +265,7 @@ def _prefill_attention_kernel(
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=True, HAS_SLIDING_WINDOW=HAS_SLIDING_WINDOW,
         HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=True,
+        LAZY_RESCALE=LAZY_RESCALE,
     )
     out = acc * (value_scale / tl.where(row_sum == 0.0, 1.0, row_sum))[:, None]
     tl.store(
@@ -310,7 +342,7 @@ def paged_attention(
             *out.stride(), *query.stride(), block_tables.stride(0), *key_cache.stride(), *value_cache.stride(),
             BLOCK_Q=block_q, GROUP_SIZE=group_size, BLOCK_N=block_n,
             HAS_KV_SCALES=kv_scales is not None, FP8_DOT_IN_FP16=fp8_dot_in_fp16(query, key_cache),
-            num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
+            LAZY_RESCALE=PREFILL_LAZY_RESCALE, num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
         )
     return out
 
@@ -484,6 +516,7 @@ def _split_decode_kernel(
         value_cache_stride_block, value_cache_stride_slot, value_cache_stride_head, value_cache_stride_dim,
         MASK_BY_QUERY_POSITION=False, HAS_SLIDING_WINDOW=False,
         HAS_SOFT_CAP=HAS_SOFT_CAP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_IN_FP32=DOT_IN_FP32, USE_DOT=USE_DOT,
+        LAZY_RESCALE=False,
     )
     out = acc * (value_scale / tl.where(row_sum == 0.0, 1.0, row_sum))[:, None]
     if used > 1:
