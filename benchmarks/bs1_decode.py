@@ -180,20 +180,21 @@ def build_engine(shape: str):
 # Engine variants timed one after another on the same engine, each captured afresh. A label is
 # "unfused" or "fused" plus options: "+pdl" programmatic dependent launch, "+all" every weight by the
 # GEMV (else those over 2^25 elements stay on cuBLAS), "+head" the LM head by the GEMV, "+epi"
-# SwiGLU as gate_up's epilogue, "+pf" every default launch prefetching the next K tile.
+# SwiGLU as gate_up's epilogue, "+pf" every default launch prefetching the next K tile, "+n16" the
+# RMSNorm GEMV at 16 outputs a program (the default before the norm took one pass).
 VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
             "fused+pdl+all+head+epi", "fused+pdl+head+epi", "fused+pdl+all+head+pf", "fused+pdl+head+pf",
-            "fused+pdl+all+head+epi+pf"]
+            "fused+pdl+all+head+epi+pf", "fused+pdl+all+head+n16"]
 _DEFAULT_LAUNCH = None
 
 
 def variant_options(label: str) -> dict:
     base, *options = label.split("+")
-    unknown = set(options) - {"pdl", "all", "head", "epi", "pf"}
+    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16"}
     if base not in ("fused", "unfused") or unknown:
         raise ValueError(f"variant {label!r}: unknown parts {sorted(unknown) or base!r}")
     return dict(fused=base == "fused", pdl="pdl" in options, all="all" in options, head="head" in options,
-                epi="epi" in options, pf="pf" in options)
+                epi="epi" in options, pf="pf" in options, n16="n16" in options)
 
 
 def apply_variant(label: str) -> None:
@@ -211,8 +212,13 @@ def apply_variant(label: str) -> None:
     fused_decode.LM_HEAD_GEMV = options["head"]
     fused_decode.SWIGLU_EPILOGUE = options["epi"]
     triton_gemv.USE_PDL = options["pdl"]
-    triton_gemv.default_launch = _DEFAULT_LAUNCH if not options["pf"] else (
-        lambda *args, **kwargs: dataclasses.replace(_DEFAULT_LAUNCH(*args, **kwargs), prefetch=True))
+    def launch(num_outputs, reduction, prologue=triton_gemv.PLAIN, gated_out=False):
+        chosen = _DEFAULT_LAUNCH(num_outputs, reduction, prologue, gated_out)
+        if options["n16"] and prologue == triton_gemv.RMS_NORM and not gated_out:
+            chosen = dataclasses.replace(chosen, block_n=16)
+        return dataclasses.replace(chosen, prefetch=True) if options["pf"] else chosen
+
+    triton_gemv.default_launch = launch if options["pf"] or options["n16"] else _DEFAULT_LAUNCH
 
 
 def recapture(engine, label: str) -> None:
@@ -382,17 +388,22 @@ def head_and_argmax(engine, shape: str, label: str, results: dict) -> None:
     from hearth_llm import kernels
     from .timing import graphed_us
 
+    from hearth_llm.kernels.gemv import triton_gemv
+
     model = engine.runner.model
     hidden = torch.randn(1, engine.runner.arch.hidden_size, device="cuda", dtype=torch.bfloat16)
+    weight = model.lm_head.weight
     with torch.inference_mode():
         logits = model.compute_logits(hidden)
         head_us = graphed_us([lambda: model.compute_logits(hidden)] * 4, replays=5)
+        cublas_us = graphed_us([lambda: F.linear(hidden, weight)] * 4, replays=5)
+        gemv_us = graphed_us([lambda: triton_gemv.linear(hidden, weight)] * 4, replays=5)
         argmax_us = graphed_us([lambda: kernels.argmax(logits)] * 10, replays=5)
-    head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    head_bytes = weight.numel() * weight.element_size()
     results[f"{shape}.{label}.lm_head_us"] = head_us
     results[f"{shape}.{label}.argmax_us"] = argmax_us
-    say(f"head {shape} {label}: LM head {head_us:.1f} us ({head_bytes / head_us / 1e3:.0f} GB/s, {head_bytes / 1e9:.2f} GB), "
-        f"argmax {argmax_us:.1f} us")
+    say(f"head {shape} {label}: LM head as run {head_us:.1f} us ({head_bytes / head_us / 1e3:.0f} GB/s of "
+        f"{head_bytes / 1e9:.2f} GB); cuBLAS {cublas_us:.1f}, GEMV {gemv_us:.1f} (4 in a row); argmax {argmax_us:.1f} us")
 
 
 def compare_fused(engine, shape: str, label: str, results: dict) -> None:
