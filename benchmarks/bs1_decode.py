@@ -462,6 +462,11 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
             results[f"{shape}.bs1_ms.{label}"] = ms
             results[f"{shape}.graph_ms.{label}"] = graph_ms
             say(f"BS1 {shape} {label}: {ms:.3f} ms/token, decode graph {graph_ms:.3f} ms")
+            if label == "fused":  # the step before PDL and the rest, kernel by kernel
+                try:
+                    layer_timeline(engine, shape, label, results)
+                except Exception as error:  # noqa: BLE001
+                    say(f"FAIL layer_timeline {shape} {label}: {type(error).__name__}: {error}")
             if label != "unfused" and (best is None or ms < best[0]):
                 best = (ms, label)
         if best is not None:
