@@ -165,12 +165,13 @@ def real_weights_table(args) -> None:
     engines = {"no speculation": make_engine(args.model, None, args)}
     engines[f"ngram k={args.k}"] = make_engine(args.model, {
         "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-        "prompt_lookup_max": args.lookup_max, "prompt_lookup_backoff": args.lookup_backoff}, args)
+        "prompt_lookup_max": args.lookup_max, "prompt_lookup_backoff": args.lookup_backoff,
+        "adaptive_proposal_length": args.adaptive_length}, args)
     if args.baseline_ngram:  # the previous default policy, in the same interleaved runs
         low, high = (int(n) for n in args.baseline_ngram.split("-"))
-        engines[f"ngram k={args.k} n{low}-{high} no backoff"] = make_engine(args.model, {
+        engines[f"ngram k={args.k} n{low}-{high} whole matches"] = make_engine(args.model, {
             "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": low,
-            "prompt_lookup_max": high, "prompt_lookup_backoff": False}, args)
+            "prompt_lookup_max": high, "prompt_lookup_backoff": False, "adaptive_proposal_length": False}, args)
     if args.draft:
         engines[f"draft {Path(args.draft).name} k={args.k}"] = make_engine(args.model, {
             "method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}, args)
@@ -270,9 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-backoff", action=argparse.BooleanOptionalAction, default=False,
                         help="speculative.prompt_lookup_backoff (default: off)")
+    parser.add_argument("--adaptive-length", action=argparse.BooleanOptionalAction, default=True,
+                        help="speculative.adaptive_proposal_length (default: on)")
     parser.add_argument("--baseline-ngram", default=None, metavar="MIN-MAX",
-                        help="also an ngram engine with these lookup lengths and no backoff (e.g. 2-4), "
-                             "interleaved with the others")
+                        help="also an ngram engine with these lookup lengths, no backoff and whole matches "
+                             "proposed (adaptive_proposal_length off; e.g. 2-4), interleaved with the others")
     parser.add_argument("--draft", default=None, help="a draft model ('default': SmolLM2 drafts for itself)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)

@@ -28,7 +28,7 @@ from .request import Request
 from .sampler import SampledTokens, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .spec_decode import NgramProposer, SpecDecodeStats, accepted_tokens
+from .spec_decode import NgramProposer, SpecDecodeStats, accepted_tokens, step_costs_for
 from .structured_output import GrammarError, GuidedDecoder
 from .thread_governor import ThreadGovernor
 
@@ -381,7 +381,8 @@ class LLMEngine:
         if spec is None:
             return None, None
         if spec.method == "ngram":
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_backoff)
+            step_cost = step_costs_for(self.config.torch_device.type) if spec.adaptive_proposal_length else None
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_backoff, step_cost)
         else:
             from .spec_decode.draft_model_proposer import DraftModelProposer
 

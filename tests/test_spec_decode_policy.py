@@ -35,7 +35,7 @@ def test_a_missed_proposal_needs_a_longer_match_next_and_a_hit_lifts_that():
     request.token_ids += [7]  # [6, 7] occurs: a 2-token match, allowed while backed off
     assert proposer.propose([request], [2]) == [[9, 8]]
     request.token_ids += [9]  # its first token accepted: back to 1-token matches
-    assert not proposer._is_backed_off(request)
+    assert not proposer._is_backed_off(request, proposer._sent["a"])
     assert proposer.propose([request], [3]) == [[8, 6, 7]]
 
 
@@ -54,7 +54,7 @@ def test_finished_requests_are_forgotten_and_a_reused_id_starts_fresh():
     first.token_ids += [5]  # missed
     first.is_finished = True
     proposer.forget_finished()
-    assert proposer._last == {}
+    assert proposer._sent == {}
     second = FakeRequest("a", [3, 1, 2, 3, 5, 5])  # same id, new request: not backed off
     assert proposer.propose([second], [1]) == [[5]]
 

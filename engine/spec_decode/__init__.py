@@ -11,7 +11,8 @@ model's proposer is :mod:`.draft_model_proposer`.
 """
 from .config import SpeculativeConfig
 from .ngram_proposer import NgramProposer
+from .proposal_lengths import step_costs_for
 from .rejection import accepted_tokens
 from .stats import SpecDecodeStats
 
-__all__ = ["SpeculativeConfig", "NgramProposer", "accepted_tokens", "SpecDecodeStats"]
+__all__ = ["SpeculativeConfig", "NgramProposer", "accepted_tokens", "SpecDecodeStats", "step_costs_for"]

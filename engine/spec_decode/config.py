@@ -31,6 +31,12 @@ class SpeculativeConfig:
       fewer steps on 3 of the 4 bench prompts but was a wash over all 14 (4 better, 5 worse), and
       in the engine (CPU, 1 thread, interleaved runs) 2..4 without it was faster on the three RAG
       questions in 4 of 4 runs, so it is not the default.
+    - ``adaptive_proposal_length`` (ngram only, default True): on the CPU, propose only as many of
+      a match's tokens as pay for their verification (``proposal_lengths.best_length``: expected
+      accepted tokens, from how often such matches were accepted, against the measured cost of a
+      verify step of so many rows; a weak match proposes nothing). ``num_speculative_tokens`` is
+      the most it proposes. No effect on a GPU, where verifying k + 1 rows costs about one decode
+      step. False: always the whole match, up to ``num_speculative_tokens``.
     - ``model``: the draft's path or hub id (draft_model only); it runs on the target's device
       and dtype with its own KV pool of ``kv_cache_memory`` bytes (default: the runner's default).
     Frozen, so an engine's config stays hashable (engines are shared by config).
@@ -43,6 +49,7 @@ class SpeculativeConfig:
     model: str | None = None
     kv_cache_memory: int | str | None = None
     prompt_lookup_backoff: bool | None = None
+    adaptive_proposal_length: bool | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -75,12 +82,18 @@ class SpeculativeConfig:
             if not isinstance(backoff, bool):
                 raise ValueError(f"speculative.prompt_lookup_backoff must be True or False, got {backoff!r}")
             object.__setattr__(self, "prompt_lookup_backoff", backoff)
+            adaptive = True if self.adaptive_proposal_length is None else self.adaptive_proposal_length
+            if not isinstance(adaptive, bool):
+                raise ValueError(f"speculative.adaptive_proposal_length must be True or False, got {adaptive!r}")
+            object.__setattr__(self, "adaptive_proposal_length", adaptive)
             if self.model is not None:
                 raise ValueError("speculative.model is for method 'draft_model', not 'ngram'")
         else:
             if (self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
                     or self.prompt_lookup_backoff is not None):
                 raise ValueError("speculative.prompt_lookup_min/max/backoff are for method 'ngram', not 'draft_model'")
+            if self.adaptive_proposal_length is not None:
+                raise ValueError("speculative.adaptive_proposal_length is for method 'ngram', not 'draft_model'")
             if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
                 raise ValueError(f"speculative.model must name the draft model for 'draft_model', got {self.model!r}")
             object.__setattr__(self, "model", str(self.model))

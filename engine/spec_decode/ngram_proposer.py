@@ -2,16 +2,46 @@
 last n tokens. RAG and extraction answers copy spans of their context, so this often guesses
 several tokens right with no second model.
 
-Short matches are cheap to find and often right, but a proposal that misses still costs a
-verification step of ``1 + k`` rows, which on a CPU is far dearer than a decode step (SmolLM2, 1
-thread: ~1.3-1.5x at k=4). So with ``backoff`` (off by default) a request whose last verified
-proposal was rejected outright needs a match one token longer for its next proposal; one accepted
-proposal token lifts that again. A step with no proposal is an ordinary decode step.
+A proposal that misses still costs a verification step of ``1 + L`` rows, which on a CPU is far
+dearer than a decode step. So where the engine gives it the device's step costs (the CPU: see
+:mod:`.proposal_lengths`), the proposer keeps only as many of the match's tokens as pay for
+their verification, judged by how often such matches were accepted (a prior, then the request's
+own verified proposals): a weak match (one token whose earlier occurrences disagree) usually
+proposes nothing, a long one up to ``k``. With ``backoff`` (off by default) a request whose last
+verified proposal was rejected outright needs a match one token longer for its next proposal;
+one accepted proposal token lifts that again. A step with no proposal is an ordinary decode step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from .proposal_lengths import AcceptanceEstimate, best_length
+
+
+@dataclass(slots=True)
+class Match:
+    """The latest earlier occurrence of the sequence's last ``length`` tokens: what followed it
+    starts at ``start``; ``is_ambiguous``: other occurrences were followed by another token."""
+
+    length: int
+    start: int
+    is_ambiguous: bool
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What was proposed to a request, kept to learn from its fate at the next proposal."""
+
+    request: object
+    num_tokens: int           # the request's token count when proposed
+    proposal: list[int]
+    is_backed_off: bool
+    kinds: list[tuple]        # each proposal token's kind (AcceptanceEstimate)
+    estimate: AcceptanceEstimate | None
+    is_counted: bool = False  # its fate already recorded in the estimate
 
 
 class NgramProposer:
@@ -23,29 +53,27 @@ class NgramProposer:
     ``backoff`` (``speculative.prompt_lookup_backoff``): after a verification step that accepted
     none of a request's proposals, its next proposal needs an n-gram of at least ``min_n + 1``
     tokens (at most ``max_n``) until one of its proposal tokens is accepted again.
+    ``step_cost`` (``proposal_lengths.step_costs_for(device)``; None: propose whole matches): the
+    relative cost of a step of so many rows, by which proposals are trimmed (:func:`best_length`).
     """
 
-    def __init__(self, min_n: int, max_n: int, backoff: bool = False) -> None:
-        self.min_n, self.max_n, self.backoff = min_n, max_n, backoff
-        # request id → (the request, its token count when proposed, the proposal, backed off?)
-        self._last: dict[str, tuple[object, int, list[int], bool]] = {}
+    def __init__(self, min_n: int, max_n: int, backoff: bool = False, step_cost=None) -> None:
+        self.min_n, self.max_n, self.backoff, self.step_cost = min_n, max_n, backoff, step_cost
+        self._sent: dict[str, _Sent] = {}   # request id → its last proposal
 
     def propose(self, requests, max_num_tokens: list[int]) -> list[list[int]]:
         """One proposal (possibly empty) per request, each at most its ``max_num_tokens`` long."""
-        if not self.backoff:
+        if not self.backoff and self.step_cost is None:
             return [self.propose_one(r.token_ids, k) for r, k in zip(requests, max_num_tokens)]
-        proposals = []
-        for request, k in zip(requests, max_num_tokens):
-            backed_off = self._is_backed_off(request)
-            min_n = min(self.min_n + 1, self.max_n) if backed_off else self.min_n
-            proposal = self.propose_one(request.token_ids, k, min_n)
-            self._last[request.request_id] = (request, len(request.token_ids), proposal, backed_off)
-            proposals.append(proposal)
-        return proposals
+        return [self._propose_tracked(request, k) for request, k in zip(requests, max_num_tokens)]
 
     def propose_one(self, token_ids: list[int], max_num_tokens: int, min_n: int | None = None) -> list[int]:
-        if max_num_tokens <= 0:
-            return []
+        """The whole match's continuation, at most ``max_num_tokens`` long (no trimming by cost)."""
+        match = self.find_match(token_ids, self.min_n if min_n is None else min_n) if max_num_tokens > 0 else None
+        return [] if match is None else list(token_ids[match.start:match.start + max_num_tokens])
+
+    def find_match(self, token_ids: list[int], min_n: int | None = None) -> Match | None:
+        """The longest n-gram (``max_n`` down to ``min_n``) ending the sequence that occurred before."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(self.max_n, (self.min_n if min_n is None else min_n) - 1, -1):
             if len(tokens) <= n:
@@ -55,21 +83,54 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)
             matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if matches.size:
-                start = int(matches[-1]) + n
-                return tokens[start:start + max_num_tokens].tolist()
-        return []
+                following = tokens[matches + n]
+                return Match(n, int(matches[-1]) + n, bool((following != following[-1]).any()))
+        return None
 
-    def _is_backed_off(self, request) -> bool:
+    def _propose_tracked(self, request, max_num_tokens: int) -> list[int]:
+        sent = self._sent.get(request.request_id)
+        if sent is not None and sent.request is not request:  # an id reused after its request finished
+            sent = None
+        backed_off = self.backoff and self._is_backed_off(request, sent)
+        estimate = self._learn(sent) if self.step_cost is not None else None
+        min_n = min(self.min_n + 1, self.max_n) if backed_off else self.min_n
+        match = self.find_match(request.token_ids, min_n) if max_num_tokens > 0 else None
+        proposal, kinds = [], []
+        if match is not None:
+            proposal = list(request.token_ids[match.start:match.start + max_num_tokens])
+            if estimate is not None:
+                probabilities = estimate.probabilities(match.length, match.is_ambiguous, len(proposal))
+                del proposal[best_length(probabilities, self.step_cost):]
+                kinds = estimate.kinds(match.length, match.is_ambiguous, len(proposal))
+        self._sent[request.request_id] = _Sent(request, len(request.token_ids), proposal, backed_off, kinds, estimate)
+        return proposal
+
+    @staticmethod
+    def _learn(sent: _Sent | None) -> AcceptanceEstimate:
+        """The request's estimate, with its last proposal's fate counted once it is known."""
+        if sent is None or sent.estimate is None:
+            return AcceptanceEstimate()
+        request, proposal = sent.request, sent.proposal
+        if proposal and not sent.is_counted and len(request.token_ids) > sent.num_tokens:
+            verified = request.token_ids[sent.num_tokens:sent.num_tokens + len(proposal)]
+            num_accepted = 0
+            while num_accepted < len(verified) and verified[num_accepted] == proposal[num_accepted]:
+                num_accepted += 1
+            # the tokens after the first mismatch, and any the step did not reach, were not tested
+            sent.estimate.record(sent.kinds[:len(verified)], num_accepted)
+            sent.is_counted = True
+        return sent.estimate
+
+    @staticmethod
+    def _is_backed_off(request, sent: _Sent | None) -> bool:
         """Whether ``request``'s last verified proposal missed (kept while it proposes nothing)."""
-        entry = self._last.get(request.request_id)
-        if entry is None or entry[0] is not request:  # new, or an id reused after its request finished
+        if sent is None:  # new, or an id reused after its request finished
             return False
-        _, num_tokens, proposal, backed_off = entry
-        if not proposal or len(request.token_ids) <= num_tokens:  # nothing verified since
-            return backed_off
-        return request.token_ids[num_tokens] != proposal[0]
+        if not sent.proposal or len(request.token_ids) <= sent.num_tokens:  # nothing verified since
+            return sent.is_backed_off
+        return request.token_ids[sent.num_tokens] != sent.proposal[0]
 
     def forget_finished(self) -> None:
         """Drop what is kept of requests that have finished (or been aborted)."""
-        for request_id in [i for i, entry in self._last.items() if entry[0].is_finished]:
-            del self._last[request_id]
+        for request_id in [i for i, sent in self._sent.items() if sent.request.is_finished]:
+            del self._sent[request_id]
