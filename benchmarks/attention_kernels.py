@@ -207,17 +207,16 @@ def routed_prefill_comparison(report, budget_s: float = 60.0) -> None:
     began = time.perf_counter()
     gen = torch.Generator().manual_seed(5)
     prompts = torch.randint(100, 1025, (30,), generator=gen).tolist()
-    cases = [
+    decode_contexts = torch.randint(200, 2049, (200,), generator=gen).tolist()
+    cases = [  # the most telling first: a short budget runs only the first few
         ("llama3-8b", "2 x 8k fresh", [8192, 8192], [8192, 8192]),
-        ("llama3-8b", "8192 + 8186 fresh + 16 decode rows over 8.3k",
-         [8192, 8186] + [8300] * 16, [8192, 8186] + [1] * 16),
+        ("llama3-8b", "30 prompts U[100,1024]", prompts, prompts),
         ("llama3-8b", "8192 + 8180 fresh + 6 over 8192 + 16 decode rows over 8.3k",
          [8192, 8180, 8192] + [8300] * 16, [8192, 8180, 6] + [1] * 16),
-        ("llama3-8b", "2 x 2048 chunk over 8k", [8192, 8192], [2048, 2048]),
-        ("llama3-8b", "30 prompts U[100,1024]", prompts, prompts),
-        ("llama3-8b", "30 prompts U[100,1024] + 200 decode rows U[200,2048]",
-         prompts + torch.randint(200, 2049, (200,), generator=gen).tolist(), prompts + [1] * 200),
         ("llama3-8b", "burst: 2112 fresh + 63 x 64 over 2112", [2112] * 64, [2112] + [64] * 63),
+        ("llama3-8b", "30 prompts U[100,1024] + 200 decode rows U[200,2048]", prompts + decode_contexts,
+         prompts + [1] * 200),
+        ("llama3-8b", "2 x 2048 chunk over 8k", [8192, 8192], [2048, 2048]),
         ("qwen3-0.6b", "2 x 8k fresh", [8192, 8192], [8192, 8192]),
     ]
     for shape, label, contexts, queries in cases:
