@@ -438,7 +438,15 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
         # The first shapes get 60% of what is left each, so the last one still gets measured.
         shape_end = now + (budget_end - now) * (0.6 if index < len(shapes) - 1 else 1.0)
         engine = build_engine(shape)
-        say(f"engine {shape}: built")
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        if "copy_bandwidth_TBps" not in results:
+            from .throughput import copy_bandwidth_bytes_per_s
+
+            results["copy_bandwidth_TBps"] = copy_bandwidth_bytes_per_s(torch.device("cuda")) / 1e12
+        floor_ms = weight_bytes / (results["copy_bandwidth_TBps"] * 1e12) * 1e3
+        results[f"{shape}.weight_read_floor_ms"] = floor_ms
+        say(f"engine {shape}: built; weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
+            f"{results['copy_bandwidth_TBps']:.2f} TB/s, weight-read floor {floor_ms:.3f} ms")
         best, seen = None, set()
         largest = max(outputs * reduction for name, outputs, reduction, _ in PROJECTIONS.get(shape, [])
                       if name != "lm_head") if shape in PROJECTIONS else float("inf")
