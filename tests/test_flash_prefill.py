@@ -153,3 +153,26 @@ def test_flash_attention_on_cuda_is_close_to_the_reference_in_bf16(sliding_windo
                     min_query_len=128)
     want = expected(step, sliding_window)
     assert (out.float() - want.float()).abs().max().item() < 2e-2
+
+
+def test_a_refusing_op_turns_the_routing_off_with_a_warning(monkeypatch):
+    from hearth_llm.engine.models.attention import AttentionMetadata, paged_attention
+
+    step, table = paged_step([1, 40], [30, 40])
+    plan, _ = routed(step, table)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=step["block_tables"], context_lens=step["context_lens"],
+                             query_start_loc=step["query_start_loc"], max_query_len=40, max_context_len=40,
+                             flash_prefill=plan)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports ...")
+
+    monkeypatch.setattr(flash_prefill, "supports", lambda *args: True)
+    monkeypatch.setattr(flash_prefill, "flash_varlen_attention", refuse)
+    monkeypatch.setattr(flash_prefill.paged_attention, "__defaults__", (refuse,))
+    monkeypatch.setattr(flash_prefill, "ENABLED", True)
+    with pytest.warns(RuntimeWarning, match="FlashAttention-2 prefill disabled"):
+        out = paged_attention(step["query"], step["key_cache"], step["value_cache"], meta, step["scale"], None, None,
+                              None)
+    assert flash_prefill.ENABLED is False
+    torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)

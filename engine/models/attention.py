@@ -118,9 +118,13 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     """``kernels.paged_attention`` over ``meta``; the step's long prefills on FlashAttention-2 when
     the runner planned them and this layer's options allow it (see ``kernels/attention/flash_prefill.py``)."""
     plan = meta.flash_prefill
-    if plan is not None and flash_prefill.supports(query, key_cache, value_cache, soft_cap, kv_scales):
-        return flash_prefill.paged_attention(query, key_cache, value_cache, plan, scale, sliding_window,
-                                             attend_rest=kernels.paged_attention)
+    if plan is not None and flash_prefill.ENABLED and flash_prefill.supports(query, key_cache, value_cache, soft_cap,
+                                                                             kv_scales):
+        try:
+            return flash_prefill.paged_attention(query, key_cache, value_cache, plan, scale, sliding_window,
+                                                 attend_rest=kernels.paged_attention)
+        except RuntimeError as error:  # the op refused these inputs (its checks run before any kernel)
+            flash_prefill.disable(f"{type(error).__name__}: {error}")
     return kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.context_lens,
                                    meta.query_start_loc, meta.max_query_len, meta.max_context_len, scale,
                                    sliding_window, soft_cap, kv_scales)

@@ -18,6 +18,7 @@ The routing is decided once per step on the host, from lengths the model runner 
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -123,6 +124,15 @@ def _rows_of(starts: np.ndarray, seqs: np.ndarray) -> np.ndarray:
     lens = starts[seqs + 1] - starts[seqs]
     offsets = _starts_of(lens)
     return np.repeat(starts[seqs] - offsets[:-1], lens) + np.arange(offsets[-1])
+
+
+def disable(reason: str) -> None:
+    """Turns the routing off for the rest of the process, with a warning naming ``reason``: a torch
+    whose op refuses what this module passes falls back to the Triton kernels instead of failing steps."""
+    global ENABLED
+    ENABLED = False
+    warnings.warn(f"FlashAttention-2 prefill disabled, long prefills run on the Triton kernels: {reason}",
+                  RuntimeWarning, stacklevel=2)
 
 
 def is_usable(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
