@@ -300,6 +300,8 @@ def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | No
             prefill = [(tokens, start.elapsed_time(end)) for tokens, seqs, start, end in steps if tokens > seqs]
             decode = [start.elapsed_time(end) for tokens, seqs, start, end in steps if tokens == seqs]
             prefill_ms, decode_ms = sum(ms for _, ms in prefill), sum(decode)
+            if use_flash and not flash_prefill.ENABLED:
+                report("long mix: FlashAttention-2 turned itself off during the run (see the warning above)")
             report(f"long mix {shape} flash={'on' if use_flash else 'off'}: {seconds:.2f}s, {num_output} tokens, "
                    f"{len(steps)} steps | device time of forwards: steps with prefill {len(prefill)} x "
                    f"{prefill_ms / max(len(prefill), 1):.1f}ms = {prefill_ms / 1000:.2f}s, decode-only {len(decode)} x "
