@@ -205,13 +205,14 @@ class _Reply:
                     finish_reason = _finish_reason(delta.result.finish_reason, delta.index in has_tool_calls)
                     yield self._chunk(delta.index, {}, finish_reason=finish_reason)
                 delta = await anext(deltas, None)
+            tail = ""
             if self.include_usage and last_result is not None:
-                yield event({**self._header(), "choices": [], "usage": usage(last_result.usage)})
+                tail = event({**self._header(), "choices": [], "usage": usage(last_result.usage)})
         except Exception as error:  # headers are sent: the error travels as an event, as OpenAI's does
             failure = engine_failure(error) or (invalid_parameter(error, _FIELDS) if isinstance(error, ValueError)
                                                else APIError(500, f"{type(error).__name__}: {error}"))
-            yield event(failure.body())
-        yield DONE
+            tail = event(failure.body())
+        yield tail + DONE  # one write
 
     def _delta(self, delta: ChatDelta) -> dict:
         piece: dict = {}

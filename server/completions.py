@@ -285,13 +285,12 @@ class _Reply:
                         self.tokens_used[prompt_index] = output.usage.total_tokens
                 item = await anext(merged, None)
             self.final_usage = total
-            if self.include_usage:
-                yield event({**self._header(), "choices": [], "usage": usage(total)})
+            tail = event({**self._header(), "choices": [], "usage": usage(total)}) if self.include_usage else ""
         except Exception as error:  # headers are sent: the error travels as an event
             failure = engine_failure(error) or (invalid_parameter(error, _FIELDS) if isinstance(error, ValueError)
                                                else APIError(500, f"{type(error).__name__}: {error}"))
-            yield event(failure.body())
-        yield DONE
+            tail = event(failure.body())
+        yield tail + DONE  # one write
 
     def _add_logprobs(self, logprobs: _Logprobs, output: StreamOutput) -> None:
         for token_id, entries in zip(output.delta_token_ids, output.logprobs or []):
