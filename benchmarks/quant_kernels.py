@@ -96,6 +96,9 @@ def bench_fp8(rows, configs) -> None:
             results = {"bf16": base}
             results["quant+scaled_mm"] = graphed_us(
                 [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0) for c in copies])
+            if triton_fp8.DOT_MAX_ROWS < m <= 128:  # the codes GEMM (off by default) against _scaled_mm
+                results["quant+codes gemm"] = graphed_us([lambda c=c: triton_fp8.codes_gemm(
+                    *triton_fp8.quantize_rows(x), c[0], c[1]) for c in copies])
             if m > 16:  # the quantizer's old IEEE division per element, for the A/B
                 triton_fp8.QUANTIZE_RECIP = False
                 results["quant(div)+scaled_mm"] = graphed_us(

@@ -84,6 +84,23 @@ def test_tensor_core_fp8_gemv_quantizes_and_multiplies_like_the_reference(num_ro
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("num_rows, split_k, block_k", [(5, 1, 32), (17, 3, 32), (9, 2, 64)])
+def test_fp8_codes_gemm_multiplies_the_codes_like_the_float32_reference(num_rows, split_k, block_k):
+    """The swapped-operand GEMM of pre-quantized rows (TRITON_INTERPRET here), unsplit, split in
+    whole tiles, and split with a cut last tile; twice each, the split buffers must come back clean."""
+    from hearth_llm.kernels.quant import triton_fp8
+
+    generator = torch.Generator().manual_seed(20 + num_rows)
+    weight_fp8, weight_scale = fp8.quantize_rows(torch.randn(40, 96, generator=generator))
+    x_fp8, x_scale = fp8.quantize_rows(torch.randn(num_rows, 96, generator=generator))
+    bias = torch.randn(40, generator=generator)
+    expected = (x_fp8.float() @ weight_fp8.float().t()) * x_scale[:, None] * weight_scale[None, :] + bias
+    for _ in range(2):
+        out = triton_fp8.codes_gemm(x_fp8, x_scale, weight_fp8, weight_scale, bias, torch.float32, block_n=16,
+                                    block_k=block_k, num_warps=1, num_stages=2, split_k=split_k)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 # --- the one-row GEMV of batch-size-1 decode (triton_fp8.row_gemv, TRITON_INTERPRET here) ----------
 
 def _codes_times_power_of_two(num_columns: int, seed: int, scale: float = 2.0 ** -4):

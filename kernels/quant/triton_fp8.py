@@ -478,6 +478,93 @@ def silu_and_mul_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale:
     return row_gemv(x, weight_fp8, weight_scale, bias, prologue=SILU_AND_MUL)[0]
 
 
+# Steps of DOT_MAX_ROWS < M <= CODES_GEMM_MAX_ROWS rows: the quantizer, then the swapped-operand
+# tensor-core GEMM of the codes (``codes_gemm``) instead of ``_scaled_mm``; 0 keeps _scaled_mm
+# (off until an H200 A/B says it wins: benchmarks/quant_kernels.py --part fp8 --rows 8 32 64).
+CODES_GEMM_MAX_ROWS = 0
+
+
+@triton.jit
+def _fp8_codes_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, ws32_ptr, count_ptr,
+                           M, N, K, stride_x, stride_w, stride_out, k_per_split,
+                           HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """``out.T = (W_codes @ x_codes.T) * w_scale * x_scale (+ bias)`` for pre-quantized rows: the
+    weight's ``BLOCK_N`` rows on the MMA's M side, the ``M <= BLOCK_T`` tokens on its N side
+    (padding columns read the last row again and are never stored), both operands e4m3 straight
+    from memory, so the loop is two pipelined loads and an MMA. Split-K as ``_fp8_dot_gemv_kernel``."""
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BLOCK_T)
+    w_rows = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w                 # [BN, 1]
+    x_rows = xq_ptr + tl.minimum(t, M - 1)[:, None].to(tl.int64) * stride_x                # [BT, 1]
+    k0 = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for start in range(k_start, k_end, BLOCK_K):
+        k = start + k0
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            xq = tl.load(x_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(k < k_end)[None, :], other=0.0)
+            xq = tl.load(x_rows + k[None, :], mask=(k < k_end)[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(xq), acc)                                                  # [BN, BT]
+    live = (t[None, :] < M) & (n[:, None] < N)
+    if SPLIT_K > 1:
+        partial = ws32_ptr + t[None, :] * N + tl.minimum(n, N - 1)[:, None]
+        tl.atomic_add(partial, acc, mask=live, sem="relaxed")
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            zeros = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            acc = tl.atomic_add(partial, zeros, mask=live, sem="acquire")
+            tl.store(partial, zeros, mask=live)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
+            out = acc * tl.load(ws_ptr + n, mask=n < N, other=0.0)[:, None] * tl.load(xs_ptr + t, mask=t < M, other=0.0)[None, :]
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        out = acc * tl.load(ws_ptr + n, mask=n < N, other=0.0)[:, None] * tl.load(xs_ptr + t, mask=t < M, other=0.0)[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def codes_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, *,
+               block_n: int = 64, block_k: int = 256, num_warps: int = 4, num_stages: int = 4,
+               split_k: int | None = None) -> torch.Tensor:
+    """``(x_fp8 @ W.T) * x_scale * w_scale + bias`` for up to 128 rows of e4m3 codes ``x_fp8``
+    ``[M, K]`` (``quantize_rows``'s) in one launch; see ``_fp8_codes_gemm_kernel``. ``split_k``
+    None: K split so that about 264 programs run (two an SM), at most 8 parts."""
+    m, k = x_fp8.shape
+    num_rows = weight_fp8.shape[0]
+    if m > 128:
+        raise ValueError(f"codes_gemm takes at most 128 rows, got {m}")
+    out = torch.empty(m, num_rows, dtype=out_dtype, device=x_fp8.device)
+    if m == 0:
+        return out
+    block_t = max(16, triton.next_power_of_2(m))
+    block_k = min(block_k, triton.next_power_of_2(k))
+    num_tiles = triton.cdiv(num_rows, block_n)
+    if split_k is None:
+        split_k = max(1, min(8, 264 // num_tiles, k // 1024))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x_fp8.device, block_t, num_rows, num_tiles)
+    if workspace is None:
+        split_k, k_per_split, workspace, counts = 1, k, out, out
+    _fp8_codes_gemm_kernel[(num_tiles, split_k)](
+        x_fp8, x_scale, weight_fp8, weight_scale.float().contiguous(), bias if bias is not None else out, out,
+        workspace, counts, m, num_rows, k, x_fp8.stride(0), weight_fp8.stride(0), out.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
 def quantize_rows(x: torch.Tensor, recip: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 [M, K], float32 scales [M])`` of a CUDA ``x`` ``[M, K]``; as ``fp8.quantize_rows``
     (``recip``, default :data:`QUANTIZE_RECIP`: times the reciprocal of the scale instead of an
@@ -506,6 +593,8 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     if 0 < m <= min(dot_max_rows, 16) and x.shape[1] >= 32:  # tl.dot takes e4m3 K tiles of 32+
         return dot_gemv(x, weight_fp8, weight_scale, bias)
     x_fp8, x_scale = quantize_rows(x)
+    if max(dot_max_rows, 1) < m <= min(CODES_GEMM_MAX_ROWS, 128) and x.shape[1] >= 32:
+        return codes_gemm(x_fp8, x_scale, weight_fp8, weight_scale, bias, x.dtype)
     if m > gemv_max_rows or weight_fp8.numel() > GEMV_MAX_WEIGHTS:
         out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale[:, None],
                                scale_b=weight_scale.float()[None, :], out_dtype=torch.bfloat16)
