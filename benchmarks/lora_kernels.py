@@ -107,6 +107,17 @@ def measure(name: str, num_tokens: int, num_adapters: int, rank: int, old=None, 
         result["fused_silu_max_rel_error"] = round(((fused - want).abs().max() / want.abs().max()).item(), 5)
         result["fused_silu_ms"] = round(_graph_ms(lambda: expand_silu_and_mul_planned(
             full[:, :out_features], full[:, out_features:], plan, b, rank, slot_stride)), 4)
+    if num_tokens == 1:  # A/B: the one-token kernels against the general ones (the sorted-token load first)
+        from hearth_llm.kernels.lora import triton_lora
+        triton_lora.ONE_TOKEN_STEPS = False
+        try:
+            result["expand_ms_general"] = round(_graph_ms(lambda: expand_planned(
+                full[:, :out_features], full[:, out_features:], plan, b, bounds, rank, slot_stride)), 4)
+            if name == "gate_up":
+                result["fused_silu_ms_general"] = round(_graph_ms(lambda: expand_silu_and_mul_planned(
+                    full[:, :out_features], full[:, out_features:], plan, b, rank, slot_stride)), 4)
+        finally:
+            triton_lora.ONE_TOKEN_STEPS = True
     if num_tokens == 1 and stacked.numel() <= (1 << 25):
         from hearth_llm.kernels.gemv import triton_gemv
         result["gemv_stacked_ms"] = round(_graph_ms(lambda: triton_gemv.linear(x, stacked)), 4)

@@ -334,11 +334,13 @@ for dtype in ("*fp32", "*bf16"):
                                 "y_ptr": dtype, "slice_starts_ptr": "*i32"},
              ["N", "R", "stride_ps", "stride_pt", "stride_pslot", "stride_bs", "stride_br", "stride_yt"],
              {"NUM_SPLITS": 32 if one_block else 1, "SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 256 if one_block else 64,
-              "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32}),
+              "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32,
+              "ONE_TOKEN": one_block}),
             (k._expand_silu_and_mul_kernel, {"y_ptr": dtype, "shrunk_ptr": dtype, "b_ptr": dtype, "tiles_ptr": "*i32",
                                              "tokens_ptr": "*i32", "out_ptr": dtype},
              ["I", "stride_yt", "stride_st", "stride_pslot", "stride_bs", "stride_br", "stride_ot"],
-             {"RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_N": 64 if fp32 else 128, "DOT_IN_FP32": fp32}),
+             {"RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_N": 64 if fp32 else 128, "DOT_IN_FP32": fp32,
+              "ONE_TOKEN": one_block}),
         ]
         for kernel, pointers, ints, blocks in cases:
             sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in blocks}}
@@ -496,3 +498,27 @@ def test_gated_mlp_swiglu_adds_gate_up_update_and_a_broken_forward_leaves_nothin
         if row < 3:
             expected[row] += (act @ shards["down_proj"][0].a.T) @ shards["down_proj"][0].b_scaled
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("slot", [0, 2])
+def test_one_token_steps_match_the_reference(slot):
+    """A one-token step (batch-1 decode) takes the kernels' one-token variant (the slot is the only load
+    before the data's): expand and the LoRA SwiGLU equal the reference. (A step whose one token is a base
+    token has no adapter: the LoRA path does not run.)"""
+    triton_lora = pytest.importorskip("hearth_llm.kernels.lora.triton_lora")
+    from hearth_llm.kernels.activation import reference as activation_reference
+
+    y, x, a, b, bounds = _fused_inputs(9, 1, 24, [40, 40], 3, 4)
+    plan = LoRAPlan(capacity=1, num_slots=3, device=torch.device("cpu"))
+    plan.set_sequences([slot], [1])
+    token_slots = torch.tensor([slot])
+    expected = reference.add_lora(y.clone(), x, token_slots, a, b)
+    shrunk_all = x @ a.reshape(-1, 24).T
+    full = torch.cat([y, shrunk_all], dim=1).to(DEVICE)
+    device_plan = _on(plan, DEVICE)
+    out = triton_lora.expand_silu_and_mul_planned(full[:, :80], full[:, 80:], device_plan, b.to(DEVICE), 4,
+                                                  a.shape[1]).cpu()
+    torch.testing.assert_close(out, activation_reference.silu_and_mul(expected), rtol=1e-4, atol=1e-4)
+    got = triton_lora.expand_planned(full[:, :80], full[:, 80:], device_plan, b.to(DEVICE), bounds.to(DEVICE), 4,
+                                     a.shape[1]).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -38,18 +38,27 @@ _TARGET_EXPAND_PROGRAMS = 1056  # eight per SM: the expand's column blocks are d
 NUM_TICKETS = 8192             # (tile, rank block) counters of split K, at the end of the scratch
 _PREFILL_BLOCK_M = 64          # prefill-sized tiles: no K split, a column block per expand program (as SGMV)
 _MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
+ONE_TOKEN_STEPS = True         # one-token steps (batch-1 decode) skip the sorted-token load (benchmarks A/B it)
 
 
 @triton.jit
-def _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M: tl.constexpr):
-    """This program's tile: its slot (-1: nothing to do), its token indices and which are real."""
-    tile = tl.program_id(0)
-    slot = tl.load(tiles_ptr + tile * 3)
-    start = tl.load(tiles_ptr + tile * 3 + 1)
-    count = tl.load(tiles_ptr + tile * 3 + 2)
+def _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M: tl.constexpr, ONE_TOKEN: tl.constexpr = False):
+    """This program's tile: its slot (-1: nothing to do), its token indices and which are real.
+    ``ONE_TOKEN``: a one-token step (batch-1 decode; one tile, the token is row 0), so nothing waits on
+    the sorted-token load: the slot's is the only load before the data's (a launch-bound kernel saves a
+    dependent global-memory round trip)."""
     rows = tl.arange(0, BLOCK_M)
-    is_row = rows < count
-    tokens = tl.load(tokens_ptr + tl.maximum(start, 0) + rows, mask=is_row, other=0).to(tl.int64)
+    if ONE_TOKEN:
+        slot = tl.load(tiles_ptr)
+        is_row = rows < 1
+        tokens = tl.zeros([BLOCK_M], dtype=tl.int64)
+    else:
+        tile = tl.program_id(0)
+        slot = tl.load(tiles_ptr + tile * 3)
+        start = tl.load(tiles_ptr + tile * 3 + 1)
+        count = tl.load(tiles_ptr + tile * 3 + 2)
+        is_row = rows < count
+        tokens = tl.load(tokens_ptr + tl.maximum(start, 0) + rows, mask=is_row, other=0).to(tl.int64)
     return slot, tokens, is_row
 
 
@@ -130,8 +139,8 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
                    stride_ps, stride_pt, stride_pslot, stride_bs, stride_br, stride_yt, NUM_SPLITS: tl.constexpr,
                    SLICE_RANK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_RANK_BLOCK: tl.constexpr,
-                   DOT_IN_FP32: tl.constexpr):
-    slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M)
+                   DOT_IN_FP32: tl.constexpr, ONE_TOKEN: tl.constexpr = False):
+    slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M, ONE_TOKEN)
     if slot >= 0:
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         slot_part_ptr = part_ptr + slot * stride_pslot  # 0, or where this slot's ranks sit in a row of every slot's
@@ -166,8 +175,8 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
 def _expand_silu_and_mul_kernel(y_ptr, shrunk_ptr, b_ptr, tiles_ptr, tokens_ptr, out_ptr, I, stride_yt, stride_st,
                                 stride_pslot, stride_bs, stride_br, stride_ot, RANK: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                                DOT_IN_FP32: tl.constexpr):
-    slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M)
+                                DOT_IN_FP32: tl.constexpr, ONE_TOKEN: tl.constexpr = False):
+    slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M, ONE_TOKEN)
     if slot != -1:
         # Base tiles (slot -2) run the same code with every rank masked off: the dots add exact zeros,
         # so their rows are the plain activation's, bit for bit.
@@ -284,12 +293,13 @@ def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b
     if block_m < _PREFILL_BLOCK_M:  # few tiles: deal each program several column blocks
         num_col_blocks = min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles))
     one_rank_block = block_m * next_power_of_2(rank) <= _MAX_ONE_RANK_BLOCK
-    _expand_kernel[(num_tiles, num_col_blocks)](
+    one_token = num_tokens == 1 and ONE_TOKEN_STEPS
+    _expand_kernel[(1 if one_token else num_tiles, num_col_blocks)](
         shrunk, lora_b, plan.tiles, plan.sorted_tokens, y, slice_starts, out_features, rank,
         0, shrunk.stride(0), slot_stride, lora_b.stride(0), lora_b.stride(1), y.stride(0),
         NUM_SPLITS=1, SLICE_RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
-        ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32)
+        ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token)
     return y
 
 
@@ -315,10 +325,11 @@ def expand_silu_and_mul_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoR
     num_col_blocks = triton.cdiv(intermediate_size, block_n)
     if block_m < _PREFILL_BLOCK_M:
         num_col_blocks = min(num_col_blocks, triton.cdiv(_TARGET_EXPAND_PROGRAMS, num_tiles))
-    _expand_silu_and_mul_kernel[(num_tiles, num_col_blocks)](
+    one_token = num_tokens == 1 and ONE_TOKEN_STEPS
+    _expand_silu_and_mul_kernel[(1 if one_token else num_tiles, num_col_blocks)](
         y, shrunk, lora_b, plan.tiles, plan.sorted_tokens, out, intermediate_size, y.stride(0), shrunk.stride(0),
         slot_stride, lora_b.stride(0), lora_b.stride(1), out.stride(0), RANK=slice_rank, BLOCK_M=block_m,
-        BLOCK_R=max(16, next_power_of_2(slice_rank)), BLOCK_N=block_n, DOT_IN_FP32=dot_in_fp32)
+        BLOCK_R=max(16, next_power_of_2(slice_rank)), BLOCK_N=block_n, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token)
     return out
 
 
