@@ -310,6 +310,46 @@ def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | No
     finally:
         flash_prefill.ENABLED = saved
         runner.run = original_run
+    top5_check(engine, report)
+
+
+def top5_check(engine, report, prompt_lens=(5, 40, 130, 300, 1000, 3000, 8000), num_tokens: int = 32) -> None:
+    """Greedy bf16 generations with long prefills on FlashAttention-2 against the same engine with
+    them on the Triton kernels (which ``tests/test_gpu_engine.py`` checks against HF), by the top-5 rule
+    vLLM's ``check_logprobs_close`` uses: up to the first divergence the tokens are equal, and there
+    each side's token is in the other's top 5."""
+    import random
+
+    from hearth_llm.engine.sampling_params import SamplingParams
+    from hearth_llm.kernels.attention import flash_prefill
+    rng = random.Random(3)
+    prompts = [[rng.randint(0, 9999) for _ in range(n)] for n in prompt_lens]
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, detokenize=False, logprobs=5)
+    sides = []
+    saved = flash_prefill.ENABLED
+    try:
+        for use_flash in (True, False):
+            flash_prefill.ENABLED = use_flash
+            ids = [engine.add_request(prompt, params) for prompt in prompts]
+            while engine.has_unfinished_requests():
+                engine.step()
+            requests = [engine.groups[request_id][0] for request_id in ids]
+            sides.append([(list(r.output_token_ids), [set(entry) for entry in r.logprobs]) for r in requests])
+            for request_id in ids:
+                engine.release(request_id)
+    finally:
+        flash_prefill.ENABLED = saved
+    num_identical = num_before = 0
+    passed = True
+    for (ours, our_tops), (theirs, their_tops) in zip(*sides):
+        for step, (a, b) in enumerate(zip(ours, theirs)):
+            if a != b:
+                passed &= a in their_tops[step] and b in our_tops[step]
+                break
+            num_before += 1
+        num_identical += ours == theirs
+    report(f"{'PASS' if passed else 'FAIL'} top-5 rule, flash vs Triton prefill, prompts {list(prompt_lens)}: "
+           f"{num_identical}/{len(prompts)} identical, {num_before}/{len(prompts) * num_tokens} tokens before divergence")
 
 
 def fused_reduce_comparison(report) -> None:
