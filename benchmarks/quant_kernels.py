@@ -9,6 +9,7 @@ flatter the small layers), divided by the number of calls. GB/s counts the weigh
     python -m hearth_llm.benchmarks.quant_kernels --part check     # GPU correctness, PASS/FAIL lines
     python -m hearth_llm.benchmarks.quant_kernels --part fp8-row   # one-row FP8 GEMV: launch sweep, fused prologues
     python -m hearth_llm.benchmarks.quant_kernels --part check-fp8-row
+    python -m hearth_llm.benchmarks.quant_kernels --part fp8-round --rows 32 --limit-s 30  # the three in one
 """
 from __future__ import annotations
 
@@ -208,6 +209,34 @@ def bench_row(limit_s: float = 1e9, with_old: bool = False) -> dict:
     return best
 
 
+def bench_small_m(rows=(32,), limit_s: float = 1e9) -> None:
+    """Decode batches of a few dozen rows: the quantizer + ``_scaled_mm`` (today's path) against the
+    quantizer + ``codes_gemm`` (off by default), per 8B layer shape; stops past ``limit_s``."""
+    import time
+
+    from hearth_llm.kernels.quant import fp8, triton_fp8
+
+    started = time.perf_counter()
+    totals: dict = {}
+    for m in rows:
+        for name, (n, k) in SHAPES.items():
+            if time.perf_counter() - started > limit_s:
+                return
+            wq, ws = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+            copies = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies_for(n * k) - 1)]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            results = {"scaled_mm": graphed_us([lambda c=c: triton_fp8.fp8_linear(
+                x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0) for c in copies]),
+                       "codes gemm": graphed_us([lambda c=c: triton_fp8.codes_gemm(
+                           *triton_fp8.quantize_rows(x), c[0], c[1]) for c in copies])}
+            for label, us in results.items():
+                totals[(m, label)] = totals.get((m, label), 0.0) + us
+            print(f"FP8 small-M M={m} {name:7} " + " | ".join(
+                f"quant+{label} {us:.1f} us ({n * k / us / 1e3:.0f} GB/s)" for label, us in results.items()), flush=True)
+        print(f"FP8 small-M M={m} layer sum: " + " | ".join(
+            f"quant+{label} {v:.1f} us" for (mm, label), v in totals.items() if mm == m), flush=True)
+
+
 def check_row(device: str = "cuda") -> bool:
     """The one-row FP8 GEMV on the GPU at the engine's launches (so its compiled kernels serve):
     plain (one case with a bias) against the exact product of the quantizer's codes, each call
@@ -304,12 +333,13 @@ def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["w4", "fp8", "check", "fp8-row", "check-fp8-row"], required=True)
+    parser.add_argument("--part", choices=["w4", "fp8", "check", "fp8-row", "check-fp8-row", "fp8-small-m", "fp8-round"], required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="*", default=None,
                         help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH[,J4]]; fp8 (tensor-core GEMV): "
                              "d:BN,BK,WARPS,STAGES,RECIP[,SPLIT]; several")
-    parser.add_argument("--limit-s", type=float, default=1e9, help="fp8-row: stop sweeping after this long")
+    parser.add_argument("--limit-s", type=float, default=1e9,
+                        help="fp8-row / fp8-small-m / fp8-round: stop starting new timings after this long")
     parser.add_argument("--with-old", action="store_true", help="fp8-row: time the several-row GEMV too")
     args = parser.parse_args(argv)
     if args.part == "check":
@@ -317,6 +347,22 @@ def main(argv=None) -> None:
         return
     if args.part == "check-fp8-row":
         print("check fp8 row " + ("PASS" if check_row() else "FAIL"), flush=True)
+        return
+    if args.part == "fp8-round":  # one process (one CUDA start): check, the M=1 sweep, then small M
+        import time
+
+        started = time.perf_counter()
+        parts = [lambda: print("check fp8 row " + ("PASS" if check_row() else "FAIL"), flush=True),
+                 lambda: bench_row(max(0.0, (args.limit_s - (time.perf_counter() - started)) * 0.6)),
+                 lambda: bench_small_m(args.rows, max(0.0, args.limit_s - (time.perf_counter() - started) - 4))]
+        for part in parts:
+            try:
+                part()
+            except Exception as error:  # the next part may still run
+                print(f"fp8-round part FAILED {type(error).__name__}: {str(error)[:800]}", flush=True)
+        return
+    if args.part == "fp8-small-m":
+        bench_small_m(args.rows, args.limit_s)
         return
     if args.part == "fp8-row":
         bench_row(args.limit_s, args.with_old)
