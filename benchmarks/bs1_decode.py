@@ -306,7 +306,7 @@ def layer_timeline(engine, shape: str, label: str, results: dict) -> None:
     results[f"{shape}.{label}.graph_gaps_us"] = sum(gaps)
 
 
-def profile_steps(engine, shape: str, label: str, num_steps: int = 20, rows: int = 24) -> None:
+def profile_steps(engine, shape: str, label: str, num_steps: int = 10, rows: int = 24) -> None:
     """Every device operation of ``num_steps`` whole engine steps (graph, input copies, LM head,
     argmax, copies to the host), per step, by device time."""
     from hearth_llm.engine.sampling_params import SamplingParams
@@ -332,7 +332,7 @@ def profile_steps(engine, shape: str, label: str, num_steps: int = 20, rows: int
         say(f"  {count:5.1f} x {device_us / max(count, 1e-9):7.2f} us = {device_us:8.1f} us  {kernel[:100]}")
 
 
-def host_split(engine, shape: str, label: str, results: dict, num_tokens: int = 64) -> None:
+def host_split(engine, shape: str, label: str, results: dict, num_tokens: int = 32) -> None:
     """ms/token as ``bench throughput`` times it, split into the host's time in ``engine.step``
     outside waits, the time it waits for the device's tokens, and ``runner.run``'s host time."""
     from hearth_llm.engine import sampler
