@@ -5,8 +5,8 @@ On an H200 (Llama-3-8B shape) it ran fresh 8k prompts at 345 TFLOP/s and a 2,048
 8,192 keys at 338, against 283 and 264 for our Triton prefill kernel. Gathering a sequence's context
 costs one read and one write of its keys and values per layer, which is small next to attention
 once a sequence brings many queries, so only sequences of at least :data:`FLASH_MIN_QUERY_LEN` new
-tokens go to it; decode rows and short extends of the same step stay on the paged Triton kernels
-(split-K decode when they are all single tokens), as one compacted batch.
+tokens go to it; the other sequences of the step stay on the paged Triton kernels, in two compacted
+batches: single-token ones on the split-K decode kernel, the rest on the prefill kernel.
 
 The routing is decided once per step on the host, from lengths the model runner already has
 (:func:`plan_flash_prefill`), so no layer reads anything back from the device.
