@@ -210,6 +210,11 @@ def main(argv=None) -> None:
         results["skipped"] = []
         slowest = [0.0]
 
+        def save() -> None:  # after every run: a process killed by its time limit keeps what it measured
+            if args.json:
+                with open(args.json, "w") as sink:
+                    json.dump(results, sink, indent=2)
+
         def fits(name: str, estimate: float) -> bool:
             if args.time_budget_s is None or time.perf_counter() - process_started + estimate <= args.time_budget_s:
                 return True
@@ -228,6 +233,7 @@ def main(argv=None) -> None:
             if denominator is not results[name]:
                 results[name]["ratio_to_base"] = round(results[name]["tok_per_s"] / denominator["tok_per_s"], 3)
             print(json.dumps({name: results[name]}), flush=True)
+            save()
 
         base_only_profile = args.profile and f"{args.profile}.base_only"
         if "base" not in results:  # the ratios' denominator: first
@@ -243,6 +249,7 @@ def main(argv=None) -> None:
                 results["bs1_ratio"] = round(results["adapter_bs1_ms"] / results.get(
                     "base_bs1_ms", results.get("base_bs1_ms_on_lora_engine")), 3)
                 print(json.dumps({key: results[key] for key in ("adapter_bs1_ms", "bs1_ratio")}), flush=True)
+                save()
         if "lora_engine_base_only" not in results and not args.no_base_only:
             timed_run("lora_engine_base_only", [None], 1, base_only_profile, is_required=False)
         results["num_slot_loads"] = engine.lora_manager.num_slot_loads
