@@ -50,7 +50,8 @@ def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN, gate
         return GemvLaunch(block_n=4 if gated_out else 8, block_k=min(1024, block_k), num_warps=4)
     if prologue == SILU_AND_MUL:
         return GemvLaunch(block_n=4, block_k=min(2048, block_k), num_warps=4)
-    return GemvLaunch(block_n=2, block_k=min(1024, block_k), num_warps=4)
+    # An LM head (100k+ outputs) has programs enough at 8 outputs each; 2 would make ~10^5 tiny ones.
+    return GemvLaunch(block_n=2 if num_outputs <= 16384 else 8, block_k=min(1024, block_k), num_warps=4)
 
 
 @triton.jit
