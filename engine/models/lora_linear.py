@@ -381,9 +381,11 @@ def _defer_gate_up_expands(model, wrapped: dict[str, LoRALinearMethod]) -> None:
 def _stacked_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``; one row by the batch-1 Triton GEMV where the base model's fused decode
     would take it (cuBLAS is slow at one row: Llama-3-8B o_proj 13.5 against 10.8 us)."""
-    if (bias is None and x.dim() == 2 and x.shape[0] <= fused_decode.MAX_ROWS and fused_decode.ENABLED
-            and fused_decode.PLAIN_GEMV and x.device.type in fused_decode.DEVICE_TYPES
-            and weight.numel() <= fused_decode.MAX_WEIGHT_NUMEL and x.dtype == weight.dtype):
+    settings = fused_decode  # (read on every call: benchmarks and tests switch them)
+    if (bias is None and x.dim() == 2 and x.shape[0] <= getattr(settings, "MAX_ROWS", 0)
+            and getattr(settings, "ENABLED", False) and getattr(settings, "PLAIN_GEMV", False)
+            and x.device.type in getattr(settings, "DEVICE_TYPES", ()) and x.dtype == weight.dtype
+            and weight.numel() <= getattr(settings, "MAX_WEIGHT_NUMEL", 0)):
         gemv = triton_module("hearth_llm.kernels.gemv")
         if gemv is not None:
             return gemv.linear(x, weight)
