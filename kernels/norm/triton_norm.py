@@ -13,11 +13,17 @@ def _rms_norm_kernel(
     normed_ptr, summed_ptr, x_ptr, residual_ptr, weight_ptr,
     hidden_size, eps,
     x_stride_row, residual_stride_row, normed_stride_row, summed_stride_row,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    """``USE_PDL``: launched early behind the kernel before it (the bs1 decode GEMVs), it loads the
+    norm weight first and waits for that kernel only before reading the row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * x_stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * residual_stride_row + cols, mask=mask, other=0.0)
@@ -28,7 +34,6 @@ def _rms_norm_kernel(
     inverse_rms = tl.rsqrt(tl.sum(x * x, 0) / hidden_size + eps)
     # The reference rounds the normed value to the input dtype before scaling by the weight.
     normed = (x * inverse_rms).to(summed_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + row * normed_stride_row + cols, (normed * weight).to(normed_ptr.dtype.element_ty), mask=mask)
 
 
@@ -64,9 +69,16 @@ def rms_norm(
     _rms_norm_kernel[(rows.shape[0],)](
         normed_rows, summed_rows, rows, residual_rows, weight.contiguous(), hidden_size, eps,
         rows.stride(0), residual_rows.stride(0), normed_rows.stride(0), summed_rows.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps_for(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps_for(block), **_pdl_launch(rows),
     )
     return normed, summed
+
+
+def _pdl_launch(rows: torch.Tensor) -> dict:
+    """Programmatic dependent launch for one-row norms where the bs1 GEMVs use it (``kernels/gemv``)."""
+    from ..gemv.triton_gemv import uses_pdl
+
+    return {"USE_PDL": True, "launch_pdl": True} if rows.shape[0] == 1 and uses_pdl(rows) else {}
 
 
 @triton.jit
