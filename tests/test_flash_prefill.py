@@ -176,3 +176,16 @@ def test_a_refusing_op_turns_the_routing_off_with_a_warning(monkeypatch):
                               None)
     assert flash_prefill.ENABLED is False
     torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention runs on CUDA only")
+def test_engine_with_long_prefills_on_flash_keeps_the_top5_rule_against_triton():
+    from hearth_llm.benchmarks.attention_kernels import top5_check
+    from hearth_llm.benchmarks.throughput import our_engine, random_checkpoint
+
+    _, checkpoint = random_checkpoint("qwen3-0.6b", torch.bfloat16, "cuda", max_model_len=2048)
+    engine = our_engine(checkpoint, "bfloat16", max_num_seqs=16, kv_cache_memory="2GiB", max_model_len=2048,
+                        max_num_batched_tokens=1024)  # the 1,500-token prompt is chunked: a chunk over cached keys
+    lines = []
+    top5_check(engine, lines.append, prompt_lens=(5, 40, 130, 300, 1500), num_tokens=16)
+    assert lines[0].startswith("PASS"), lines[0]
