@@ -412,6 +412,14 @@ def compare_fused(engine, shape: str, label: str, results: dict) -> None:
     graphs, model = engine.runner.decode_graphs, engine.runner.model
     logits = {}
     with torch.inference_mode():
+        # The captured graph (PDL edges and all) against the same forward run eagerly.
+        graphs.graphs[1].replay()
+        replayed = graphs.outputs[1].float().clone()
+        eager = graphs._forward(1).float()
+        graph_diff = (replayed - eager).abs().max().item()
+        results[f"{shape}.{label}.graph_vs_eager_max_diff"] = graph_diff
+        say(f"{'PASS' if graph_diff <= 1e-2 * eager.abs().max().item() else 'FAIL'} engine {shape} {label}: "
+            f"graph replay vs eager forward max|diff| {graph_diff:.3g} (of max {eager.abs().max().item():.3g})")
         for variant in (label, "unfused"):
             apply_variant(variant)
             logits[variant] = model.compute_logits(graphs._forward(1)).float()[0]
