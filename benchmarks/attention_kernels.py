@@ -248,7 +248,8 @@ def routed_prefill_comparison(report, budget_s: float = 60.0) -> None:
             diff = (routed(0).float() - triton(0).float()).abs().max().item()
             report(f"routed {shape} {label}: triton {triton_us:.0f}us {batch.flops / triton_us / 1e6:.0f} TFLOP/s | "
                    f"flash-routed {routed_us:.0f}us {batch.flops / routed_us / 1e6:.0f} TFLOP/s "
-                   f"({triton_us / routed_us:.2f}x) | {'PASS' if diff < 3e-2 else 'FAIL'} max|routed - triton| {diff:.2e}")
+                   f"({triton_us / routed_us:.2f}x) | {'PASS' if diff < 3e-2 else 'FAIL'} "
+                   f"max|routed - triton| {diff:.2e}")
         except Exception as error:  # noqa: BLE001  (a missing or refusing op is a result too)
             report(f"routed {shape} {label}: FAIL {type(error).__name__}: {str(error)[:300]}")
         del batch
@@ -313,7 +314,8 @@ def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | No
     top5_check(engine, report)
 
 
-def top5_check(engine, report, prompt_lens=(5, 40, 130, 300, 1000, 3000, 8000, 8000), num_tokens: int = 32) -> None:
+def top5_check(engine, report, prompt_lens=(5, 40, 130, 300, 1000, 3000, 8000, 8000),
+               num_tokens: int = 32) -> None:
     """Greedy bf16 generations with long prefills on FlashAttention-2 against the same engine with
     them on the Triton kernels (which ``tests/test_gpu_engine.py`` checks against HF), by the top-5 rule
     vLLM's ``check_logprobs_close`` uses: up to the first divergence the tokens are equal, and there
@@ -350,7 +352,8 @@ def top5_check(engine, report, prompt_lens=(5, 40, 130, 300, 1000, 3000, 8000, 8
             num_before += 1
         num_identical += ours == theirs
     report(f"{'PASS' if passed else 'FAIL'} top-5 rule, flash vs Triton prefill, prompts {list(prompt_lens)}: "
-           f"{num_identical}/{len(prompts)} identical, {num_before}/{len(prompts) * num_tokens} tokens before divergence")
+           f"{num_identical}/{len(prompts)} identical, "
+           f"{num_before}/{len(prompts) * num_tokens} tokens before divergence")
 
 
 def fused_reduce_comparison(report) -> None:

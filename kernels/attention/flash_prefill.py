@@ -171,7 +171,8 @@ def _warm_paged_prefill(query, key_cache, value_cache, scale, sliding_window, at
     _WARMED.add(key)
     device = query.device
     attend_rest(query.new_zeros(2, *query.shape[1:]), key_cache, value_cache,
-                torch.zeros(1, 16, dtype=torch.long, device=device), torch.full((1,), 2, dtype=torch.long, device=device),
+                torch.zeros(1, 16, dtype=torch.long, device=device),
+                torch.full((1,), 2, dtype=torch.long, device=device),
                 torch.tensor([0, 2], device=device), 2, 2, scale, sliding_window)
 
 
