@@ -23,7 +23,8 @@ from ..core_front import is_last_item
 from ..engine_core import EngineCore
 from ..errors import EngineDeadError
 from ..outputs import StreamOutput
-from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Outputs, Reply, Started, Stopped
+from .messages import (Abort, AddRequests, Call, Close, EngineView, Output, Outputs, Reply, Started, Stopped,
+                       compact)
 
 # Calls that wait for the engine (sleep finishes the running requests first): each gets a thread,
 # so aborts and adds keep flowing meanwhile.
@@ -57,7 +58,7 @@ class _Link:
             if isinstance(message.item, BaseException):
                 message = Output(message.stream_id, picklable_error(message.item))
             if self._batch_thread == threading.get_ident():
-                self._batch.append((message.stream_id, message.item))
+                self._batch.append(compact(message.stream_id, message.item))
                 return True  # sent with the rest of the step's outputs
         elif isinstance(message, (Reply, Started, Stopped)) and message.error is not None:
             message.error = picklable_error(message.error)

@@ -37,7 +37,8 @@ from ..executor.multiproc import _main_module_hidden, _process_context
 from ..memory.sleep import check_sleep_level
 from ..streams import RequestStream
 from .child import core_process_main
-from .messages import Abort, AddRequests, Call, Close, EngineView, Output, Outputs, Reply, Started, Stopped
+from .messages import (Abort, AddRequests, Call, Close, EngineView, Output, Outputs, Reply, Started, Stopped,
+                       expanded)
 
 logger = logging.getLogger("hearth_llm")
 
@@ -291,8 +292,8 @@ class ProcessEngineCore(CoreFront):
 
     def _handle(self, message) -> None:
         if isinstance(message, Outputs):
-            for stream_id, item in message.items:
-                self._deliver(stream_id, item)
+            for entry in message.items:
+                self._deliver_entry(entry)
         elif isinstance(message, Output):
             self._deliver(message.stream_id, message.item)
         elif isinstance(message, Reply):
@@ -307,6 +308,18 @@ class ProcessEngineCore(CoreFront):
             else:
                 self._view, self._model_info, self._stats = message.view, message.model_info, message.stats
             self._started.set()
+
+    def _deliver_entry(self, entry: tuple) -> None:
+        """An :class:`Outputs` entry, its compact form rebuilt for the stream it names."""
+        stream_id = entry[0]
+        with self._lock:
+            stream = self._streams.get(stream_id)
+            if stream is None:
+                return
+            item = expanded(stream.request_id, entry)
+            if is_last_item(item):
+                del self._streams[stream_id]
+        deliver(stream, item, self._abort_stream)
 
     def _deliver(self, stream_id: int, item) -> None:
         with self._lock:

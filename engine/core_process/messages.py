@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model_info import ModelInfo
+from ..outputs import StreamOutput
 
 
 # ---- parent → child ------------------------------------------------------------------------
@@ -94,9 +95,28 @@ class Output:
 @dataclass(slots=True)
 class Outputs:
     """One engine step's outputs for every stream, as one message: ``(stream_id, item)`` pairs in
-    the order the core handed them out (one pickle and one pipe write per step, not per token)."""
+    the order the core handed them out (one pickle and one pipe write per step, not per token).
+    A plain token output travels as ``(stream_id, delta_text, delta_token_ids, index)``
+    (:func:`compact`): ~0.1 us to pickle instead of ~3.5 us for the dataclass."""
 
-    items: list[tuple[int, object]]
+    items: list[tuple]
+
+
+def compact(stream_id: int, item) -> tuple:
+    """``(stream_id, item)``, or for an output that only carries tokens (not the last, no
+    finish, no logprobs) the 4-tuple :func:`expanded` turns back into it."""
+    if (type(item) is StreamOutput and item.finish_reason is None and not item.finished
+            and item.logprobs is None and item.stop_reason is None):
+        return stream_id, item.delta_text, item.delta_token_ids, item.index
+    return stream_id, item
+
+
+def expanded(request_id: str, entry: tuple):
+    """The item of an :class:`Outputs` entry; ``request_id`` names the stream's request."""
+    if len(entry) == 2:
+        return entry[1]
+    _, delta_text, delta_token_ids, index = entry
+    return StreamOutput(request_id, delta_text, delta_token_ids, index)
 
 
 @dataclass(slots=True)
