@@ -132,16 +132,21 @@ def main(argv=None) -> None:
     def params(max_tokens):
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
+    def lora_requests(adapters: list, count: int):
+        if all(adapter is None for adapter in adapters):
+            return None  # base-model requests: no list of Nones
+        return [adapters[i % len(adapters)] for i in range(count)]
+
     def run(adapters: list, shift: int) -> dict:
         for count in (1, 16, 17):  # warm-up as ours
             warm = workload(count, seed=count + shift, low=16, high=256)
             llm.generate([{"prompt_token_ids": p} for p, _ in warm], [params(4)] * count, use_tqdm=False,
-                         lora_request=[adapters[i % len(adapters)] for i in range(count)])
+                         lora_request=lora_requests(adapters, count))
         requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
         prompts = [{"prompt_token_ids": [(t + shift) % 10000 for t in p]} for p, _ in requests]
         started = time.perf_counter()
         outputs = llm.generate(prompts, [params(m) for _, m in requests], use_tqdm=False,
-                               lora_request=[adapters[i % len(adapters)] for i in range(len(requests))])
+                               lora_request=lora_requests(adapters, len(requests)))
         elapsed = time.perf_counter() - started
         num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {"seconds": round(elapsed, 3), "output_tokens": num_output, "tok_per_s": round(num_output / elapsed, 1)}
