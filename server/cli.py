@@ -94,4 +94,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from hearth_llm.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # one JSON line per request
-    serve(args.model, **serve_kwargs(args))
+    try:
+        serve(args.model, **serve_kwargs(args))
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has drained and shut down, then re-raised it; no traceback
+        raise SystemExit(130) from None
