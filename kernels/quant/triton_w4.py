@@ -52,24 +52,28 @@ def _scale(header):
 
 
 @triton.jit
-def _codes_minus_zero(words, hi, z0, z1, z2, z3, I: tl.constexpr):
+def _nibble_masks(nibble):
+    """``0xF << 4 P`` for P = 0..3 from the runtime ``nibble`` (= 0xF): values in registers, so
+    each decode is one LOP3 with the magic as its immediate (constant masks are rematerialized:
+    an extra move a weight, SASS of sm_90 shows)."""
+    return nibble, nibble << 4, nibble << 8, nibble << 12
+
+
+@triton.jit
+def _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, I: tl.constexpr):
     """Float32 ``code - zero`` of nibble ``I`` (0..7) of ``words`` (``hi`` = ``words >> 16``);
-    ``z*`` broadcast against ``words``."""
+    ``z*`` broadcast against ``words``; ``m*`` from :func:`_nibble_masks`."""
     P: tl.constexpr = I % 4
     MAGIC: tl.constexpr = (150 - 4 * P) << 23
-    MASK: tl.constexpr = 0xF << (4 * P)
-    if I < 4:
-        f = ((words & MASK) | MAGIC).to(tl.float32, bitcast=True)
-    else:
-        f = ((hi & MASK) | MAGIC).to(tl.float32, bitcast=True)
+    src = words if I < 4 else hi
     if P == 0:
-        return f - z0
+        return ((src & m0) | MAGIC).to(tl.float32, bitcast=True) - z0
     elif P == 1:
-        return f - z1
+        return ((src & m1) | MAGIC).to(tl.float32, bitcast=True) - z1
     elif P == 2:
-        return f - z2
+        return ((src & m2) | MAGIC).to(tl.float32, bitcast=True) - z2
     else:
-        return f - z3
+        return ((src & m3) | MAGIC).to(tl.float32, bitcast=True) - z3
 
 
 @triton.jit
@@ -98,42 +102,46 @@ def _finish(acc, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, n
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit(do_not_specialize=["M", "groups_per_split", "num_splits"])  # one compile for 1..16 rows
+@triton.jit(do_not_specialize=["M", "groups_per_split", "num_splits", "nibble"])  # one compile for 1..16 rows
 def _w4_dot_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
-                   stride_x, stride_c, stride_out, groups_per_split, num_splits, HAS_BIAS: tl.constexpr,
+                   stride_x, stride_c, stride_out, groups_per_split, num_splits, nibble, HAS_BIAS: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, IS_SPLIT: tl.constexpr):
     """See :func:`dot_gemv`: ``acc[BN, BT] += scale * sum_i dot(code_i - zero, x_i.T)`` per group."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = tl.minimum(n, N - 1)  # rows past the end read the last row; never stored
     t = tl.arange(0, BLOCK_T)
     c = tl.arange(0, 16)
+    # Padding tokens read the last row (unmasked loads); their columns are never stored.
     x_cols = x_ptr + tl.minimum(t, M - 1)[None, :].to(tl.int64) * stride_x + c[:, None]    # [16, BT]
-    live = (t < M)[None, :]
     code_rows = codes_ptr + n_in[:, None].to(tl.int64) * stride_c + c[None, :]             # [BN, 16]
     num_groups = K // 128
+    m0, m1, m2, m3 = _nibble_masks(nibble)
     g_start = tl.program_id(1) * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, num_groups)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS_PER_ITER):
         for gi in tl.static_range(GROUPS_PER_ITER):
-            g = g0 + gi
-            valid = g * 16 + c < g_end * 16                                                   # [16]: g < g_end
-            words = tl.load(code_rows + g * 16, mask=valid[None, :], other=0)                 # [BN, 16]
-            header = tl.load(headers_ptr + g * N + n_in, mask=g + 0 * n < g_end, other=0)    # [BN]
+            # Unmasked loads (so they vectorize): past the split's end, its last group again, scaled by 0.
+            g = tl.minimum(g0 + gi, g_end - 1)
+            words = tl.load(code_rows + g * 16)                                               # [BN, 16]
+            header = tl.load(headers_ptr + g * N + n_in)                                     # [BN]
             z0, z1, z2, z3 = _zero_offsets(header[:, None])
             hi = words >> 16
             d = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
             for i in tl.static_range(8):
-                q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i).to(x_ptr.dtype.element_ty)
-                xv = tl.load(x_cols + g * 128 + 16 * i, mask=live & valid[:, None], other=0.0)  # [16, BT]
+                q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i).to(x_ptr.dtype.element_ty)
+                xv = tl.load(x_cols + g * 128 + 16 * i)                                       # [16, BT]
                 d = tl.dot(q, xv, d)
-            acc += d * _scale(header)[:, None]
+            scale = _scale(header)
+            if GROUPS_PER_ITER > 1:
+                scale = tl.where(g0 + gi < g_end, scale, 0.0)
+            acc += d * scale[:, None]
     _finish(acc, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS, IS_SPLIT)
 
 
-@triton.jit(do_not_specialize=["groups_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["groups_per_split", "num_splits", "nibble"])
 def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
-                    stride_x, stride_c, stride_out, groups_per_split, num_splits, HAS_BIAS: tl.constexpr,
+                    stride_x, stride_c, stride_out, groups_per_split, num_splits, nibble, HAS_BIAS: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
                     IS_SPLIT: tl.constexpr):
     """See :func:`gemv`: per group, ``d[T, BN, 16] += x_i[T, 1, 16] * (code_i - zero)[1, BN, 16]``
@@ -146,6 +154,7 @@ def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, co
     c = tl.arange(0, 16)
     code_rows = codes_ptr + n_in[:, None].to(tl.int64) * stride_c + c[None, :]             # [BN, 16]
     num_groups = K // 128
+    m0, m1, m2, m3 = _nibble_masks(nibble)
     g_start = tl.program_id(1) * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, num_groups)
     if BLOCK_T == 1:
@@ -154,28 +163,29 @@ def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, co
         acc3 = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS_PER_ITER):
         for gi in tl.static_range(GROUPS_PER_ITER):
-            g = g0 + gi
-            valid = g * 16 + c < g_end * 16                                                   # [16]: g < g_end
-            words = tl.load(code_rows + g * 16, mask=valid[None, :], other=0)                 # [BN, 16]
-            header = tl.load(headers_ptr + g * N + n_in, mask=g + 0 * n < g_end, other=0)    # [BN]
+            g = tl.minimum(g0 + gi, g_end - 1)  # unmasked loads, as in _w4_dot_kernel
+            words = tl.load(code_rows + g * 16)                                               # [BN, 16]
+            header = tl.load(headers_ptr + g * N + n_in)                                     # [BN]
             z0, z1, z2, z3 = _zero_offsets(header[:, None])
             hi = words >> 16
+            scale = _scale(header)
+            if GROUPS_PER_ITER > 1:
+                scale = tl.where(g0 + gi < g_end, scale, 0.0)
             if BLOCK_T == 1:
                 d2 = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
                 for i in tl.static_range(8):
-                    q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i)
-                    xv = tl.load(x_ptr + g * 128 + 16 * i + c, mask=valid, other=0.0).to(tl.float32)  # [16]
+                    q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i)
+                    xv = tl.load(x_ptr + g * 128 + 16 * i + c).to(tl.float32)                 # [16]
                     d2 += q * xv[None, :]
-                acc2 += d2 * _scale(header)[:, None]
+                acc2 += d2 * scale[:, None]
             else:
                 x_cols = x_ptr + tl.minimum(t, M - 1)[:, None].to(tl.int64) * stride_x + c[None, :]  # [BT, 16]
                 d3 = tl.zeros((BLOCK_T, BLOCK_N, 16), dtype=tl.float32)
                 for i in tl.static_range(8):
-                    q = _codes_minus_zero(words, hi, z0, z1, z2, z3, i)
-                    xv = tl.load(x_cols + g * 128 + 16 * i, mask=(t < M)[:, None] & valid[None, :],
-                                 other=0.0).to(tl.float32)                                   # [BT, 16]
+                    q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i)
+                    xv = tl.load(x_cols + g * 128 + 16 * i).to(tl.float32)                   # [BT, 16]
                     d3 += xv[:, None, :] * q[None, :, :]
-                acc3 += d3 * _scale(header)[None, :, None]
+                acc3 += d3 * scale[None, :, None]
     if BLOCK_T == 1:
         result = tl.sum(acc2, axis=1)[:, None]                                                # [BN, 1]
     else:
@@ -184,7 +194,7 @@ def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, co
 
 
 @triton.jit
-def _w4_dequant_kernel(codes_ptr, headers_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
+def _w4_dequant_kernel(codes_ptr, headers_ptr, out_ptr, N, K, nibble, BLOCK_N: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = tl.minimum(n, N - 1)
     g = tl.program_id(1)
@@ -194,9 +204,10 @@ def _w4_dequant_kernel(codes_ptr, headers_ptr, out_ptr, N, K, BLOCK_N: tl.conste
     z0, z1, z2, z3 = _zero_offsets(header[:, None])
     scale = _scale(header)[:, None]
     hi = words >> 16
+    m0, m1, m2, m3 = _nibble_masks(nibble)
     out_rows = out_ptr + n[:, None].to(tl.int64) * K + g * 128 + c[None, :]
     for i in tl.static_range(8):
-        values = _codes_minus_zero(words, hi, z0, z1, z2, z3, i) * scale
+        values = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i) * scale
         tl.store(out_rows + 16 * i, values.to(out_ptr.dtype.element_ty), mask=n[:, None] < N)
 
 
@@ -206,7 +217,7 @@ def dequantize(weight: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(num_rows, num_columns, dtype=dtype, device=weight.codes.device)
     block_n = 32
     _w4_dequant_kernel[(triton.cdiv(num_rows, block_n), num_columns // 128)](
-        weight.codes, weight.headers, out, num_rows, num_columns, BLOCK_N=block_n)
+        weight.codes, weight.headers, out, num_rows, num_columns, 0xF, BLOCK_N=block_n)
     return out
 
 
@@ -252,7 +263,7 @@ def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split
         split_k, groups_per_split, workspace, counts = 1, num_groups, out, out
     kernel[(num_tiles, split_k)](
         x, weight.codes, weight.headers, bias if bias is not None else out, out, workspace, counts, m, num_rows, k,
-        x.stride(0), weight.codes.stride(0), out.stride(0), groups_per_split, split_k, HAS_BIAS=bias is not None,
+        x.stride(0), weight.codes.stride(0), out.stride(0), groups_per_split, split_k, 0xF, HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, GROUPS_PER_ITER=groups_per_iter, IS_SPLIT=split_k > 1,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
