@@ -594,6 +594,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "after the other: the starts overlap (they share the device; mind --kv-cache-memory)")
     parser.add_argument("--log-dir", default=None, help="keep each server's log here (default: a temporary directory)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--compare", default=None, metavar="JSON",
+                        help="also show (table, ratios) the servers of an earlier run's --json with the same workload")
     args = parser.parse_args(argv)
     on_gpu = (args.device or ("cuda" if args.shape else "cpu")) == "cuda"
     args.device = "cuda" if on_gpu else "cpu"
@@ -634,6 +636,20 @@ def engine_options(args) -> tuple[dict, list[str]]:
     if args.switch_interval is not None:  # a server option, not an engine one
         flags += ["--switch-interval", str(args.switch_interval)]
     return kwargs, flags
+
+
+def _earlier_results(path: str | None, report: dict) -> dict[str, dict]:
+    """The servers of an earlier run's ``--json`` (another call of the same lease), if it ran the
+    same workload; else nothing, and a line saying why."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as source:
+        earlier = json.load(source)
+    same = ("model", "device", "num_prompts", "input_lengths", "output_lengths")
+    if any(json.loads(json.dumps(earlier.get(key))) != json.loads(json.dumps(report[key])) for key in same):
+        print(f"--compare {path}: another workload ({ {key: earlier.get(key) for key in same} }); not shown")
+        return {}
+    return {name: result for name, result in earlier["results"].items() if name not in report["results"]}
 
 
 def main(argv=None) -> None:
@@ -683,8 +699,9 @@ def main(argv=None) -> None:
     report = {"model": args.shape or args.model, "device": args.device, "num_prompts": args.num_prompts,
               "input_lengths": args.input_lengths, "output_lengths": args.output_lengths,
               "load_average": os.getloadavg(), "results": results}
-    print(table(results, args.rates))
-    for line in ratios(results, args.rates):
+    shown = {**_earlier_results(args.compare, report), **results}
+    print(table(shown, args.rates))
+    for line in ratios(shown, args.rates):
         print(line)
     print(f"load average {os.getloadavg()[0]:.2f}; latencies in ms; {args.num_prompts} requests per rate", flush=True)
     if args.json:
