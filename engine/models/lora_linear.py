@@ -255,10 +255,16 @@ class LoRALinearMethod(LinearMethod):
         return True
 
     def _apply_stacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """One GEMM for the base output and every slot's shrink, then the expand into the base columns
-        in place. Returns a view (rows strided by the extra columns); the consumers of a projection's
-        output (the fused attention-input, activation and norm kernels, torch ops) take row strides."""
-        full = _stacked_matmul(x, self.stacked_weight, None if bias is None else self.stacked_bias)
+        """One GEMM for the base output and every slot's shrink (one row: the batch-1 GEMV), then the expand
+        into the base columns in place (a gated MLP's gate_up_proj: left to its SwiGLU). Returns a view (rows
+        strided by the extra columns); the consumers of a projection's output (the fused attention-input,
+        activation and norm kernels, torch ops) take row strides."""
+        return self._finish_stacked(_stacked_matmul(x, self.stacked_weight,
+                                                    None if bias is None else self.stacked_bias))
+
+    def _finish_stacked(self, full: torch.Tensor) -> torch.Tensor:
+        """The layer's output from the stacked product ``full`` (base columns, then every slot's ranks): the
+        expand into the base columns, or, for a gate_up_proj whose SwiGLU adds the update, the hand-off."""
         out_features = self.lora_b.shape[-1]
         y = full[:, :out_features]
         if self.defers_expand:
