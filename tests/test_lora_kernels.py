@@ -522,3 +522,27 @@ def test_one_token_steps_match_the_reference(slot):
     got = triton_lora.expand_planned(full[:, :80], full[:, 80:], device_plan, b.to(DEVICE), bounds.to(DEVICE), 4,
                                      a.shape[1]).cpu()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_decode_weight_and_finish_stand_in_for_the_layer():
+    """The contract a batch-1 GEMV caller (fused_decode) may use: the product of ``x`` and
+    ``fused_decode_weight`` turned into the output by ``finish_fused_decode`` is the layer's output, on a
+    step with adapters (the stacked weight, then the expand) and on one without (the base weight)."""
+    layer = QKVLinear(hidden_size=16, head_dim=16, num_heads=4, num_kv_heads=2, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    step = LoRAStep(capacity=4, device=torch.device("cpu"), planned=True)
+    step.allocate(num_slots=2, max_ranks_per_layer=12)
+    method = LoRALinearMethod(layer.method, layer, num_slots=2, max_rank=4, step=step, dtype=torch.float32,
+                              device=torch.device("cpu"))
+    assert method.stack_a_under_weight(layer)
+    layer.method = method
+    method.load_slot(1, [ShardLoRA(0, 0, torch.randn(4, 16), torch.randn(4, 64)),
+                         ShardLoRA(2, 96, torch.randn(3, 16), torch.randn(3, 32))])
+    x = torch.randn(1, 16)
+    for slot in (1, -1):
+        step.begin_sequences([slot], [1])
+        expected = layer(x).clone()
+        weight = method.fused_decode_weight(layer, x)
+        assert weight.shape[0] == (128 + 2 * 12 if slot >= 0 else 128)
+        torch.testing.assert_close(method.finish_fused_decode(x @ weight.T), expected, rtol=1e-5, atol=1e-5)
+        step.end()

@@ -276,6 +276,22 @@ class LoRALinearMethod(LinearMethod):
                        slot_stride=self._lora_a_shape[1])
         return y
 
+    def fused_decode_weight(self, layer, x: torch.Tensor) -> torch.Tensor | None:
+        """For ``fused_decode`` (the batch-1 GEMVs with the norm or SwiGLU inside): the dense weight its GEMV
+        may multiply ``x`` by in place of this layer, whose product :meth:`finish_fused_decode` turns into the
+        layer's output: the base weight on a step without adapters, the stacked one on a step with them;
+        None where the GEMV must not stand in (no stacked weight, a gate_up_proj expanding in place)."""
+        if not self.step.has_adapters:
+            return layer.weight if type(self.base) is DenseLinearMethod else None
+        if self.stacked_weight is None or not self.step.covers(x) or (len(self.slice_bounds) == 3
+                                                                     and not self.defers_expand):
+            return None
+        return self.stacked_weight
+
+    def finish_fused_decode(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output from a GEMV's product over :meth:`fused_decode_weight`."""
+        return out if out.shape[1] == self.lora_b.shape[-1] else self._finish_stacked(out)
+
     def take_pending_expand(self, y: torch.Tensor) -> torch.Tensor | None:
         """The rank-space columns of ``y`` if ``y`` is the output whose update was left to the activation."""
         pending, self.pending_expand = self.pending_expand, None
