@@ -320,3 +320,31 @@ def test_planned_steps_with_the_shrink_stacked_under_the_weights_match_peft(llam
         assert out.outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
     assert calls  # the stacked path ran
     assert activations  # and the gated MLPs' SwiGLU added gate_up's update (no in-place expand there)
+
+
+def test_one_row_steps_with_adapters_take_the_fused_batch1_gemvs(llama, make_llm, monkeypatch):
+    """The CUDA batch-1 path, planned on the CPU with the fused decode GEMVs in the Triton interpreter: a
+    LoRA layer lends fused_decode its stacked weight (the norm stays inside qkv_proj's GEMV) and turns the
+    product into its output; one-row decode with an adapter, and of the base model, match PEFT and HF."""
+    from hearth_llm.engine.models import fused_decode
+    from hearth_llm.engine.models.lora_linear import LoRALinearMethod, LoRAStep
+    from hearth_llm.kernels.gemv import triton_gemv
+
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(triton_gemv, "default_launch", lambda *args: triton_gemv.GemvLaunch(256, 128))
+    init = LoRAStep.__init__
+    monkeypatch.setattr(LoRAStep, "__init__", lambda self, capacity, device, planned=None: init(self, capacity, device,
+                                                                                                  planned=True))
+    is_stacked = []  # per fused call: whether the GEMV's product had the stacked shrink columns
+    finish = LoRALinearMethod.finish_fused_decode
+    monkeypatch.setattr(LoRALinearMethod, "finish_fused_decode", lambda self, out: is_stacked.append(
+        out.shape[1] > self.lora_b.shape[-1]) or finish(self, out))
+    base, adapters = llama
+    llm = make_llm(base, enable_lora=True, max_loras=3, max_lora_rank=8, block_size=8)
+    prompt = random_prompts(1, [7], seed=3)[0]
+    for name in ("a", None):
+        is_stacked.clear()
+        out = llm.generate([prompt], GREEDY, use_tqdm=False,
+                           lora_request=None if name is None else LoRARequest(name, adapters[name]))
+        assert out[0].outputs[0].token_ids == peft_greedy(base, adapters.get(name), prompt), name
+        assert is_stacked and any(is_stacked) == (name is not None)  # stacked products only with an adapter

@@ -5,7 +5,8 @@ GEMV (cuBLAS is slow on it at one row).
 A one-row step reads every weight once and is otherwise bound by its ~10 launches a layer; a
 Triton GEMV that recomputes the norm (or the activation) of its one row in every program replaces
 two kernels by one. It applies only where the result is the unfused one's: a dense weight
-(``DENSE`` method, so no quantization and no LoRA wrapper), no bias, a single process, CUDA
+(``DENSE`` method, or a wrapper that names one and finishes the product, LoRA's ``fused_decode_weight``
+and ``finish_fused_decode``; no quantization), no bias, a single process, CUDA
 tensors, at most :data:`MAX_ROWS` rows; and where it is faster, a weight of at most
 :data:`MAX_WEIGHT_NUMEL` elements. Everything else takes the unfused ops, which are also the
 reference (``kernels/gemv/reference.py``).
@@ -63,9 +64,18 @@ def dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The weight a fused kernel may multiply ``x`` by, or None where the unfused path must run."""
     if not _takes_gemv(x):
         return None
-    if layer.method is not DENSE or layer.bias is not None or layer.parallel.size != 1:
+    if layer.bias is not None or layer.parallel.size != 1:
         return None
+    if layer.method is not DENSE:  # a wrapper adding to a dense product (LoRA) names the weight, or None
+        weight_for = getattr(layer.method, "fused_decode_weight", None)
+        return None if weight_for is None else _usable(weight_for(layer, x), x, MAX_WEIGHT_NUMEL)
     return _usable(getattr(layer, "weight", None), x, MAX_WEIGHT_NUMEL)
+
+
+def _finished(layer, out: torch.Tensor) -> torch.Tensor:
+    """The layer's output from the GEMV's product (a wrapper's weight may carry extra rows: LoRA's shrink)."""
+    finish = getattr(layer.method, "finish_fused_decode", None)
+    return out if finish is None else finish(out)
 
 
 def norm_and_linear(norm, x: torch.Tensor, residual: torch.Tensor | None, layer):
@@ -74,7 +84,8 @@ def norm_and_linear(norm, x: torch.Tensor, residual: torch.Tensor | None, layer)
 
     weight = dense_weight(layer, x) if type(norm) is RMSNorm else None
     if weight is not None:
-        return _gemv().rms_norm_linear(x, residual, norm.weight, norm.eps, weight)
+        out, summed = _gemv().rms_norm_linear(x, residual, norm.weight, norm.eps, weight)
+        return _finished(layer, out), summed
     if residual is None:
         return layer(norm(x)), x
     normed, residual = norm(x, residual)
@@ -85,7 +96,7 @@ def act_and_down(mlp, gate_up: torch.Tensor) -> torch.Tensor:
     """``mlp.down_proj(mlp.act_and_mul(gate_up))`` for a GatedMLP; SwiGLU fused into the matmul."""
     weight = dense_weight(mlp.down_proj, gate_up) if mlp.act_and_mul is kernels.silu_and_mul else None
     if weight is not None:
-        return _gemv().silu_and_mul_linear(gate_up, weight)
+        return _finished(mlp.down_proj, _gemv().silu_and_mul_linear(gate_up, weight))
     return mlp.down_proj(mlp.act_and_mul(gate_up))
 
 
@@ -108,7 +119,7 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; by the Triton GEMV when :data:`PLAIN_GEMV` is on and the layer qualifies."""
     weight = dense_weight(layer, x) if PLAIN_GEMV else None
     if weight is not None:
-        return _gemv().linear(x, weight)
+        return _finished(layer, _gemv().linear(x, weight))
     return layer(x)
 
 
