@@ -163,6 +163,10 @@ def main(argv=None) -> None:
                         help="run the LoRA shrink on a side stream beside the base projection (not GPU-verified yet)")
     parser.add_argument("--no-stack", action="store_true",
                         help="a separate shrink kernel, not every slot's A stacked under the dense base weight")
+    parser.add_argument("--unstacked", nargs="+", default=(), metavar="NAME_END",
+                        help="layers (by name end: o_proj, down_proj, ...) that keep the separate shrink kernel")
+    parser.add_argument("--no-fused-swiglu", action="store_true",
+                        help="gate_up_proj expands in place (the SwiGLU does not add its update)")
     parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
     parser.add_argument("--num-layers", type=int, help="fewer decoder layers than the shape's (a quick look)")
     parser.add_argument("--no-base-engine", action="store_true",
@@ -176,10 +180,11 @@ def main(argv=None) -> None:
         from hearth_llm.engine.models.lora_linear import LoRAStep
 
         LoRAStep.overlaps_shrink = args.overlap and not args.no_overlap
-    if args.no_stack:
-        from hearth_llm.engine.models.lora_linear import LoRAStep
+    from hearth_llm.engine.models.lora_linear import LoRAStep
 
-        LoRAStep.stacks_shrink = False
+    LoRAStep.stacks_shrink = not args.no_stack
+    LoRAStep.unstacked_layers = tuple(args.unstacked)
+    LoRAStep.defers_gate_up_expand = not args.no_fused_swiglu
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
 

@@ -56,6 +56,8 @@ class LoRAStep:
     stacks_shrink = True
     # With the shrink stacked: a gated MLP's SwiGLU adds its gate_up_proj's update (LoRASiluAndMul), no in-place expand.
     defers_gate_up_expand = True
+    # Layers (by the end of their name, e.g. "o_proj") that keep the separate shrink even where stacking applies.
+    unstacked_layers: tuple[str, ...] = ()
 
     def __init__(self, capacity: int, device: torch.device, planned: bool | None = None) -> None:
         self.capacity = capacity
@@ -426,7 +428,8 @@ def wrap_with_lora(model, num_slots: int, max_rank: int, step: LoRAStep) -> dict
         if device.type == "cpu":
             dtype = torch.float32  # the CPU path multiplies in float32 (see LoRALinearMethod.apply)
         method = LoRALinearMethod(layer.method, layer, num_slots, max_rank, step, dtype, device)
-        if step.stacks_shrink and step.is_planned:  # (CUDA; tests plan on the CPU too)
+        if step.stacks_shrink and step.is_planned and not name.endswith(tuple(step.unstacked_layers)):
+            # (CUDA; tests plan on the CPU too)
             method.stack_a_under_weight(layer)
         layer.method = method
         layer.routine = method.forward_routine(layer) if layer.parallel.size == 1 else None
