@@ -7,7 +7,6 @@ the chat template are the chat service's (``hearth_llm.engine.chat``), exactly a
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from hearth_llm.engine.outputs import Usage
 from hearth_llm.engine.tool_parsers import InvalidToolCallDelta, ToolCallDelta
 
 from .errors import APIError, engine_failure, invalid_parameter
+from .ids import random_hex
 from .protocol import ChatCompletionRequest
 from .sse import DONE, EventStreamResponse, event
 from .state import ServerState, off_the_loop
@@ -30,7 +30,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """The endpoint: 200 with the answer (or its event stream), else an :class:`APIError`."""
     state: ServerState = request.app.state.hearth
     state.check_chat_model(body.model)
-    reply = _Reply(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.settings.chat_model_name,
+    reply = _Reply(id=f"chatcmpl-{random_hex()}", created=int(time.time()), model=state.settings.chat_model_name,
                    parallel_tool_calls=body.parallel_tool_calls is not False,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    n=body.n or 1)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
+import queue
 
 API_KEY_ENV = "HEARTH_API_KEY"
 
@@ -93,8 +95,24 @@ def api_keys(args: argparse.Namespace) -> list | None:
 def run_serve(args: argparse.Namespace) -> None:
     from hearth_llm.server import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # one JSON line per request
+    listener = log_from_a_thread()  # one JSON line per request
     try:
         serve(args.model, **serve_kwargs(args))
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has drained and shut down, then re-raised it; no traceback
         raise SystemExit(130) from None
+    finally:
+        listener.stop()  # what is queued is written first
+
+
+def log_from_a_thread() -> logging.handlers.QueueListener:
+    """INFO and up to stderr, written by a thread of their own: the event loop only queues a record.
+    A write lets go of the interpreter lock, and taking it back can wait for the engine thread."""
+    records = queue.SimpleQueue()
+    to_stderr = logging.StreamHandler()
+    to_stderr.setFormatter(logging.Formatter("%(message)s"))
+    listener = logging.handlers.QueueListener(records, to_stderr)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(logging.handlers.QueueHandler(records))
+    listener.start()
+    return listener

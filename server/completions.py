@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -21,6 +20,7 @@ from hearth_llm.engine.outputs import Logprob
 
 from .chat import usage
 from .errors import APIError, engine_failure, invalid_parameter
+from .ids import random_hex
 from .protocol import CompletionRequest
 from .sse import DONE, EventStreamResponse, event
 from .state import ServerState
@@ -36,7 +36,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     state.check_chat_model(body.model)
     prompts = _prompts(body.prompt)
     params = _sampling_params(body, state)
-    reply_id = f"cmpl-{uuid.uuid4().hex}"
+    reply_id = f"cmpl-{random_hex()}"
     request.state.log.update(model=body.model, user=body.user or body.safety_identifier, engine_request_id=reply_id)
     timeout = state.timeout(request)
     await state.admit(request)
@@ -75,7 +75,7 @@ def _prompts(prompt) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(item, int) for item in prompt):
+    if isinstance(prompt[0], int):  # the body's validation made it one of the union's lists: all ints
         return [list(prompt)]
     return list(prompt)
 

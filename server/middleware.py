@@ -22,11 +22,11 @@ import json
 import logging
 import re
 import time
-import uuid
 
 import anyio
 
 from .errors import APIError
+from .ids import random_hex
 
 logger = logging.getLogger("hearth_llm.server")
 
@@ -198,7 +198,7 @@ class _Exchange:
 def _request_id(client_id: str | None) -> str:
     if client_id is not None and _CLIENT_REQUEST_ID.match(client_id):
         return client_id
-    return uuid.uuid4().hex
+    return random_hex()
 
 
 # The log's fields a request's span carries (OpenTelemetry's HTTP and GenAI names where they have one).
