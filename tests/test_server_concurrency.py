@@ -58,9 +58,11 @@ async def one_client(session: httpx.AsyncClient, prompt: list[int], leaves: bool
     raise AssertionError("the stream ended without [DONE]")
 
 
-def test_200_streaming_clients_get_the_answers_of_their_prompts_alone_and_leavers_are_aborted(tiny_model):
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_200_streaming_clients_get_the_answers_of_their_prompts_alone_and_leavers_are_aborted(tiny_model, engine_core):
     expected = alone(tiny_model)
-    core = get_engine(tiny_model, **ENGINE)
+    core = get_engine(tiny_model, engine_core=engine_core, **ENGINE)
+    core.wait_until_started()  # (the process core's counters come once its child has loaded)
     num_generated_before = core.stats()["num_generation_tokens"]
     all_prompts = prompts()
     leaves = [index % 10 < 3 for index in range(NUM_CLIENTS)]  # 30 % leave after their first event
@@ -71,7 +73,7 @@ def test_200_streaming_clients_get_the_answers_of_their_prompts_alone_and_leaver
             return await asyncio.gather(*(one_client(session, all_prompts[index % NUM_PROMPTS], leaves[index])
                                           for index in range(NUM_CLIENTS)))
 
-    with start_server(tiny_model, embedding_model=None, **ENGINE) as running:
+    with start_server(tiny_model, embedding_model=None, engine_core=engine_core, **ENGINE) as running:
         answers = asyncio.run(run())
         deadline = time.monotonic() + 10
         while True:  # the engine's counters are as of its last step: poll
