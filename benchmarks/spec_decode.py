@@ -15,12 +15,13 @@
    a machine shared with other work (1 thread: the forward passes run on that thread), and
    ``--clock both`` reports CPU time and wall time of the same runs side by side, with the load
    average after each prompt. The n-gram engine uses lookup lengths ``--lookup-min``..``--lookup-max``
-   (default 2..4), ``--lookup-backoff`` turns ``prompt_lookup_backoff`` on, and
-   ``--baseline-ngram 2-4`` adds an engine with those lengths and no backoff to the same runs (so
-   ``--lookup-min 1 --lookup-backoff --baseline-ngram 2-4`` compares the two policies). The
-   systems take turns run by run. Outputs are checked token-equal to the plain run (in bfloat16
-   a verify step's logits can round differently from a decode step's, so a near-tie may flip;
-   float32 is exact).
+   (default 2..4), ``--lookup-backoff`` turns ``prompt_lookup_backoff`` on, ``--no-adaptive-length``
+   turns ``adaptive_proposal_length`` off (on by default: on the CPU only the tokens of a match that
+   pay for their verify rows are proposed), and ``--baseline-ngram 2-4`` adds an engine with those
+   lengths, no backoff and whole matches proposed to the same runs (the policy before adaptive
+   lengths). The systems take turns run by run. Outputs are checked token-equal to the plain run
+   (in bfloat16 a verify step's attention can round a few values differently from a decode
+   step's, so a near-tie may flip; float32 is exact).
    The CPU thread count is fixed (``--adaptive-threads`` lets the governor choose: its choices
    change bfloat16 rounding from run to run, so even two plain runs can differ).
 2. The verification overhead: the cost of one step that verifies ``k`` proposals (forced: a
