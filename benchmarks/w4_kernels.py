@@ -33,12 +33,14 @@ CONFIGS = [
     ("dot", dict(block_n=128, num_warps=8, num_stages=4, groups_per_iter=1), 264),
     ("dot", dict(block_n=64, num_warps=4, num_stages=2, groups_per_iter=4), 528),
     ("dot", dict(block_n=32, num_warps=4, num_stages=4, groups_per_iter=2), 528),
+    ("dot", dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1, asm_decode=True), 264),
+    ("dot", dict(block_n=64, num_warps=4, num_stages=3, groups_per_iter=2, asm_decode=True), 264),
 ]
 
 
 def label(kind: str, config: dict, target: int) -> str:
     return (f"{kind} BN{config['block_n']}/W{config['num_warps']}/st{config['num_stages']}/G{config['groups_per_iter']}"
-            f"/P{target}")
+            f"/P{target}" + ("/asm" if config.get("asm_decode") else ""))
 
 
 def random_w4(n: int, k: int, device="cuda"):
@@ -94,6 +96,8 @@ def part_check() -> bool:
                 cases += [(f"gemv S{s}", lambda s=s: triton_w4.gemv(x, weight, split_k=s)) for s in (1, 3)]
             if m <= 16:
                 cases += [(f"dot S{s}", lambda s=s: triton_w4.dot_gemv(x, weight, split_k=s)) for s in (1, 3)]
+                cases += [(f"dot/asm S{s}", lambda s=s: triton_w4.dot_gemv(x, weight, split_k=s, asm_decode=True))
+                          for s in (1, 3)]
             for name, fn in cases:
                 try:
                     for _ in range(2):  # the second call sees the workspace the first left

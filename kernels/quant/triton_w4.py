@@ -33,7 +33,7 @@ from .w4_layout import W4Weight
 GEMV_MAX_ROWS = 1
 DOT_MAX_ROWS = 16
 # (block_n, num_warps, num_stages) of each kernel, and the programs split-K aims for.
-DOT_CONFIG = dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1)
+DOT_CONFIG = dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1, asm_decode=False)
 GEMV_CONFIG = dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=1)
 TARGET_PROGRAMS = 264  # ~2 per SM on the H200's 132
 MIN_GROUPS_PER_SPLIT = 4
@@ -76,6 +76,27 @@ def _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, I: tl.constexpr
         return ((src & m3) | MAGIC).to(tl.float32, bitcast=True) - z3
 
 
+# Nibbles P and P + 4 of a word (bits 4P and 16 + 4P) as two bf16 ``code - zero``: shift them to
+# bits 0 and 16, OR them into bf16 128.0 (0x4300, whose mantissa unit is 1) and add the packed
+# -(128 + zero) in one fma.bf16x2: two LOP-class instructions for two weights, exact.
+_BF16_PAIR_ASM = tl.constexpr("""{
+.reg .b32 t, one;
+mov.b32 one, 0x3F803F80;
+shr.u32 t, $2, $4;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea;
+fma.rn.bf16x2 t, t, one, $3;
+mov.b32 {$0, $1}, t;
+}""")
+
+
+@triton.jit
+def _bf16_pair(words, neg_zero_pair, shift):
+    """bf16 ``code - zero`` of nibbles ``P`` and ``P + 4`` of ``words`` (``shift`` = 4 P), by PTX."""
+    lo, hi = tl.inline_asm_elementwise(_BF16_PAIR_ASM, "=h,=h,r,r,r", [words, neg_zero_pair, shift],
+                                       dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+    return lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+
+
 @triton.jit
 def _finish(acc, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS: tl.constexpr,
             IS_SPLIT: tl.constexpr):
@@ -105,8 +126,11 @@ def _finish(acc, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, n
 @triton.jit(do_not_specialize=["M", "groups_per_split", "num_splits", "nibble"])  # one compile for 1..16 rows
 def _w4_dot_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
                    stride_x, stride_c, stride_out, groups_per_split, num_splits, nibble, HAS_BIAS: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, IS_SPLIT: tl.constexpr):
-    """See :func:`dot_gemv`: ``acc[BN, BT] += scale * sum_i dot(code_i - zero, x_i.T)`` per group."""
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, IS_SPLIT: tl.constexpr,
+                   ASM_DECODE: tl.constexpr = False):
+    """See :func:`dot_gemv`: ``acc[BN, BT] += scale * sum_i dot(code_i - zero, x_i.T)`` per group.
+    ``ASM_DECODE`` (bf16 ``x``, CUDA only: the interpreter runs no PTX): the codes by
+    :func:`_bf16_pair`, two weights in two instructions."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = tl.minimum(n, N - 1)  # rows past the end read the last row; never stored
     t = tl.arange(0, BLOCK_T)
@@ -125,13 +149,21 @@ def _w4_dot_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, cou
             g = tl.minimum(g0 + gi, g_end - 1)
             words = tl.load(code_rows + g * 16)                                               # [BN, 16]
             header = tl.load(headers_ptr + g * N + n_in)                                     # [BN]
-            z0, z1, z2, z3 = _zero_offsets(header[:, None])
-            hi = words >> 16
             d = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            for i in tl.static_range(8):
-                q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i).to(x_ptr.dtype.element_ty)
-                xv = tl.load(x_cols + g * 128 + 16 * i)                                       # [16, BT]
-                d = tl.dot(q, xv, d)
+            if ASM_DECODE:
+                neg_zero = 0xC300 + ((header >> 16) & 0xFF)                                  # bf16 -(128 + zero)
+                neg_zero_pair = (neg_zero | (neg_zero << 16))[:, None] + 0 * words
+                for p in tl.static_range(4):
+                    q_low, q_high = _bf16_pair(words, neg_zero_pair, 4 * p + 0 * words)
+                    d = tl.dot(q_low, tl.load(x_cols + g * 128 + 16 * p), d)
+                    d = tl.dot(q_high, tl.load(x_cols + g * 128 + 16 * (p + 4)), d)
+            else:
+                z0, z1, z2, z3 = _zero_offsets(header[:, None])
+                hi = words >> 16
+                for i in tl.static_range(8):
+                    q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i).to(x_ptr.dtype.element_ty)
+                    xv = tl.load(x_cols + g * 128 + 16 * i)                                   # [16, BT]
+                    d = tl.dot(q, xv, d)
             scale = _scale(header)
             if GROUPS_PER_ITER > 1:
                 scale = tl.where(g0 + gi < g_end, scale, 0.0)
@@ -265,7 +297,8 @@ def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split
         x, weight.codes, weight.headers, bias if bias is not None else out, out, workspace, counts, m, num_rows, k,
         x.stride(0), weight.codes.stride(0), out.stride(0), groups_per_split, split_k, 0xF, HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, GROUPS_PER_ITER=groups_per_iter, IS_SPLIT=split_k > 1,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **({"ASM_DECODE": True} if config.get("asm_decode") else {}))
     return out
 
 
@@ -281,6 +314,8 @@ def dot_gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None
     _check(x, weight)
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > 16:
         raise ValueError(f"dot_gemv takes up to 16 rows of bfloat16/float16 x, got {x.shape[0]} of {x.dtype}")
+    if config.get("asm_decode") and (x.dtype != torch.bfloat16 or x.device.type != "cuda"):
+        raise ValueError("asm_decode=True decodes to bfloat16 by PTX: it needs bfloat16 x on CUDA")
     return _launch(_w4_dot_kernel, x, weight, bias, 16, {**DOT_CONFIG, **config}, split_k)
 
 
