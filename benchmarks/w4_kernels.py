@@ -113,50 +113,55 @@ def part_check() -> bool:
     return ok
 
 
-def part_kernels(rows, config_ids) -> dict:
+def part_kernels(rows, config_ids, json_path=None) -> dict:
+    """Each row count over the four shapes (the layer sum printed after each, and the results
+    written to ``json_path`` so far, so a time limit keeps what ran)."""
     from hearth_llm.benchmarks import timing
-    from hearth_llm.kernels.quant import triton_w4g128, w4_layout
+    from hearth_llm.kernels.quant import triton_w4, triton_w4g128, w4_layout
 
     results: dict = {}
-    totals: dict = {}
+    weights, dense, old_rows = {}, {}, {}
     for name, (n, k) in SHAPES.items():
-        weights = copies_of(random_w4(n, k), n * k // 2)
-        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                 for _ in range(max(2, min(64, -(-WORKING_SET // (n * k * 2)))))]
-        old_rows = None
-        for m in rows:
+        weights[name] = copies_of(random_w4(n, k), n * k // 2)
+        dense[name] = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(max(2, min(64, -(-WORKING_SET // (n * k * 2)))))]
+    for m in rows:
+        totals: dict = {}
+        for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cells = {"bf16": timing.graphed_us([lambda w=w: F.linear(x, w) for w in dense], num_warmup=2)}
+            cells = {"bf16": timing.graphed_us([lambda w=w: F.linear(x, w) for w in dense[name]], num_warmup=2)}
             if m == 1:
-                old_rows = old_rows or [w4_layout.to_rows(w) for w in weights[:8]] * (len(weights) // 8 or 1)
+                copies = weights[name]
+                old_rows[name] = [w4_layout.to_rows(w) for w in copies[:8]] * (len(copies) // 8 or 1)
                 cells["old W4G128"] = timing.graphed_us(
-                    [lambda d=d: triton_w4g128.w4g128_linear(x, d) for d in old_rows], num_warmup=2)
+                    [lambda d=d: triton_w4g128.w4g128_linear(x, d) for d in old_rows.pop(name)], num_warmup=2)
             for index in config_ids:
                 kind, config, target = CONFIGS[index]
-                if kind == "gemv" and m > 1 and index != 0:
+                if kind == "gemv" and m > 1:
                     continue
                 try:
                     call = call_for(kind, config, target, x)
                     cells[label(kind, config, target)] = timing.graphed_us(
-                        [lambda w=w: call(w) for w in weights], num_warmup=2)
+                        [lambda w=w: call(w) for w in weights[name]], num_warmup=2)
                 except Exception as error:  # noqa: BLE001 - one config failing must not hide the rest
                     print(f"W4 {label(kind, config, target)} M={m} {name}: {type(error).__name__}: {error}"[:400],
                           flush=True)
-            from hearth_llm.kernels.quant import triton_w4
-            cells["w4 default"] = timing.graphed_us([lambda w=w: triton_w4.w4_linear(x, w) for w in weights],
+            cells["w4 default"] = timing.graphed_us([lambda w=w: triton_w4.w4_linear(x, w) for w in weights[name]],
                                                     num_warmup=2)
             for key, us in cells.items():
-                totals[(m, key)] = totals.get((m, key), 0.0) + us
+                totals[key] = totals.get(key, 0.0) + us
             nbytes = {key: n * k * 2 if key == "bf16" else n * k // 2 + n * k // 32 for key in cells}
             print(f"W4 M={m:<2} {name:7} " + " | ".join(f"{key} {us:.1f} us ({nbytes[key] / us / 1e3:.0f} GB/s)"
                                                         for key, us in cells.items()), flush=True)
             results[f"{name} M={m}"] = cells
-    for m in rows:
-        line = {key: round(us, 1) for (mm, key), us in totals.items() if mm == m}
+        line = {key: round(us, 1) for key, us in totals.items()}
         best = min((us, key) for key, us in line.items() if key not in ("bf16", "old W4G128"))
         print(f"W4 layer sum M={m}: " + " | ".join(f"{key} {us}" for key, us in line.items())
               + f" || best {best[1]} {best[0]:.1f} vs bf16 {line['bf16']} ({best[0] / line['bf16']:.2f}x)", flush=True)
         results[f"layer sum M={m}"] = line
+        if json_path:
+            with open(json_path, "w") as sink:
+                json.dump(results, sink, indent=2)
     return results
 
 
@@ -237,7 +242,7 @@ def main(argv=None) -> None:
     if args.part == "check":
         results = {"ok": part_check()}
     elif args.part == "kernels":
-        results = part_kernels(args.rows, config_ids)
+        results = part_kernels(args.rows, config_ids, args.json)
     elif args.part == "compile":
         part_compile(config_ids)
         return
