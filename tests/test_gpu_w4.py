@@ -40,13 +40,15 @@ def test_w4_linear_matches_the_dequantized_reference(shape, num_rows):
         _close(triton_w4.w4_linear(x, weight, bias), expected)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "dot_gemv"])
+@pytest.mark.parametrize("kernel, options", [("gemv", {}), ("dot_gemv", {}), ("dot_gemv", {"asm_decode": True})])
 @pytest.mark.parametrize("split_k", [1, 3, 8])
-def test_w4_gemvs_match_the_reference_with_any_split(kernel, split_k):
+def test_w4_gemvs_match_the_reference_with_any_split(kernel, options, split_k):
+    """Each GEMV (the tensor-core one with either decode) at 1 and 5 rows, split in 1, 3 or 8 parts."""
     weight = _weight(4096, 4096, seed=split_k)
-    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
-    expected = F.linear(x.float(), w4_layout.dequantize(weight))
-    _close(getattr(triton_w4, kernel)(x, weight, split_k=split_k), expected)
+    for num_rows in (1, 5) if kernel == "dot_gemv" else (1,):
+        x = torch.randn(num_rows, 4096, device="cuda", dtype=torch.bfloat16)
+        expected = F.linear(x.float(), w4_layout.dequantize(weight))
+        _close(getattr(triton_w4, kernel)(x, weight, split_k=split_k, **options), expected)
 
 
 def test_w4_float32_gemv_is_close_to_exact():
