@@ -22,9 +22,9 @@ messages are ``system`` messages. vLLM's extensions accepted: ``top_k``, ``repet
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from hearth_llm.engine.sampling_params import MAX_LOGPROBS
 
@@ -39,6 +39,26 @@ REFUSED_FIELDS = {
     "verbosity": "verbosity is not supported by this server",
     "best_of": "best_of is not supported; send n",
 }
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which member of :data:`Prompt` a value is, from its first item: a list of 1000 token ids is
+    then checked once as ``list[int]`` (~9 us), not against every member as a plain union is
+    (~77 us, most of it the errors of ``list[str]``). The tags are pydantic's own member names, so
+    an error's location reads as before (``prompt[3]``)."""
+    if not isinstance(value, list):
+        return "str"  # a string, or what should have been one
+    if value and isinstance(value[0], str):
+        return "list[str]"
+    if value and isinstance(value[0], list):
+        return "list[list[int]]"
+    return "list[int]"
+
+
+# A string, strings, token ids or lists of token ids (completions' prompt, embeddings' input).
+Prompt = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")],
+                         Annotated[list[int], Tag("list[int]")], Annotated[list[list[int]], Tag("list[list[int]]")]],
+                   Discriminator(_prompt_kind)]
 
 
 class _Body(BaseModel):
@@ -133,7 +153,7 @@ class CompletionRequest(_OpenAIServiceFields, _SamplingFields):
     """``POST /v1/completions``: a string, strings, token ids or lists of token ids."""
 
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -148,7 +168,7 @@ class EmbeddingRequest(_Body):
     """``POST /v1/embeddings``."""
 
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompt
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None
     user: str | None = None

@@ -335,9 +335,25 @@ def test_a_bad_parameter_is_400_naming_it(http, fields, param):
     ({"model": "default", "prompt": "Hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     ({"model": "default", "prompt": [[10**9]]}, "prompt"),          # not in the vocabulary
     ({"model": "default", "prompt": "Hi", "max_tokens": 9000}, "max_tokens"),
+    ({"model": "default", "prompt": [5, "Hi"]}, "prompt"),          # token ids and text mixed
+    ({"model": "default", "prompt": [[5], "Hi"]}, "prompt"),
+    ({"model": "default", "prompt": 5}, "prompt"),
 ])
 def test_a_bad_completion_parameter_is_400_naming_it(http, body, param):
     assert error_of(http.post("/v1/completions", json=body), 400)["param"] == param
+
+
+def test_each_prompt_form_is_read_as_itself_and_a_mixed_list_names_its_item():
+    from pydantic import ValidationError
+
+    from hearth_llm.server.app import validation_error
+    from hearth_llm.server.protocol import CompletionRequest
+
+    for prompt in ("Hi", ["Hi", "there"], list(range(1000)), [[1, 2], [3]], []):
+        assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompt == prompt
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, "three"]})
+    assert validation_error(raised.value.errors()).message == "prompt[2]: Input should be a valid integer"
 
 
 def test_malformed_json_and_non_objects_are_400(http):
