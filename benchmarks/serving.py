@@ -401,7 +401,8 @@ def free_port() -> int:
 
 
 def ours_name(engine_core: str | None) -> str:
-    """``hearth-http`` (the default thread core), ``hearth-http-process``, ``hearth-http-si0.5ms`` (the
+    """``hearth-http`` (``hearth-llm serve`` as it runs by default: the process core on CUDA, the thread
+    core on the CPU; or ``--engine-core thread``), ``hearth-http-process``, ``hearth-http-si0.5ms`` (the
     thread core with ``--switch-interval 0.0005``)."""
     core, _, interval = (engine_core or "thread").partition("@")
     name = "hearth-http" if core == "thread" else f"hearth-http-{core}"
@@ -409,7 +410,7 @@ def ours_name(engine_core: str | None) -> str:
 
 
 def ours_flags(engine_core: str | None) -> list[str]:
-    """``hearth-llm serve`` flags of an ``--engine-core`` value."""
+    """``hearth-llm serve`` flags of an ``--engine-core`` value (none: the server's default)."""
     if engine_core is None:
         return []
     core, _, interval = engine_core.partition("@")

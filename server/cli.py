@@ -55,8 +55,9 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-waiting-requests", type=int, default=None,
                         help="queue bound; past it requests get 503 with Retry-After")
     engine.add_argument("--engine-core", choices=("thread", "process"), default=None,
-                        help="where the engine loop runs: a thread of the server (default) or its own process, "
-                             "so the HTTP event loop and the engine do not share one interpreter lock")
+                        help="where the engine loop runs: its own process (the default on CUDA: the HTTP event "
+                             "loop and the engine then do not share one interpreter lock) or a thread of the "
+                             "server (the default on the CPU, where a second process competes for its cores)")
     parser.set_defaults(run=run_serve)
 
 
@@ -77,7 +78,19 @@ def serve_kwargs(args: argparse.Namespace) -> dict:
     if args.max_body_bytes is not None:
         kwargs["max_body_bytes"] = args.max_body_bytes
     kwargs.update({name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None})
+    if args.engine_core is None and _serves_on_cuda(args):
+        kwargs["engine_core"] = "process"
     return kwargs
+
+
+def _serves_on_cuda(args: argparse.Namespace) -> bool:
+    """Whether the engine would run on a GPU (``--device`` or, for ``auto``, one is there)."""
+    device = args.device or "auto"
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def api_keys(args: argparse.Namespace) -> list | None:

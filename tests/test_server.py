@@ -503,8 +503,12 @@ def test_the_serve_command_reads_its_options_and_the_key_from_the_environment(mo
     assert kwargs["api_key"] == ["sk-env"] and kwargs["embedding_model"] is None and kwargs["max_num_seqs"] == 8
     args = parser.parse_args(["serve", "--api-key", "a", "--api-key", "b", "--host", "0.0.0.0"])
     assert serve_kwargs(args)["api_key"] == ["a", "b"] and serve_kwargs(args)["host"] == "0.0.0.0"
-    assert "engine_core" not in serve_kwargs(args)  # the engine's own default
+    assert "engine_core" not in serve_kwargs(parser.parse_args(["serve", "--device", "cpu"]))  # the engine's own
     assert serve_kwargs(parser.parse_args(["serve", "--engine-core", "process"]))["engine_core"] == "process"
+    # on a GPU the engine loop gets its own process unless told otherwise
+    assert serve_kwargs(parser.parse_args(["serve", "--device", "cuda"]))["engine_core"] == "process"
+    assert serve_kwargs(parser.parse_args(["serve", "--device", "cuda:1", "--engine-core", "thread"]))[
+        "engine_core"] == "thread"
 
 
 def test_a_server_over_an_engine_core_in_its_own_process_streams_the_same_tokens():
