@@ -31,17 +31,20 @@ ENABLED = True
 # norm or SwiGLU launch saved (H200, one row, µs in CUDA graphs: Llama-3-8B gate_up 28672x4096
 # 63.6 fused against 58.5 for RMSNorm + cuBLAS, down 4096x14336 34.0 against 33.5; at and below
 # 6144x4096 the GEMV wins: qkv 16.3 against 19.1, o_proj 10.8 against 13.5; Qwen3-0.6B's all win).
+# The SwiGLU-epilogue MLP (:data:`SWIGLU_EPILOGUE`) takes weights of any size.
 MAX_WEIGHT_NUMEL = 1 << 25
 # o_proj by the Triton GEMV too (no prologue to fuse: it simply beats cuBLAS at one row, Qwen3-0.6B's
 # 1024x2048 3.4 µs against 12.7, which runs it at 331 GB/s).
 PLAIN_GEMV = True
 # SwiGLU as gate_up's epilogue (the matmul writes silu(gate) * up; down_proj is then a plain GEMV),
-# instead of down_proj's prologue, which re-reads the whole gate_up row in every program (off until
-# the H200 says; benchmarks/bs1_decode.py times both).
-SWIGLU_EPILOGUE = False
-# The LM head by the Triton GEMV too, for one row (off until the H200 says it beats cuBLAS on the
-# vocabulary-wide weight: benchmarks/bs1_decode.py times both).
-LM_HEAD_GEMV = False
+# instead of down_proj's prologue, which re-reads the whole gate_up row in every program; for dense
+# layers of any size (H200 round 1, 2026-12-02, decode graph with PDL: Llama-3-8B 4.068 ms against
+# 4.094 with gate_up/down on cuBLAS and 4.491 with them on the prologue GEMVs; Qwen3-0.6B 0.685
+# against 0.725; `python -m hearth_llm.benchmarks.bs1_decode --parts engine`).
+SWIGLU_EPILOGUE = True
+# The LM head by the Triton GEMV too, for one row (H200 round 1, PDL on: Llama-3-8B's 1.05 GB in
+# 233.5 µs, 4.50 TB/s, against cuBLAS's 243.3; Qwen3-0.6B's 0.31 GB 77.0 against 75.4).
+LM_HEAD_GEMV = True
 # Devices whose tensors take the fused kernels; tests add "cpu" to run them in the Triton interpreter.
 DEVICE_TYPES = frozenset({"cuda"})
 
@@ -70,6 +73,13 @@ def dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
         weight_for = getattr(layer.method, "fused_decode_weight", None)
         return None if weight_for is None else _usable(weight_for(layer, x), x, MAX_WEIGHT_NUMEL)
     return _usable(getattr(layer, "weight", None), x, MAX_WEIGHT_NUMEL)
+
+
+def _plain_dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """A DENSE layer's weight for the SwiGLU-epilogue MLP: as :func:`dense_weight`, of any size."""
+    if not _takes_gemv(x) or layer.bias is not None or layer.parallel.size != 1:
+        return None
+    return _usable(getattr(layer, "weight", None), x, float("inf"))
 
 
 def _finished(layer, out: torch.Tensor) -> torch.Tensor:
@@ -106,8 +116,10 @@ def norm_and_mlp(norm, mlp, x: torch.Tensor, residual: torch.Tensor | None):
     and :func:`act_and_down`."""
     from .norms import RMSNorm
 
-    if SWIGLU_EPILOGUE and type(norm) is RMSNorm and mlp.act_and_mul is kernels.silu_and_mul:
-        gate_up_weight, down_weight = dense_weight(mlp.gate_up_proj, x), dense_weight(mlp.down_proj, x)
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if (SWIGLU_EPILOGUE and type(norm) is RMSNorm and mlp.act_and_mul is kernels.silu_and_mul
+            and gate_up.method is DENSE and down.method is DENSE):  # not a wrapper's stacked weight (LoRA)
+        gate_up_weight, down_weight = _plain_dense_weight(gate_up, x), _plain_dense_weight(down, x)
         if gate_up_weight is not None and down_weight is not None:
             act, residual = _gemv().rms_norm_linear_silu_and_mul(x, residual, norm.weight, norm.eps, gate_up_weight)
             return _gemv().linear(act, down_weight), residual
