@@ -32,11 +32,21 @@ PROJECTIONS = {
     "llama3-8b": [("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "norm"),
                   ("down", 4096, 14336, "silu"), ("lm_head", 128256, 4096, "plain")],
 }
+# The projections as the default decode path runs them (SwiGLU as gate_up's epilogue, down_proj a
+# plain GEMV), for --sweep-set decode.
+DECODE_PROJECTIONS = {
+    "qwen3-0.6b": [("qkv", 4096, 1024, "norm"), ("o", 1024, 2048, "plain"), ("gate_up", 6144, 1024, "gated"),
+                   ("down", 1024, 3072, "plain")],
+    "llama3-8b": [("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "plain"), ("gate_up", 28672, 4096, "gated"),
+                  ("down", 4096, 14336, "plain")],
+}
 # A few launches per prologue for a short sweep (--quick-sweep), besides the default:
 # (outputs a program, K tile, warps, prefetch the next K tile).
 QUICK_LAUNCHES = {"norm": [(16, 1024, 4, False), (8, 512, 4, True), (16, 512, 4, False), (4, 1024, 4, True)],
                   "silu": [(8, 1024, 4, False), (8, 1024, 4, True), (16, 512, 4, False), (4, 1024, 4, True)],
-                  "plain": [(4, 1024, 4, True), (2, 1024, 4, True), (4, 512, 4, False), (8, 512, 4, True)]}
+                  "plain": [(4, 1024, 4, True), (2, 1024, 4, True), (4, 512, 4, False), (8, 512, 4, True)],
+                  "gated": [(2, 1024, 4, False), (4, 512, 4, False), (8, 512, 4, False), (2, 1024, 4, True),
+                            (8, 1024, 8, False)]}
 LAUNCHES = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 8), (2, 1024, 4),
             (32, 256, 4), (8, 256, 4), (32, 512, 8), (16, 256, 4), (4, 2048, 8), (16, 1024, 4)]
 
@@ -98,7 +108,7 @@ def _launch_name(launch) -> str:
 
 
 def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool = False,
-          shapes: list[str] | None = None) -> dict:
+          shapes: list[str] | None = None, projection_set: dict | None = None) -> dict:
     """µs per call: cuBLAS, unfused pair, fused over LAUNCHES (QUICK_LAUNCHES when ``quick``) with
     programmatic dependent launch, and the default launch without it; returns the best launch per
     projection. Consecutive calls in the graph are GEMVs of the same shape, so PDL's overlap of one
@@ -106,7 +116,7 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool
     best = {}
     if _DEFAULT_LAUNCH is not None:  # an engine variant may have left its own in place
         gemv.default_launch = _DEFAULT_LAUNCH
-    for shape, projections in PROJECTIONS.items():
+    for shape, projections in (projection_set or PROJECTIONS).items():
         if shapes is not None and shape not in shapes:
             continue
         for name, outputs, reduction, prologue in projections:
@@ -128,11 +138,17 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool
             elif prologue == "silu":
                 unfused = graph_us(lambda i: (lambda: F.linear(activation_kernels.silu_and_mul(gate_up), weights[i])),
                                    copies)
+            elif prologue == "gated":  # RMSNorm, cuBLAS, SwiGLU: three launches
+                unfused = graph_us(lambda i: (lambda: activation_kernels.silu_and_mul(F.linear(
+                    norm_kernels.rms_norm(x, norm_weight, 1e-6, residual)[0], weights[i]))), copies)
             else:
                 unfused = cublas
             results = []
-            default = gemv.default_launch(outputs, reduction, {"norm": gemv.RMS_NORM, "silu": gemv.SILU_AND_MUL,
-                                                               "plain": gemv.PLAIN}[prologue])
+            if prologue == "gated":
+                default = gemv.default_launch(outputs // 2, reduction, gemv.RMS_NORM, True)
+            else:
+                default = gemv.default_launch(outputs, reduction, {"norm": gemv.RMS_NORM, "silu": gemv.SILU_AND_MUL,
+                                                                   "plain": gemv.PLAIN}[prologue])
             tiles = QUICK_LAUNCHES[prologue] if quick else LAUNCHES
             launches = {gemv.GemvLaunch(tile[0], min(tile[1], 1 << (reduction - 1).bit_length()), *tile[2:])
                         for tile in tiles}
@@ -147,6 +163,10 @@ def sweep(gemv, norm_kernels, activation_kernels, budget_end: float, quick: bool
                 elif prologue == "silu":
                     def make(i, launch=launch):
                         return lambda: gemv.silu_and_mul_linear(gate_up, weights[i], launch)
+                elif prologue == "gated":
+                    def make(i, launch=launch):
+                        return lambda: gemv.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-6, weights[i],
+                                                                         launch)
                 else:
                     def make(i, launch=launch):
                         return lambda: gemv.linear(x, weights[i], launch)
@@ -512,16 +532,100 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
         torch.cuda.empty_cache()
 
 
+def host_part(shapes: list[str], results: dict, num_steps: int = 200, repeats: int = 5) -> None:
+    """Where the host's time of a bs1 step goes (each shape at its default settings): ms/token
+    ``repeats`` times (its spread), host µs per step in each piece of the step (timers around
+    ``_prepare_inputs``, the graph's input copies and replay, the LM head, the sampler, the update),
+    then a cProfile of ``num_steps`` steps by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from .throughput import ours_bs1_ms_per_token
+
+    for shape in shapes:
+        engine = build_engine(shape)
+        runs = [ours_bs1_ms_per_token(engine, num_tokens=64) for _ in range(repeats)]
+        results[f"{shape}.host.bs1_ms_runs"] = runs
+        say(f"host {shape}: bs1 ms/token over {repeats} runs: {' '.join(f'{ms:.3f}' for ms in runs)}")
+        spent: dict[str, float] = {}
+        patched = []
+
+        def timed(owner, name, label):
+            original = getattr(owner, name)
+            was_own = name in getattr(owner, "__dict__", {})
+
+            def wrapper(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+
+            setattr(owner, name, wrapper)
+            patched.append((owner, name, original, was_own))
+
+        runner = engine.runner
+        graphs = runner.decode_graphs
+        timed(runner, "_prepare_inputs", "runner._prepare_inputs")
+        timed(runner, "run", "runner.run (all)")
+        if graphs is not None:
+            timed(graphs, "run", "graphs.run (copies + replay)")
+            timed(graphs.graphs[1], "replay", "graph.replay")
+        timed(runner.model, "compute_logits", "compute_logits")
+        timed(engine, "sampler", "sampler")
+        timed(engine, "_update", "engine._update (waits + accept)")
+        timed(engine.scheduler, "schedule", "scheduler.schedule")
+        from hearth_llm.engine.sampling_params import SamplingParams
+
+        engine.add_request(list(range(100, 132)), SamplingParams(temperature=0, max_tokens=2 * num_steps + 8,
+                                                                ignore_eos=True, detokenize=False))
+        for _ in range(4):
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        spent.clear()
+        started = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        wall = time.perf_counter() - started
+        for owner, name, original, was_own in reversed(patched):
+            if was_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        say(f"host {shape}: {wall * 1e3 / num_steps:.3f} ms/step over {num_steps} steps; host us per step:")
+        for label, seconds in sorted(spent.items(), key=lambda item: -item[1]):
+            say(f"  {seconds * 1e6 / num_steps:8.1f} us  {label}")
+        results[f"{shape}.host.us_per_step"] = {label: seconds * 1e6 / num_steps for label, seconds in spent.items()}
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(num_steps):
+            engine.step()
+        profiler.disable()
+        summary = io.StringIO()
+        pstats.Stats(profiler, stream=summary).sort_stats("tottime").print_stats(30)
+        for line in summary.getvalue().splitlines()[6:40]:
+            if line.strip():
+                say("  " + line[:150])
+        while engine.has_unfinished_requests():
+            engine.step()
+        del engine
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "sweep", "flash"],
-                        choices=["check", "attention", "sweep", "engine", "flash"])
+                        choices=["check", "attention", "sweep", "engine", "flash", "host"])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help="engine variants (see VARIANTS)")
     parser.add_argument("--budget-s", type=float, default=80.0, help="stop starting new measurements after this")
     parser.add_argument("--sweep-budget-s", type=float, default=None, help="when the sweep stops (default: budget)")
     parser.add_argument("--quick-sweep", action="store_true", help="a few launches per projection (QUICK_LAUNCHES)")
     parser.add_argument("--sweep-shapes", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
+    parser.add_argument("--sweep-set", choices=["unfused-pairs", "decode"], default="unfused-pairs",
+                        help="decode: the projections as the default decode path runs them (DECODE_PROJECTIONS)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from hearth_llm.kernels.activation import triton_activation
@@ -561,7 +665,10 @@ def run_part(part, args, results, budget_end, triton_gemv, reference, triton_nor
     elif part == "sweep":
         sweep_end = STARTED + (args.sweep_budget_s or args.budget_s)
         results["sweep"] = sweep(triton_gemv, triton_norm, triton_activation, min(sweep_end, budget_end),
-                                 args.quick_sweep, args.sweep_shapes)
+                                 args.quick_sweep, args.sweep_shapes,
+                                 DECODE_PROJECTIONS if args.sweep_set == "decode" else None)
+    elif part == "host":
+        host_part(args.shapes, results)
     else:
         engine_part(args.shapes, args.variants, budget_end, results)
 
