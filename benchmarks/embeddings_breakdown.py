@@ -30,8 +30,8 @@ from hearth_llm.embeddings.bert import PackedLayout, packed_attention
 
 BATCH_TOKENS_SWEEP = (4096, 8192, 16384, 32768)
 BATCH_TOKENS_SWEEP_PASSAGES = 3000
-KERNEL_KINDS = (("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")),
-                ("attention", ("flash", "fmha", "attention", "cudnn")),
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),     # flash names cutlass types
+                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")),
                 ("norm", ("norm",)), ("gelu", ("gelu",)),
                 ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")),
                 ("elementwise", ("elementwise", "add", "mul", "vectorized", "reduce", "embedding", "fill")))

@@ -153,12 +153,18 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def packed_attention(qkv: torch.Tensor, layout: PackedLayout, num_heads: int) -> torch.Tensor:
-    """``[num_tokens, 3 * width]`` packed query, key and value → ``[num_tokens, width]``: one
-    variable-length flash attention over all texts where :func:`~.varlen_attention.can_run`
-    allows it, else one unmasked attention per run of equal-length texts."""
+    """``[num_tokens, 3 * width]`` packed query, key and value → ``[num_tokens, width]``: where
+    :func:`~.varlen_attention.can_run` allows it, one cuDNN attention over texts that all have one
+    length or one variable-length flash attention over all texts; else one unmasked attention per
+    run of equal-length texts."""
     width = qkv.shape[1] // 3
     head_dim = width // num_heads
     if layout.cu_seqlens is not None and varlen_attention.can_run(qkv, head_dim):
+        if len(layout.runs) == 1:
+            _, num_texts, length = layout.runs[0]
+            out = varlen_attention.attend_equal_lengths(qkv, num_texts, length, num_heads)
+            if out is not None:
+                return out
         query, key, value = qkv.view(-1, 3, num_heads, head_dim).unbind(1)
         out = varlen_attention.attend(query, key, value, layout.cu_seqlens, layout.length)
         if out is not None:

@@ -91,6 +91,20 @@ def test_varlen_flash_attention_matches_attention_per_run(dtype):
     assert (fast.float() - per_run.float()).abs().max().item() <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cudnn_attention_over_texts_of_one_length_matches_attention_per_run(dtype):
+    torch.manual_seed(0)
+    heads, head_dim, lengths = 4, 64, [48] * 5          # one run: the cuDNN path
+    qkv = torch.randn(sum(lengths), 3 * heads * head_dim, device="cuda", dtype=dtype)
+    layout = PackedLayout.from_lengths(lengths, torch.device("cuda"))
+    assert layout.runs == [(0, 5, 48)]
+    fast = varlen_attention.attend_equal_lengths(qkv, 5, 48, heads)
+    assert fast is not None, "cuDNN attention refused the call"
+    assert torch.equal(packed_attention(qkv, layout, heads), fast)
+    per_run = packed_attention(qkv, dataclasses.replace(layout, cu_seqlens=None), heads)
+    assert (fast.float() - per_run.float()).abs().max().item() <= 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_add_and_norm_on_cuda_is_the_two_torch_ops_to_rounding(dtype):
     from hearth_llm.embeddings.bert import add_and_norm
