@@ -87,7 +87,7 @@ class ServerState:
         queue is at ``max_queued_requests``, 429 when its key is over a quota; then wait until
         the key is within its ``rate_limit``. The quota headers go out with the response."""
         if uses_chat_engine:
-            self._check_queue()
+            await self._check_queue()
         try:
             request.state.response_headers = self.quotas.admit(request.state.tenant)
         except QuotaExceededError as error:
@@ -115,11 +115,13 @@ class ServerState:
         if usage is not None:
             request.state.log.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
 
-    def _check_queue(self) -> None:
+    async def _check_queue(self) -> None:
         bound = self.settings.max_queued_requests
         if bound is None:
             return
-        stats = self.core.stats()  # waiting as of the engine's last step, plus requests added since
+        # waiting as of the engine's last step, plus requests added since; a child-process core
+        # answers over its pipe (between two of its steps), so not on the event loop
+        stats = await asyncio.to_thread(self.core.stats) if self.adds_can_block else self.core.stats()
         num_waiting = stats.get("num_waiting", 0) + stats.get("num_queued", 0)
         if num_waiting >= bound:
             raise APIError(503, f"{num_waiting} sequences are waiting for the engine, this server's "

@@ -176,8 +176,9 @@ def test_a_stream_the_client_leaves_is_charged_the_tokens_it_was_sent(tiny_model
 
 # ---- the queue bound ---------------------------------------------------------------------------------------
 
-def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(tiny_model):
-    core = get_engine(tiny_model, **TINY)
+@pytest.mark.parametrize("engine_core", ["thread", "process"])  # a process core counts in its child
+def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(tiny_model, engine_core):
+    core = get_engine(tiny_model, engine_core=engine_core, **TINY)
 
     def num_waiting() -> int:
         stats = core.stats()
@@ -189,7 +190,8 @@ def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(t
             assert time.monotonic() < deadline, core.stats()
             await asyncio.sleep(0.01)
 
-    with start_server(tiny_model, max_queued_requests=1, embedding_model=None, **TINY) as running:
+    with start_server(tiny_model, max_queued_requests=1, embedding_model=None, engine_core=engine_core,
+                      **TINY) as running:
         async def run() -> httpx.Response:
             async with httpx.AsyncClient(base_url=running.url, timeout=30) as session:
                 async def hold() -> None:  # a stream that runs until it is cancelled
@@ -214,11 +216,11 @@ def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(t
                     await asyncio.gather(*holders, return_exceptions=True)
 
         refused = asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while (stats := core.stats())["num_free_blocks"] != stats["num_total_blocks"] or stats["num_running"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.02)
     assert refused.status_code == 503, refused.text
     error = refused.json()["error"]
     assert error["code"] == "engine_overloaded" and "max_queued_requests=1" in error["message"]
     assert refused.headers["retry-after"] == "1"
-    deadline = time.monotonic() + 10
-    while (stats := core.stats())["num_free_blocks"] != stats["num_total_blocks"] or stats["num_running"]:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.02)
