@@ -9,6 +9,7 @@ then the reranker row: ``EmbeddingEngine.score`` against sentence-transformers' 
 On a GPU (for the H200; the passages row runs alone):
 
     hearth-llm bench embeddings --passages --device cuda --dtype bfloat16       # bge-m3 shape, 10k × 256 tokens
+    hearth-llm bench embeddings --passages --device cuda --st-batch-sizes 256,512,1024 --breakdown
     hearth-llm bench embeddings --passages --device cpu --shape tiny --num-passages 64   # a dry run
     hearth-llm bench embeddings --passages --device cuda --shape qwen3-embedding-0.6b   # a decoder embedder
     hearth-llm bench embeddings --llm-rerank --device cuda --shape qwen3-embedding-0.6b # Qwen3-Reranker shape
@@ -17,7 +18,13 @@ The passages row writes a random encoder of bge-m3's shape (XLM-RoBERTa, 24 laye
 CLS pooling, Normalize; the bundled MiniLM tokenizer, which is all the text needs, or where that
 package is not installed a WordPiece tokenizer over made-up words built here) as a
 sentence-transformers directory and embeds ``--num-passages`` passages of ``--passage-tokens``
-tokens with our engine and with sentence-transformers on the same device in the same run. The
+tokens with our engine and with sentence-transformers on the same device in the same run (every
+passage reaches the limit, both sides cut it there; ``--mixed-lengths`` is the older mix of 62-256).
+sentence-transformers runs as its docs say to on a GPU: the model in bf16/fp16 through
+``model_kwargs``, transformers' SDPA attention (flash-attn is not installed on the H200 box), outputs
+left on the device; ``--st-batch-sizes`` times it at each batch size and compares against its
+fastest. ``--breakdown`` says where our time goes (benchmarks/embeddings_breakdown.py): the device
+alone, the GEMMs alone (the ceiling they set), each op of a layer, a kernel profile. The
 ``qwen3-embedding-*`` shapes are decoders (Qwen3, last-token pooling, Normalize) that our engine
 runs on the LLM engine's model code (``hearth_llm.engine.pooling``). ``--llm-rerank`` scores
 (query, document) pairs with such a decoder as an LLM reranker (Qwen3-Reranker's prompt, P("yes"))
