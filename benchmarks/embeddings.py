@@ -300,7 +300,7 @@ def write_passage_encoder(path: str, shape: str, device: str = "cpu", dtype: tor
 
 
 PASSAGES_WARM_UP = 1000   # passages each side embeds before timing, spread over every length
-ST_SWEEP_PASSAGES = 1000  # passages each of sentence-transformers' candidate batch sizes embeds
+ST_SWEEP_PASSAGES = 2048  # passages each of sentence-transformers' candidate batch sizes embeds
 
 
 def make_passages(count: int, passage_tokens: int, mixed_lengths: bool = False) -> list[str]:
