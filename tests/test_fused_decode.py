@@ -190,3 +190,40 @@ def test_lm_head_takes_the_gemv_only_when_asked_and_plain(monkeypatch):
     fused_decode.lm_head(head, torch.randn(2, 16, device=DEVICE))  # two rows: cuBLAS reads the head once for both
     fused_decode.lm_head(torch.nn.Linear(16, 40).to(DEVICE), hidden)  # a bias: its own forward
     assert len(calls) == 1
+
+
+def test_a_methods_own_fused_kernels_run_first_and_may_decline(monkeypatch):
+    """FP8's hooks: norm_and_linear / act_and_down call the method's fused kernel for one row and take
+    the unfused path when it declines (returns None)."""
+    from hearth_llm import kernels
+    from hearth_llm.engine.models.linear import ColumnLinear
+    from hearth_llm.engine.models.mlp import GatedMLP
+    from hearth_llm.engine.models.norms import RMSNorm
+
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({"cpu"}))
+    calls = []
+
+    class Hooked(type(ColumnLinear(4, 4).method)):
+        def __init__(self, answer):
+            self.answer = answer
+
+        def fused_rms_norm_linear(self, layer, x, residual, norm_weight, eps):
+            calls.append("norm")
+            return self.answer
+
+        def fused_silu_and_mul_linear(self, layer, x):
+            calls.append("silu")
+            return None if self.answer is None else self.answer[0]
+
+    norm, layer, x = RMSNorm(16, 1e-6), ColumnLinear(16, 8), torch.randn(1, 16)
+    answer = (torch.zeros(1, 8), x)
+    layer.method = Hooked(answer)
+    assert fused_decode.norm_and_linear(norm, x, None, layer) is answer
+    layer.method = Hooked(None)  # declines: the unfused ops
+    out, residual = fused_decode.norm_and_linear(norm, x, None, layer)
+    torch.testing.assert_close(out, reference.linear(norm(x), layer.weight))
+    mlp = GatedMLP(16, 8)
+    mlp.down_proj.method = Hooked(answer)
+    assert mlp.act_and_mul is kernels.silu_and_mul
+    assert fused_decode.act_and_down(mlp, torch.randn(1, 16)) is answer[0]
+    assert calls == ["norm", "norm", "silu"]

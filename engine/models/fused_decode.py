@@ -6,7 +6,8 @@ A one-row step reads every weight once and is otherwise bound by its ~10 launche
 Triton GEMV that recomputes the norm (or the activation) of its one row in every program replaces
 two kernels by one. It applies only where the result is the unfused one's: a dense weight
 (``DENSE`` method, or a wrapper that names one and finishes the product, LoRA's ``fused_decode_weight``
-and ``finish_fused_decode``; no quantization), no bias, a single process, CUDA
+and ``finish_fused_decode``; a quantized method may bring its own fused kernels instead, FP8's
+``fused_rms_norm_linear`` and ``fused_silu_and_mul_linear``), no bias, a single process, CUDA
 tensors, at most :data:`MAX_ROWS` rows; and where it is faster, a weight of at most
 :data:`MAX_WEIGHT_NUMEL` elements. Everything else takes the unfused ops, which are also the
 reference (``kernels/gemv/reference.py``).
@@ -82,6 +83,14 @@ def _plain_dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
     return _usable(getattr(layer, "weight", None), x, float("inf"))
 
 
+def _method_fusion(layer, name: str, *args):
+    """A quantized method's own one-row kernel with the op before the matmul fused in (FP8's
+    ``fused_rms_norm_linear`` / ``fused_silu_and_mul_linear``): its result, or None where the
+    method has none or declines this call."""
+    fuse = getattr(layer.method, name, None)
+    return None if fuse is None else fuse(layer, *args)
+
+
 def _finished(layer, out: torch.Tensor) -> torch.Tensor:
     """The layer's output from the GEMV's product (a wrapper's weight may carry extra rows: LoRA's shrink)."""
     finish = getattr(layer.method, "finish_fused_decode", None)
@@ -92,6 +101,10 @@ def norm_and_linear(norm, x: torch.Tensor, residual: torch.Tensor | None, layer)
     """``(layer(norm(x + residual)), x + residual)``; ``norm`` an RMSNorm (LayerNorms run unfused)."""
     from .norms import RMSNorm
 
+    if type(norm) is RMSNorm and _takes_gemv(x):
+        fused = _method_fusion(layer, "fused_rms_norm_linear", x, residual, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
     weight = dense_weight(layer, x) if type(norm) is RMSNorm else None
     if weight is not None:
         out, summed = _gemv().rms_norm_linear(x, residual, norm.weight, norm.eps, weight)
@@ -104,6 +117,10 @@ def norm_and_linear(norm, x: torch.Tensor, residual: torch.Tensor | None, layer)
 
 def act_and_down(mlp, gate_up: torch.Tensor) -> torch.Tensor:
     """``mlp.down_proj(mlp.act_and_mul(gate_up))`` for a GatedMLP; SwiGLU fused into the matmul."""
+    if mlp.act_and_mul is kernels.silu_and_mul and _takes_gemv(gate_up):
+        fused = _method_fusion(mlp.down_proj, "fused_silu_and_mul_linear", gate_up)
+        if fused is not None:
+            return fused
     weight = dense_weight(mlp.down_proj, gate_up) if mlp.act_and_mul is kernels.silu_and_mul else None
     if weight is not None:
         return _finished(mlp.down_proj, _gemv().silu_and_mul_linear(gate_up, weight))
