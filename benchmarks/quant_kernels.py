@@ -96,14 +96,18 @@ def bench_fp8(rows, configs) -> None:
             base = bf16_us(n, k, m)
             results = {"bf16": base}
             results["quant+scaled_mm"] = graphed_us(
-                [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0) for c in copies])
+                [lambda c=c: triton_fp8.fp8_linear(
+                    x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0, codes_gemm_max_rows=0)
+                 for c in copies])
             if triton_fp8.DOT_MAX_ROWS < m <= 128:  # the codes GEMM (off by default) against _scaled_mm
                 results["quant+codes gemm"] = graphed_us([lambda c=c: triton_fp8.codes_gemm(
                     *triton_fp8.quantize_rows(x), c[0], c[1]) for c in copies])
             if m > 16:  # the quantizer's old IEEE division per element, for the A/B
                 triton_fp8.QUANTIZE_RECIP = False
                 results["quant(div)+scaled_mm"] = graphed_us(
-                    [lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0) for c in copies])
+                    [lambda c=c: triton_fp8.fp8_linear(
+                    x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0, codes_gemm_max_rows=0)
+                 for c in copies])
                 triton_fp8.QUANTIZE_RECIP = True
             if m <= triton_fp8.DOT_MAX_ROWS:
                 results["default"] = graphed_us([lambda c=c: triton_fp8.fp8_linear(x, c[0], c[1]) for c in copies])
@@ -226,13 +230,14 @@ def bench_small_m(rows=(32,), limit_s: float = 1e9) -> None:
             copies = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies_for(n * k) - 1)]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             results = {"scaled_mm": graphed_us([lambda c=c: triton_fp8.fp8_linear(
-                x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0) for c in copies]),
+                x, c[0], c[1], gemv_max_rows=0, dot_max_rows=0, codes_gemm_max_rows=0) for c in copies]),
                        "codes gemm": graphed_us([lambda c=c: triton_fp8.codes_gemm(
                            *triton_fp8.quantize_rows(x), c[0], c[1]) for c in copies])}
             for label, us in results.items():
                 totals[(m, label)] = totals.get((m, label), 0.0) + us
             print(f"FP8 small-M M={m} {name:7} " + " | ".join(
-                f"quant+{label} {us:.1f} us ({n * k / us / 1e3:.0f} GB/s)" for label, us in results.items()), flush=True)
+                f"quant+{label} {us:.1f} us ({n * k / us / 1e3:.0f} GB/s)" for label, us in results.items()),
+                flush=True)
         print(f"FP8 small-M M={m} layer sum: " + " | ".join(
             f"quant+{label} {v:.1f} us" for (mm, label), v in totals.items() if mm == m), flush=True)
 
@@ -333,7 +338,8 @@ def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["w4", "fp8", "check", "fp8-row", "check-fp8-row", "fp8-small-m", "fp8-round"], required=True)
+    parser.add_argument("--part", required=True, choices=["w4", "fp8", "check", "fp8-row", "check-fp8-row",
+                                                          "fp8-small-m", "fp8-round"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="*", default=None,
                         help="w4: BN,GPI,WARPS,SPLIT[,PREFETCH[,J4]]; fp8 (tensor-core GEMV): "

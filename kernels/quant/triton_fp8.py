@@ -17,9 +17,12 @@ weight with per-output-row scales, and ``out = (x_codes @ W_codes.T) * x_scale *
   (:func:`rms_norm_linear`) or SwiGLU (:func:`silu_and_mul_linear`). The row is quantized as a
   vector (not as 16 padded rows), only the first of the MMA's 16 columns is live, and split-K
   reduces one float32 per output. Per-shape tiles: :data:`ROW_LAUNCHES`.
+- :func:`codes_gemm` — rows quantized by :func:`quantize_rows`, then the same swapped-operand MMA
+  on both e4m3 operands straight from memory, for decode batches of a few dozen rows.
 - The old GEMV of pre-quantized codes (``_fp8_gemv_kernel``) and ``torch._scaled_mm``
   (cuBLASLt row-wise), which wins once the step is compute-bound.
-``fp8_linear`` picks by the number of rows (1: ``row_gemv``, then ``DOT_MAX_ROWS``, ``GEMV_MAX_ROWS``).
+``fp8_linear`` picks by the number of rows (1: ``row_gemv``, up to ``DOT_MAX_ROWS``: ``dot_gemv``,
+up to ``CODES_GEMM_MAX_ROWS``: ``codes_gemm``, then ``_scaled_mm``).
 
 >>> out = fp8_linear(x.cuda(), weight_fp8.cuda(), weight_scale.cuda())  # ≈ fp8.fp8_linear_reference(...)
 """
@@ -261,24 +264,33 @@ class RowLaunch:
 
 
 # Launches by weight shape (N, K); others take :func:`row_launch`'s rule. The Llama-3-8B shapes
-# are the H200 sweep's (benchmarks/quant_kernels.py --part fp8 --row-sweep).
+# are the H200 round-1 sweep's winners (benchmarks/quant_kernels.py --part fp8-row, CUDA graphs,
+# weights cycling past L2, us at one row; bf16 cuBLAS beside): qkv 10.9 (2.3 TB/s; 11.0-13.9 for
+# the others tried; bf16 16.2), o 8.8 (1.9 TB/s; 9.0-9.2; bf16 13.1), gate_up 31.4 with 128-row
+# tiles of 128 columns (3.7 TB/s; 64-row tiles 33.3-40.3; bf16 55.6), down 20.4 (2.9 TB/s;
+# 20.9-25.9; bf16 31.5): 71.5 a layer against 116.4 for bf16 and 80.9 for the first guesses. The
+# row's prefetch was even (qkv 11.2 either way). In the engine (bs1, 8B): 3.36 ms/token against
+# 3.55 for the several-row GEMV (dot_gemv) that ran one-row steps before, at the first guesses.
 ROW_LAUNCHES: dict[tuple[int, int], RowLaunch] = {
-    (6144, 4096): RowLaunch(64, 512, 4, 3, 2),
-    (4096, 4096): RowLaunch(64, 512, 4, 3, 2),
-    (28672, 4096): RowLaunch(64, 256, 4, 4, 1),
+    (6144, 4096): RowLaunch(64, 256, 4, 4, 4),
+    (4096, 4096): RowLaunch(64, 256, 4, 4, 4),
+    (28672, 4096): RowLaunch(128, 128, 8, 4, 1),
     (4096, 14336): RowLaunch(64, 512, 4, 3, 4),
 }
 
 
 def row_launch(num_rows: int, k: int) -> RowLaunch:
-    """The launch for an ``[num_rows, k]`` weight: the table's, else 64-row tiles with K split so
-    that about two programs run on each of 132 SMs (at most 8 parts of at least 1024 columns)."""
+    """The launch for an ``[num_rows, k]`` weight: the table's, else the sweep's pattern: wide
+    weights (more than DOT_WIDE_N rows) in 128-row, 128-column tiles unsplit; the others in 64-row,
+    256-column tiles with K split so that about two programs run on each of 132 SMs (at most 8
+    parts of at least 1024 columns)."""
     known = ROW_LAUNCHES.get((num_rows, k))
     if known is not None:
         return known
+    if num_rows > DOT_WIDE_N:
+        return RowLaunch(128, 128, 8, 4, 1)
     tiles = triton.cdiv(num_rows, 64)
-    split = max(1, min(8, 264 // tiles, k // 1024))
-    return RowLaunch(64, 256 if num_rows > DOT_WIDE_N else 512, 4, 4 if num_rows > DOT_WIDE_N else 3, split)
+    return RowLaunch(64, 256, 4, 4, max(1, min(8, 264 // tiles, k // 1024)))
 
 
 @triton.jit
@@ -353,7 +365,8 @@ def _fp8_row_gemv_kernel(x_ptr, residual_ptr, norm_ptr, summed_ptr, w_ptr, ws_pt
                                  PROLOGUE=0, HAS_RESIDUAL=HAS_RESIDUAL)
             squares += summed * summed
             if HAS_RESIDUAL:
-                tl.store(summed_ptr + cols, summed.to(summed_ptr.dtype.element_ty), mask=(cols < K) & (tl.zeros_like(cols) + is_writer != 0))
+                writes = (cols < K) & (tl.zeros_like(cols) + is_writer != 0)
+                tl.store(summed_ptr + cols, summed.to(summed_ptr.dtype.element_ty), mask=writes)
         inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     row_max = tl.zeros((PASS_BLOCK,), dtype=tl.float32)
     for start in range(0, K, PASS_BLOCK):
@@ -479,9 +492,12 @@ def silu_and_mul_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale:
 
 
 # Steps of DOT_MAX_ROWS < M <= CODES_GEMM_MAX_ROWS rows: the quantizer, then the swapped-operand
-# tensor-core GEMM of the codes (``codes_gemm``) instead of ``_scaled_mm``; 0 keeps _scaled_mm
-# (off until an H200 A/B says it wins: benchmarks/quant_kernels.py --part fp8 --rows 8 32 64).
-CODES_GEMM_MAX_ROWS = 0
+# tensor-core GEMM of the codes (``codes_gemm``) instead of ``_scaled_mm``; 0 keeps _scaled_mm.
+# H200 round 1, 32 rows, Llama-3-8B layers (quantizer included, us): qkv 16.8 vs 18.1, o 14.2 vs
+# 15.8, gate_up 36.6 vs 49.7, down 29.7 vs 44.3 -> 97.5 a layer vs 127.8 (benchmarks/quant_kernels.py
+# --part fp8-small-m). Measured at 32 rows only; 64 keeps the token tile at most 64 wide, where the
+# step is still a weight read (cuBLAS takes over as it turns compute-bound).
+CODES_GEMM_MAX_ROWS = 64
 
 
 @triton.jit
@@ -522,12 +538,14 @@ def _fp8_codes_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, ws3
             acc = tl.atomic_add(partial, zeros, mask=live, sem="acquire")
             tl.store(partial, zeros, mask=live)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
-            out = acc * tl.load(ws_ptr + n, mask=n < N, other=0.0)[:, None] * tl.load(xs_ptr + t, mask=t < M, other=0.0)[None, :]
+            out = (acc * tl.load(ws_ptr + n, mask=n < N, other=0.0)[:, None]
+                   * tl.load(xs_ptr + t, mask=t < M, other=0.0)[None, :])
             if HAS_BIAS:
                 out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=live)
     else:
-        out = acc * tl.load(ws_ptr + n, mask=n < N, other=0.0)[:, None] * tl.load(xs_ptr + t, mask=t < M, other=0.0)[None, :]
+        out = (acc * tl.load(ws_ptr + n, mask=n < N, other=0.0)[:, None]
+               * tl.load(xs_ptr + t, mask=t < M, other=0.0)[None, :])
         if HAS_BIAS:
             out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=live)
@@ -582,7 +600,7 @@ def quantize_rows(x: torch.Tensor, recip: bool | None = None) -> tuple[torch.Ten
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, *, gemv_max_rows: int = GEMV_MAX_ROWS,
-               dot_max_rows: int = DOT_MAX_ROWS) -> torch.Tensor:
+               dot_max_rows: int = DOT_MAX_ROWS, codes_gemm_max_rows: int | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for CUDA ``x`` ``[M, K]`` and the e4m3 ``weight_fp8`` ``[N, K]`` with
     float32 ``weight_scale`` ``[N]``; the result in ``x``'s dtype (see the module docstring)."""
     if x.dim() != 2 or x.shape[1] != weight_fp8.shape[1]:
@@ -593,7 +611,8 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     if 0 < m <= min(dot_max_rows, 16) and x.shape[1] >= 32:  # tl.dot takes e4m3 K tiles of 32+
         return dot_gemv(x, weight_fp8, weight_scale, bias)
     x_fp8, x_scale = quantize_rows(x)
-    if max(dot_max_rows, 1) < m <= min(CODES_GEMM_MAX_ROWS, 128) and x.shape[1] >= 32:
+    codes_gemm_max_rows = CODES_GEMM_MAX_ROWS if codes_gemm_max_rows is None else codes_gemm_max_rows
+    if max(dot_max_rows, 1) < m <= min(codes_gemm_max_rows, 128) and x.shape[1] >= 32:
         return codes_gemm(x_fp8, x_scale, weight_fp8, weight_scale, bias, x.dtype)
     if m > gemv_max_rows or weight_fp8.numel() > GEMV_MAX_WEIGHTS:
         out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale[:, None],
