@@ -172,36 +172,6 @@ def test_one_row_fp8_gemv_refuses_a_row_of_the_wrong_width_by_name():
         triton_fp8.row_gemv(torch.randn(2, 96), weight_fp8, weight_scale)
 
 
-def test_fp8_method_fuses_a_decode_rows_norm_and_swiglu_like_the_unfused_layers(tiny_llama, monkeypatch):
-    """A tiny Llama quantized at load: the method's fused one-row entry points (what bs1 decode's
-    fused path calls) give the plain one-row GEMV of the unfused op's output, and stay within
-    e4m3 rounding of the unfused layers (the interpreter's float32 -> e4m3 cast is not the
-    quantizer's round-to-nearest-even); more than one row is declined (None)."""
-    from hearth_llm.engine.models.quant import fp8_method
-    from hearth_llm.kernels.quant import triton_fp8
-
-    monkeypatch.setattr(fp8_method, "DEVICE_TYPES", frozenset({"cpu"}))
-    with LLM(str(tiny_llama), dtype="float32", device="cpu", show_progress=False, quantization="fp8") as llm:
-        layer = llm.engine.runner.model.layers[0]
-        norm, qkv, mlp = layer.input_layernorm, layer.self_attn.qkv_proj, layer.mlp
-        generator = torch.Generator().manual_seed(15)
-        hidden = torch.randn(1, norm.weight.shape[0], generator=generator)
-        residual = torch.randn(1, norm.weight.shape[0], generator=generator)
-        out, summed = qkv.method.fused_rms_norm_linear(qkv, hidden, residual, norm.weight, norm.eps)
-        normed, expected_summed = norm(hidden, residual)
-        plain, _ = triton_fp8.row_gemv(normed, qkv.weight_fp8, qkv.weight_scale)
-        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
-        torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
-        unfused = qkv(normed)
-        torch.testing.assert_close(out, unfused, rtol=0.1, atol=0.05 * unfused.abs().max().item())
-        gate_up = mlp.gate_up_proj(normed)
-        down = mlp.down_proj.method.fused_silu_and_mul_linear(mlp.down_proj, gate_up)
-        unfused = mlp.down_proj(mlp.act_and_mul(gate_up))
-        torch.testing.assert_close(down, unfused, rtol=0.1, atol=0.05 * unfused.abs().max().item())
-        assert qkv.method.fused_rms_norm_linear(qkv, hidden.repeat(2, 1), residual.repeat(2, 1), norm.weight,
-                                                norm.eps) is None
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_tiny_model(TINY_CONFIGS["llama"](), tmp_path_factory.mktemp("fp8") / "llama")

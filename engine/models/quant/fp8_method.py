@@ -50,38 +50,6 @@ class Fp8LinearMethod(LinearMethod):
         out = linear(flat, Fp8Weight(layer.weight_fp8, layer.weight_scale), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    # Batch-size-1 decode with the op before the matmul fused in (``triton_fp8.row_gemv``), for
-    # ``engine/models/fused_decode.py``: each returns None where it does not apply (more than one
-    # row, not CUDA, tensor-parallel), and the caller then runs the unfused ops.
-
-    def fused_rms_norm_linear(self, layer, x, residual, norm_weight, eps):
-        """``(layer(RMSNorm(x + residual)), x + residual)`` in one launch, or None."""
-        kernels = _row_kernels(layer, x)
-        if kernels is None:
-            return None
-        return kernels.rms_norm_linear(x, residual, norm_weight, eps, layer.weight_fp8, layer.weight_scale,
-                                       layer.bias)
-
-    def fused_silu_and_mul_linear(self, layer, x):
-        """``layer(silu(x[:, :K]) * x[:, K:])`` in one launch, or None."""
-        kernels = _row_kernels(layer, x)
-        if kernels is None:
-            return None
-        return kernels.silu_and_mul_linear(x, layer.weight_fp8, layer.weight_scale, layer.bias)
-
-
-# Devices whose rows take the fused kernels; tests add "cpu" to run them in the Triton interpreter.
-DEVICE_TYPES = frozenset({"cuda"})
-
-
-def _row_kernels(layer, x: torch.Tensor):
-    """``triton_fp8`` where its one-row GEMV takes this call, else None."""
-    if not (x.device.type in DEVICE_TYPES and x.dim() == 2 and x.shape[0] == 1 and layer.parallel.size == 1
-            and layer.input_size_per_rank >= 32 and layer.weight_fp8.device == x.device):
-        return None
-    from hearth_llm.kernels.quant import triton_fp8  # triton is imported only when a CUDA tensor needs it
-
-    return triton_fp8 if triton_fp8.ROW_GEMV else None
 
 
 class Fp8CheckpointLinearMethod(Fp8LinearMethod):
