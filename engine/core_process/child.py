@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import pickle
 import signal
@@ -153,10 +154,17 @@ class ChildEngineCore(EngineCore):
         self._link.send(Stopped(self._stop_error or EngineDeadError("the engine stopped")))
 
 
-def core_process_main(config, conn) -> None:
-    """The child's entry point: serve ``conn`` until the parent closes it or says :class:`Close`."""
+def core_process_main(config, conn, log_level: int | None = None) -> None:
+    """The child's entry point: serve ``conn`` until the parent closes it or says :class:`Close`.
+    ``log_level``: the engine's log lines (``hearth_llm`` loggers) go to stderr from this level up,
+    as the parent would have shown them; None: the parent shows none."""
     # Ctrl-C in a terminal reaches the whole process group: the parent decides when this engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_level is not None:
+        to_stderr = logging.StreamHandler()
+        to_stderr.setFormatter(logging.Formatter("%(message)s"))
+        logging.getLogger("hearth_llm").addHandler(to_stderr)
+        logging.getLogger("hearth_llm").setLevel(log_level)
     link = _Link(conn)
     core = ChildEngineCore(config, link)
     core.start()

@@ -47,6 +47,19 @@ CALL_TIMEOUT_S = 600.0
 CLOSE_TIMEOUT_S = 30.0
 
 
+def _engine_log_level() -> int | None:
+    """The level from which this process shows the engine's log lines (what the child should
+    print itself), or None when no handler here would show them."""
+    engine_logger = logging.getLogger("hearth_llm")
+    level = engine_logger.getEffectiveLevel()
+    shown = engine_logger
+    while shown is not None:
+        if any(handler.level <= level or handler.level == logging.NOTSET for handler in shown.handlers):
+            return level
+        shown = shown.parent if shown.propagate else None
+    return None
+
+
 @dataclass(slots=True, eq=False)
 class _PendingCall:
     done: threading.Event = field(default_factory=threading.Event)
@@ -221,7 +234,8 @@ class ProcessEngineCore(CoreFront):
         context = _process_context()
         parent_end, child_end = context.Pipe()
         name = f"hearth-engine-{os.path.basename(str(self.config.model))}"
-        process = context.Process(target=core_process_main, args=(self.config, child_end), name=name, daemon=True)
+        process = context.Process(target=core_process_main, args=(self.config, child_end, _engine_log_level()),
+                                  name=name, daemon=True)
         with _main_module_hidden():
             process.start()
         child_end.close()
