@@ -116,11 +116,12 @@ class DecodeGraphs:
         self.input_ids[:num_rows].copy_(input_ids)
         self.positions[:num_rows].copy_(positions)
         self.slot_mapping[:num_rows].copy_(slot_mapping)
-        self.slot_mapping[num_rows:size].fill_(-1)
         width = min(block_tables.shape[1], self.block_tables.shape[1])  # beyond: zero padding
         self.block_tables[:num_rows, :width].copy_(block_tables[:, :width])
         self.context_lens[:num_rows].copy_(context_lens)
-        self.context_lens[num_rows:size].fill_(1)
+        if num_rows < size:  # padding rows (each torch call costs the host microseconds, even on nothing)
+            self.slot_mapping[num_rows:size].fill_(-1)
+            self.context_lens[num_rows:size].fill_(1)
         self.graphs[size].replay()
         self.num_replays += 1
         self.num_replayed_rows += num_rows

@@ -108,7 +108,9 @@ class ModelRunner:
             start, end = inputs.query_bounds[index], inputs.query_bounds[index + 1]
             prompt_logits[index] = self.model.compute_logits(hidden[start:end]).float()
         # In the model's dtype: the sampler widens them to float32 unless every row is plain greedy.
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        # Single-token rows (decode, verification) are all logits rows, in order: nothing to gather.
+        is_every_row = inputs.row_tables is not None and inputs.logits_indices.shape[0] == hidden.shape[0]
+        logits = self.model.compute_logits(hidden if is_every_row else hidden.index_select(0, inputs.logits_indices))
         if self.lora is not None:
             self.lora.end_step()
         return ForwardOutput(logits=logits, sampling_rows=inputs.sampling_rows, prompt_logits=prompt_logits)
