@@ -21,26 +21,29 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 WORKING_SET = 256 << 20
 
-# (kernel, config) pairs the kernel part times; "split" is the programs split-K aims for (0: no split).
+# (kernel, config, programs split-K aims for) the kernel part times: GEMVs at one row, tensor-core
+# GEMVs at every row count. Index 0 and 6 are triton_w4's defaults (GEMV_CONFIGS, DOT_CONFIGS).
+def _gemv(block_n, num_warps, groups_per_iter, prefetch, target):
+    return ("gemv", dict(block_n=block_n, num_warps=num_warps, num_stages=1, groups_per_iter=groups_per_iter,
+                         prefetch=prefetch), target)
+
+
+def _dot(block_n, num_warps, num_stages, asm_decode, target, groups_per_iter=1):
+    return ("dot", dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, groups_per_iter=groups_per_iter,
+                        asm_decode=asm_decode), target)
+
+
 CONFIGS = [
-    ("gemv", dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=1), 264),
-    ("gemv", dict(block_n=128, num_warps=4, num_stages=1, groups_per_iter=2), 264),
-    ("gemv", dict(block_n=32, num_warps=4, num_stages=1, groups_per_iter=2), 528),
-    ("gemv", dict(block_n=64, num_warps=8, num_stages=1, groups_per_iter=2), 264),
-    ("dot", dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1), 264),
-    ("dot", dict(block_n=64, num_warps=4, num_stages=3, groups_per_iter=2), 264),
-    ("dot", dict(block_n=128, num_warps=4, num_stages=3, groups_per_iter=1), 264),
-    ("dot", dict(block_n=128, num_warps=8, num_stages=4, groups_per_iter=1), 264),
-    ("dot", dict(block_n=64, num_warps=4, num_stages=2, groups_per_iter=4), 528),
-    ("dot", dict(block_n=32, num_warps=4, num_stages=4, groups_per_iter=2), 528),
-    ("dot", dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1, asm_decode=True), 264),
-    ("dot", dict(block_n=64, num_warps=4, num_stages=3, groups_per_iter=2, asm_decode=True), 264),
+    _gemv(64, 4, 2, True, 528), _gemv(64, 4, 1, True, 528), _gemv(64, 4, 2, True, 1056), _gemv(32, 4, 2, True, 1056),
+    _gemv(128, 8, 2, True, 528), _gemv(128, 4, 2, False, 264),
+    _dot(128, 4, 3, False, 264), _dot(128, 4, 3, True, 264), _dot(64, 4, 4, True, 264), _dot(128, 4, 4, True, 528),
+    _dot(128, 4, 3, False, 528), _dot(64, 4, 3, True, 528, groups_per_iter=2),
 ]
 
 
 def label(kind: str, config: dict, target: int) -> str:
     return (f"{kind} BN{config['block_n']}/W{config['num_warps']}/st{config['num_stages']}/G{config['groups_per_iter']}"
-            f"/P{target}" + ("/asm" if config.get("asm_decode") else ""))
+            f"/P{target}" + ("/asm" if config.get("asm_decode") else "") + ("/pf" if config.get("prefetch") else ""))
 
 
 def random_w4(n: int, k: int, device="cuda"):
@@ -94,6 +97,9 @@ def part_check() -> bool:
             cases = [("default", lambda: triton_w4.w4_linear(x, weight))]
             if m in (1, 4):
                 cases += [(f"gemv S{s}", lambda s=s: triton_w4.gemv(x, weight, split_k=s)) for s in (1, 3)]
+                if m == 1:
+                    cases += [(f"gemv noPF S{s}", lambda s=s: triton_w4.gemv(x, weight, split_k=s, prefetch=False))
+                              for s in (1, 3)]
             if m <= 16:
                 cases += [(f"dot S{s}", lambda s=s: triton_w4.dot_gemv(x, weight, split_k=s)) for s in (1, 3)]
                 cases += [(f"dot/asm S{s}", lambda s=s: triton_w4.dot_gemv(x, weight, split_k=s, asm_decode=True))
@@ -113,9 +119,10 @@ def part_check() -> bool:
     return ok
 
 
-def part_kernels(rows, config_ids, json_path=None) -> dict:
+def part_kernels(rows, config_ids, json_path=None, tuned_path=None) -> dict:
     """Each row count over the four shapes (the layer sum printed after each, and the results
-    written to ``json_path`` so far, so a time limit keeps what ran)."""
+    written to ``json_path`` so far, so a time limit keeps what ran). ``tuned_path``: the best
+    configs of this run as ``triton_w4`` settings (:func:`tuned_settings`), for ``--part engine``."""
     from hearth_llm.benchmarks import timing
     from hearth_llm.kernels.quant import triton_w4, triton_w4g128, w4_layout
 
@@ -162,13 +169,70 @@ def part_kernels(rows, config_ids, json_path=None) -> dict:
         if json_path:
             with open(json_path, "w") as sink:
                 json.dump(results, sink, indent=2)
+        if tuned_path:
+            settings = tuned_settings(results, config_ids)
+            with open(tuned_path, "w") as sink:
+                json.dump(settings, sink, indent=2)
+            print(f"W4 tuned so far: {json.dumps(settings)}", flush=True)
     return results
+
+
+def tuned_settings(results: dict, config_ids) -> dict:
+    """``triton_w4`` settings from the timings so far: at one row the GEMV or the tensor-core kernel
+    (whichever kind's best configs sum lower over the layers), each width class's fastest config of
+    each kind (narrow: every shape but gate_up), the tensor-core ones by their sum over 2+ rows."""
+    from hearth_llm.kernels.quant import triton_w4
+
+    def class_of(name):
+        return triton_w4.width_class(SHAPES[name][0])
+
+    def best(kind, row_counts):
+        picks = {}
+        for width in ("narrow", "wide"):
+            sums = {}
+            for index in config_ids:
+                if CONFIGS[index][0] != kind:
+                    continue
+                key = label(*CONFIGS[index])
+                cells = [results.get(f"{name} M={m}", {}).get(key) for name in SHAPES if class_of(name) == width
+                         for m in row_counts if f"{name} M={m}" in results]
+                if cells and None not in cells:
+                    sums[index] = sum(cells)
+            if sums:
+                index = min(sums, key=sums.get)
+                picks[width] = (index, sums[index])
+        return picks
+
+    settings = {}
+    gemv_1, dot_1 = best("gemv", [1]), best("dot", [1])
+    dot_many = best("dot", [m for m in (2, 4, 8, 16) if any(k.endswith(f"M={m}") for k in results)]) or dot_1
+    for width, (index, _) in gemv_1.items():
+        settings.setdefault("GEMV_CONFIGS", {})[width] = {**CONFIGS[index][1], "target_programs": CONFIGS[index][2]}
+    for width, (index, _) in dot_many.items():
+        settings.setdefault("DOT_CONFIGS", {})[width] = {**CONFIGS[index][1], "target_programs": CONFIGS[index][2]}
+    if gemv_1 and dot_1:
+        settings["GEMV_MAX_ROWS"] = int(sum(v for _, v in gemv_1.values()) <= sum(v for _, v in dot_1.values()))
+        if not settings["GEMV_MAX_ROWS"]:  # one row takes the tensor-core kernel: its one-row best
+            for width, (index, _) in dot_1.items():
+                settings["DOT_CONFIGS"][width] = {**CONFIGS[index][1], "target_programs": CONFIGS[index][2]}
+    return settings
+
+
+def apply_settings(settings: dict) -> None:
+    """Set ``triton_w4``'s module settings (``GEMV_MAX_ROWS``, ``GEMV_CONFIGS``, ``DOT_CONFIGS``)."""
+    from hearth_llm.kernels.quant import triton_w4
+
+    if "GEMV_MAX_ROWS" in settings:
+        triton_w4.GEMV_MAX_ROWS = settings["GEMV_MAX_ROWS"]
+    for name in ("GEMV_CONFIGS", "DOT_CONFIGS"):
+        for width, config in settings.get(name, {}).items():
+            getattr(triton_w4, name)[width] = {**getattr(triton_w4, name)[width], **config}
 
 
 def part_compile(config_ids) -> None:
     """Compile the kernels the other parts run (Triton's disk cache keeps them) on a small weight of
     the same specialization: each config split and unsplit (the GEMVs at 1 row, config 0 also at
-    4; the tensor-core GEMV compiles once for 1..16 rows), and the dequantizer."""
+    4; the tensor-core GEMV compiles once for 1..16 rows), the dequantizer and the old kernel."""
     from hearth_llm.kernels.quant import triton_w4
 
     weight = random_w4(512, 1024)
@@ -183,7 +247,10 @@ def part_compile(config_ids) -> None:
                     print(f"compile {label(kind, config, target)} M={m}: {type(error).__name__}: {error}"[:300])
     if 0 in config_ids:
         triton_w4.dequantize(weight, torch.bfloat16)
-    if 8 in config_ids:  # the old W4G128 kernel at one row: its narrow (<= 4096 rows) and wide configs
+        x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+        for split_target in (0, 10**6):  # the check's GEMV without prefetch
+            call_for("gemv", {**CONFIGS[0][1], "prefetch": False}, split_target, x)(weight)
+    if 5 in config_ids:  # the old W4G128 kernel at one row: its narrow (<= 4096 rows) and wide configs
         from hearth_llm.kernels.quant import triton_w4g128, w4_layout
 
         x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
@@ -192,13 +259,23 @@ def part_compile(config_ids) -> None:
     torch.cuda.synchronize()
 
 
-def part_engine(methods, num_layers, max_num_seqs: int) -> dict:
+def _bs1(engine) -> dict:
+    from hearth_llm.benchmarks.throughput import decode_graph_bs1_ms, ours_bs1_ms_per_token
+
+    graphs = engine.runner.decode_graphs
+    ms = min(ours_bs1_ms_per_token(engine, num_tokens=128) for _ in range(2))
+    return {"bs1_ms_per_token": ms, "decode_graph_ms": decode_graph_bs1_ms(engine),
+            "graph_replays": None if graphs is None else graphs.num_replays}
+
+
+def part_engine(methods, num_layers, max_num_seqs: int, tuned_path=None) -> dict:
     """bs1 ms/token of the engine on the Llama-3-8B shape with random weights (``quant_engine``'s
-    checkpoints: AWQ GEMM parts for ``awq``), one engine at a time, with the decode graphs' replays."""
+    checkpoints: AWQ GEMM parts for ``awq``), one engine at a time, with the decode graphs' replays.
+    ``tuned_path`` (``--part kernels --tuned``): the AWQ engine is measured again with those
+    settings, its graphs captured anew ("awq tuned")."""
     import gc
 
     from hearth_llm.benchmarks import quant_engine
-    from hearth_llm.benchmarks.throughput import decode_graph_bs1_ms, ours_bs1_ms_per_token
 
     results = {}
     for method in methods:
@@ -207,21 +284,28 @@ def part_engine(methods, num_layers, max_num_seqs: int) -> dict:
                                   kv_cache_memory="8GiB", kv_cache_dtype="auto")
         started = time.perf_counter()
         engine = quant_engine.build_engine(args)
-        init_s = time.perf_counter() - started
-        graphs = engine.runner.decode_graphs
-        ms = ours_bs1_ms_per_token(engine, num_tokens=128)
-        ms = min(ms, ours_bs1_ms_per_token(engine, num_tokens=128))
-        result = {"bs1_ms_per_token": ms, "decode_graph_ms": decode_graph_bs1_ms(engine), "init_s": init_s,
-                  "graph_replays": None if graphs is None else graphs.num_replays}
-        results[method] = result
-        print(f"W4 engine {method} 8B ({num_layers or 32} layers): {json.dumps(result)}", flush=True)
-        del engine, graphs
+        results[method] = {**_bs1(engine), "init_s": time.perf_counter() - started}
+        print(f"W4 engine {method} 8B ({num_layers or 32} layers): {json.dumps(results[method])}", flush=True)
+        if method == "awq" and tuned_path:
+            try:
+                with open(tuned_path) as source:
+                    settings = json.load(source)
+                apply_settings(settings)
+                engine.runner.decode_graphs = None
+                gc.collect()
+                engine.runner.enable_cuda_graphs(min(max_num_seqs, 512), engine.max_model_len)
+                results["awq tuned"] = {**_bs1(engine), "settings": settings}
+                print(f"W4 engine awq tuned 8B: {json.dumps(results['awq tuned'])}", flush=True)
+            except Exception as error:  # noqa: BLE001 - the default number above stands
+                print(f"W4 engine awq tuned: {type(error).__name__}: {error}"[:400], flush=True)
+        del engine
         gc.collect()
         torch.cuda.empty_cache()
-    if "awq" in results and "bf16" in results:
-        ratio = results["awq"]["bs1_ms_per_token"] / results["bf16"]["bs1_ms_per_token"]
-        results["awq_over_bf16"] = ratio
-        print(f"W4 engine bs1 awq / bf16 = {ratio:.3f} (goal <= 0.45)", flush=True)
+    for name in ("awq", "awq tuned"):
+        if name in results and "bf16" in results:
+            ratio = results[name]["bs1_ms_per_token"] / results["bf16"]["bs1_ms_per_token"]
+            results[f"{name} / bf16"] = ratio
+            print(f"W4 engine bs1 {name} / bf16 = {ratio:.3f} (goal <= 0.45)", flush=True)
     return results
 
 
@@ -234,6 +318,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--tuned", help="kernels: write the best settings here; engine: measure AWQ again with them")
     args = parser.parse_args(argv)
     config_ids = []
     for part in args.configs.split(","):
@@ -242,12 +327,12 @@ def main(argv=None) -> None:
     if args.part == "check":
         results = {"ok": part_check()}
     elif args.part == "kernels":
-        results = part_kernels(args.rows, config_ids, args.json)
+        results = part_kernels(args.rows, config_ids, args.json, args.tuned)
     elif args.part == "compile":
         part_compile(config_ids)
         return
     else:
-        results = part_engine(args.methods, args.num_layers, args.max_num_seqs)
+        results = part_engine(args.methods, args.num_layers, args.max_num_seqs, args.tuned)
     if args.json:
         with open(args.json, "w") as sink:
             json.dump(results, sink, indent=2)

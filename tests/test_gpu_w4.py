@@ -40,7 +40,8 @@ def test_w4_linear_matches_the_dequantized_reference(shape, num_rows):
         _close(triton_w4.w4_linear(x, weight, bias), expected)
 
 
-@pytest.mark.parametrize("kernel, options", [("gemv", {}), ("dot_gemv", {}), ("dot_gemv", {"asm_decode": True})])
+@pytest.mark.parametrize("kernel, options", [("gemv", {}), ("gemv", {"prefetch": False}), ("gemv", {"groups_per_iter": 1}),
+                                             ("dot_gemv", {}), ("dot_gemv", {"asm_decode": True})])
 @pytest.mark.parametrize("split_k", [1, 3, 8])
 def test_w4_gemvs_match_the_reference_with_any_split(kernel, options, split_k):
     """Each GEMV (the tensor-core one with either decode) at 1 and 5 rows, split in 1, 3 or 8 parts."""

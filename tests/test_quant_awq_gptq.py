@@ -252,10 +252,12 @@ def test_w4_layout_is_an_exact_repacking_of_w4g128_rows():
     assert torch.equal(nibble_2_of_word_5.to(torch.uint8), w4_layout.code_columns(weight)[:, 128 + 32 + 5])
 
 
-@pytest.mark.parametrize("num_rows, split_k", [(1, 1), (1, 3), (3, 2)])
-def test_w4_cuda_core_gemv_matches_the_reference(num_rows, split_k):
+@pytest.mark.parametrize("num_rows, split_k, prefetch, groups_per_iter",
+                         [(1, 1, True, 2), (1, 3, True, 2), (1, 1, True, 1), (1, 3, False, 1), (3, 2, False, 2)])
+def test_w4_cuda_core_gemv_matches_the_reference(num_rows, split_k, prefetch, groups_per_iter):
     """triton_w4.gemv (TRITON_INTERPRET here; tests/test_gpu_w4.py on CUDA): float32 x, a bias,
-    split-K over programs whose last one reduces (3 groups in 3 parts; 2 parts of 2 and 1)."""
+    split-K over programs whose last one reduces (3 groups in 3 parts; 2 parts of 2 and 1); the
+    one-row kernel with prefetch (two groups a step: an odd tail) and the one without."""
     from hearth_llm.kernels.quant import triton_w4, w4_layout
 
     weight = w4_layout.from_rows(random_w4_rows(40, 384, seed=num_rows))
@@ -263,7 +265,8 @@ def test_w4_cuda_core_gemv_matches_the_reference(num_rows, split_k):
     x, bias = torch.randn(num_rows, 384, generator=generator), torch.randn(40, generator=generator)
     expected = w4_layout.reference_linear(x, weight, bias)
     for _ in range(2):  # the second call finds the split workspace the first one left (zeroed)
-        out = triton_w4.gemv(x, weight, bias, split_k=split_k, block_n=16)
+        out = triton_w4.gemv(x, weight, bias, split_k=split_k, block_n=16, prefetch=prefetch,
+                             groups_per_iter=groups_per_iter)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 

@@ -7,13 +7,17 @@ a 16-bit half, ``P = i % 4``) into the mantissa of a float whose unit is bit ``4
 (``_codes_minus_zero``): a LOP3 and an FADD a weight. The group scale multiplies each group's
 float32 dot once (so the products are those of the exact ``code - zero``).
 
-- :func:`dot_gemv` (up to ``DOT_MAX_ROWS`` rows of bf16/fp16 ``x``): the tensor cores with the
+- :func:`dot_gemv` (2..``DOT_MAX_ROWS`` rows of bf16/fp16 ``x``): the tensor cores with the
   operands swapped, ``out.T = W @ x.T``: ``BLOCK_N`` weight rows on the MMA's M side, the tokens
   zero-padded to 16 on its N side; per group, nibble ``i`` of the 16 words is the ``[BLOCK_N, 16]``
   operand of 16 consecutive inputs (exact integers in ``x``'s dtype), so a group is eight K=16 dots.
   The word loads feed ``tl.dot`` and go through its pipelined asynchronous loads.
 - :func:`gemv` (CUDA cores, any float ``x``, up to ``GEMV_MAX_ROWS``): the same decode, float32
-  FMAs against ``x`` broadcast over each thread's rows.
+  FMAs against ``x`` broadcast over each thread's rows; one row by ``_w4_gemv1_kernel``, which
+  loads the next step's words while it multiplies this step's (``prefetch``).
+- ``asm_decode`` (tensor-core GEMV, bf16): the codes decoded by three PTX instructions per two
+  weights into a bf16x2 register (``_bf16_pair``), which stays the MMA's A operand (no shared
+  memory round trip).
 - More rows: the weight is dequantized into a scratch copy in ``x``'s dtype for cuBLAS.
 
 Both GEMVs split the groups over several programs when the layer has few output tiles: each
@@ -33,10 +37,26 @@ from .w4_layout import W4Weight
 GEMV_MAX_ROWS = 1
 DOT_MAX_ROWS = 16
 # (block_n, num_warps, num_stages) of each kernel, and the programs split-K aims for.
-DOT_CONFIG = dict(block_n=64, num_warps=4, num_stages=4, groups_per_iter=1, asm_decode=False)
-GEMV_CONFIG = dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=1)
-TARGET_PROGRAMS = 264  # ~2 per SM on the H200's 132
+# Each kernel's tiling by layer width: "narrow" up to WIDE_N output rows (Llama-3-8B qkv, o, down),
+# "wide" above (gate_up). target_programs: the programs split-K aims for (0: never split).
+# H200, CUDA graphs, weights cycling past L2, Llama-3-8B layers (qkv / o / gate_up / down, us), round 1:
+#   M=1 bf16 16.1 / 13.4 / 55.8 / 32.4; old W4G128 kernel 20.1 / 17.8 / 82.5 / 46.7;
+#       GEMV without prefetch BN128/G2/264 programs 11.2 / 8.5 / 35.1 / 21.9 (0.9-1.8 TB/s) -> layer 76.7 vs 117.6;
+#       tensor-core GEMV 114-128 a layer. M=4 and 8: tensor-core BN128/W4/3 stages 114 a layer (bf16 118).
+WIDE_N = 8192
+GEMV_CONFIGS = {
+    "narrow": dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=2, prefetch=True, target_programs=528),
+    "wide": dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=2, prefetch=True, target_programs=528),
+}
+DOT_CONFIGS = {
+    "narrow": dict(block_n=128, num_warps=4, num_stages=3, groups_per_iter=1, asm_decode=False, target_programs=264),
+    "wide": dict(block_n=128, num_warps=4, num_stages=3, groups_per_iter=1, asm_decode=False, target_programs=264),
+}
 MIN_GROUPS_PER_SPLIT = 4
+
+
+def width_class(num_rows: int) -> str:
+    return "wide" if num_rows > WIDE_N else "narrow"
 
 
 @triton.jit
@@ -226,6 +246,64 @@ def _w4_gemv_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, co
 
 
 @triton.jit
+def _gemv1_group(words, header, x_group, m0, m1, m2, m3, c):
+    """One row's ``scale * sum_i (code_i - zero) * x_i`` of one group, ``[BN, 16]`` (words left unsummed)."""
+    z0, z1, z2, z3 = _zero_offsets(header[:, None])
+    hi = words >> 16
+    d = tl.zeros(words.shape, dtype=tl.float32)
+    for i in tl.static_range(8):
+        q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i)
+        d += q * tl.load(x_group + 16 * i + c).to(tl.float32)[None, :]
+    return d * _scale(header)[:, None]
+
+
+@triton.jit(do_not_specialize=["groups_per_split", "num_splits", "nibble"])
+def _w4_gemv1_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
+                     stride_x, stride_c, stride_out, groups_per_split, num_splits, nibble, HAS_BIAS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
+                     IS_SPLIT: tl.constexpr):
+    """One row, as ``_w4_gemv_kernel``'s ``BLOCK_T == 1`` path, with the next step's words and
+    headers loaded before this step's math (Triton pipelines only loads that feed ``tl.dot``; the
+    H200 ran the unprefetched GEMV at 0.9-1.8 TB/s, a load-then-compute duty cycle). A step is one
+    group (``GROUPS_PER_ITER`` 1) or two (2)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = tl.minimum(n, N - 1)
+    t = tl.arange(0, BLOCK_T)
+    c = tl.arange(0, 16)
+    code_rows = codes_ptr + n_in[:, None].to(tl.int64) * stride_c + c[None, :]             # [BN, 16]
+    header_rows = headers_ptr + n_in
+    num_groups = K // 128
+    m0, m1, m2, m3 = _nibble_masks(nibble)
+    g_start = tl.program_id(1) * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    last = g_end - 1
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    # Steps past the split's end re-read its last group (unmasked loads) and are not added.
+    words_a = tl.load(code_rows + g_start * 16)
+    header_a = tl.load(header_rows + g_start * N)
+    if GROUPS_PER_ITER == 2:
+        words_b = tl.load(code_rows + tl.minimum(g_start + 1, last) * 16)
+        header_b = tl.load(header_rows + tl.minimum(g_start + 1, last) * N)
+    for g in range(g_start, g_end, GROUPS_PER_ITER):
+        g_next = tl.minimum(g + GROUPS_PER_ITER, last)
+        words_next_a = tl.load(code_rows + g_next * 16)
+        header_next_a = tl.load(header_rows + g_next * N)
+        if GROUPS_PER_ITER == 2:
+            words_next_b = tl.load(code_rows + tl.minimum(g_next + 1, last) * 16)
+            header_next_b = tl.load(header_rows + tl.minimum(g_next + 1, last) * N)
+        acc += _gemv1_group(words_a, header_a, x_ptr + g * 128, m0, m1, m2, m3, c)
+        if GROUPS_PER_ITER == 2:
+            if g + 1 < g_end:
+                acc += _gemv1_group(words_b, header_b, x_ptr + (g + 1) * 128, m0, m1, m2, m3, c)
+            words_b = words_next_b
+            header_b = header_next_b
+        words_a = words_next_a
+        header_a = header_next_a
+    _finish(tl.sum(acc, axis=1)[:, None], n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits,
+            HAS_BIAS, IS_SPLIT)
+
+
+@triton.jit
 def _w4_dequant_kernel(codes_ptr, headers_ptr, out_ptr, N, K, nibble, BLOCK_N: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = tl.minimum(n, N - 1)
@@ -270,9 +348,11 @@ def _split_buffers(device: torch.device, block_t: int, num_rows: int, num_tiles:
     return _SPLIT_BUFFERS[key]
 
 
-def split_for(num_tiles: int, num_groups: int, target_programs: int = TARGET_PROGRAMS) -> int:
+def split_for(num_tiles: int, num_groups: int, target_programs: int) -> int:
     """Parts to split the groups in: enough programs for ``target_programs``, each part at least
     ``MIN_GROUPS_PER_SPLIT`` groups."""
+    if target_programs <= 0:
+        return 1
     wanted = -(-target_programs // num_tiles)
     return max(1, min(wanted, num_groups // MIN_GROUPS_PER_SPLIT))
 
@@ -287,7 +367,7 @@ def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split
     block_n, groups_per_iter = config["block_n"], config["groups_per_iter"]
     num_tiles = triton.cdiv(num_rows, block_n)
     num_groups = k // 128
-    split_k = split_k or split_for(num_tiles, num_groups)
+    split_k = split_k or split_for(num_tiles, num_groups, config["target_programs"])
     groups_per_split = triton.cdiv(triton.cdiv(num_groups, split_k), groups_per_iter) * groups_per_iter
     split_k = triton.cdiv(num_groups, groups_per_split)
     workspace, counts = (out, out) if split_k == 1 else _split_buffers(x.device, block_t, num_rows, num_tiles)
@@ -310,31 +390,38 @@ def _check(x: torch.Tensor, weight: W4Weight) -> None:
 def dot_gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
              split_k: int | None = None, **config) -> torch.Tensor:
     """Up to 16 rows of bf16/fp16 ``x`` on the tensor cores (``_w4_dot_kernel``); ``config``
-    overrides ``DOT_CONFIG`` (block_n, num_warps, num_stages, groups_per_iter)."""
+    overrides ``DOT_CONFIGS`` (block_n, num_warps, num_stages, groups_per_iter, asm_decode,
+    target_programs)."""
     _check(x, weight)
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > 16:
         raise ValueError(f"dot_gemv takes up to 16 rows of bfloat16/float16 x, got {x.shape[0]} of {x.dtype}")
     if config.get("asm_decode") and (x.dtype != torch.bfloat16 or x.device.type != "cuda"):
         raise ValueError("asm_decode=True decodes to bfloat16 by PTX: it needs bfloat16 x on CUDA")
-    return _launch(_w4_dot_kernel, x, weight, bias, 16, {**DOT_CONFIG, **config}, split_k)
+    return _launch(_w4_dot_kernel, x, weight, bias, 16, {**DOT_CONFIGS[width_class(weight.out_features)], **config}, split_k)
 
 
 def gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
          split_k: int | None = None, **config) -> torch.Tensor:
     """A few rows of ``x`` on the CUDA cores (``_w4_gemv_kernel``, float32 FMAs); ``config``
-    overrides ``GEMV_CONFIG``."""
+    overrides ``GEMV_CONFIGS`` (and ``prefetch``: the one-row kernel with register prefetch)."""
     _check(x, weight)
-    return _launch(_w4_gemv_kernel, x, weight, bias, triton.next_power_of_2(max(x.shape[0], 1)),
-                   {**GEMV_CONFIG, **config}, split_k)
+    config = {**GEMV_CONFIGS[width_class(weight.out_features)], **config}
+    if config["prefetch"] and x.shape[0] == 1:  # more rows: the kernel without prefetch
+        if config["groups_per_iter"] not in (1, 2):
+            raise ValueError(f"the prefetching GEMV takes 1 or 2 groups a step, got {config['groups_per_iter']}")
+        return _launch(_w4_gemv1_kernel, x, weight, bias, 1, config, split_k)
+    return _launch(_w4_gemv_kernel, x, weight, bias, triton.next_power_of_2(max(x.shape[0], 1)), config, split_k)
 
 
 def w4_linear(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
-              gemv_max_rows: int = GEMV_MAX_ROWS, dot_max_rows: int = DOT_MAX_ROWS) -> torch.Tensor:
+              gemv_max_rows: int | None = None, dot_max_rows: int | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]``, the result in ``x``'s dtype: up to ``gemv_max_rows``
     rows the CUDA-core GEMV, up to ``dot_max_rows`` (bf16/fp16) the tensor-core one, more rows
     dequantize a scratch weight for cuBLAS."""
     _check(x, weight)
     m = x.shape[0]
+    gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+    dot_max_rows = DOT_MAX_ROWS if dot_max_rows is None else dot_max_rows
     if m <= gemv_max_rows:
         return gemv(x, weight, bias)
     if m <= min(dot_max_rows, 16) and x.dtype in (torch.bfloat16, torch.float16):
