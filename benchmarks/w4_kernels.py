@@ -22,7 +22,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 WORKING_SET = 256 << 20
 
 # (kernel, config, programs split-K aims for) the kernel part times: GEMVs at one row, tensor-core
-# GEMVs at every row count. Index 0 and 6 are triton_w4's defaults (GEMV_CONFIGS, DOT_CONFIGS).
+# GEMVs at every row count. Index 0 and 7 are triton_w4's defaults (GEMV_CONFIGS, DOT_CONFIGS).
 def _gemv(block_n, num_warps, groups_per_iter, prefetch, target):
     return ("gemv", dict(block_n=block_n, num_warps=num_warps, num_stages=1, groups_per_iter=groups_per_iter,
                          prefetch=prefetch), target)
@@ -35,7 +35,7 @@ def _dot(block_n, num_warps, num_stages, asm_decode, target, groups_per_iter=1):
 
 CONFIGS = [
     _gemv(64, 4, 2, True, 528), _gemv(64, 4, 1, True, 528), _gemv(64, 4, 2, True, 1056), _gemv(32, 4, 2, True, 1056),
-    _gemv(128, 8, 2, True, 528), _gemv(128, 4, 2, False, 264),
+    _gemv(128, 8, 2, True, 528), _gemv(128, 4, 2, False, 264), _gemv(64, 4, 2, True, 264),
     _dot(128, 4, 3, False, 264), _dot(128, 4, 3, True, 264), _dot(64, 4, 4, True, 264), _dot(128, 4, 4, True, 528),
     _dot(128, 4, 3, False, 528), _dot(64, 4, 3, True, 528, groups_per_iter=2),
 ]
