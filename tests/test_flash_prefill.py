@@ -58,10 +58,11 @@ def varlen_stand_in(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len
     return torch.cat(outs)
 
 
-def routed(step, table, sliding_window=None, varlen_attention=varlen_stand_in, min_query_len=8):
+def routed(step, table, sliding_window=None, varlen_attention=varlen_stand_in, min_query_len=8, min_context_len=0):
     query_lens = torch.diff(step["query_start_loc"]).tolist()
     plan = flash_prefill.plan_flash_prefill(query_lens, step["context_lens"].tolist(), table, BLOCK_SIZE,
-                                            to_device_of(step["query"].device), min_query_len=min_query_len)
+                                            to_device_of(step["query"].device), min_query_len=min_query_len,
+                                            min_context_len=min_context_len)
     out = flash_prefill.paged_attention(step["query"], step["key_cache"], step["value_cache"], plan, step["scale"],
                                         sliding_window, attend_rest=reference.paged_attention,
                                         varlen_attention=varlen_attention)
@@ -74,42 +75,50 @@ def expected(step, sliding_window=None):
                                      step["max_context_len"], step["scale"], sliding_window)
 
 
-def test_plan_routes_only_sequences_with_enough_new_tokens():
-    table = np.arange(12).reshape(3, 4)
-    plan = flash_prefill.plan_flash_prefill([1, 40, 5], [30, 60, 9], table, BLOCK_SIZE, to_device_of("cpu"),
-                                            min_query_len=8)
-    assert plan.query_rows == slice(1, 41)
-    assert plan.cu_seqlens_q.tolist() == [0, 40] and plan.cu_seqlens_k.tolist() == [0, 60]
-    assert plan.cu_seqlens_q.dtype == torch.int32
-    assert plan.key_slots.tolist() == list(range(4 * BLOCK_SIZE, 4 * BLOCK_SIZE + 60))
-    decode, extend = plan.rest  # single-token sequences apart from the others
-    assert decode.token_rows.tolist() == [0] and decode.context_lens.tolist() == [30]
-    assert decode.block_tables.tolist() == [[0, 1, 2, 3]] and decode.query_start_loc.tolist() == [0, 1]
-    assert extend.token_rows.tolist() == [41, 42, 43, 44, 45] and extend.block_tables.tolist() == [[8, 9, 10, 11]]
-    assert (extend.max_query_len, extend.max_context_len, plan.num_tokens) == (5, 9, 46)
+def plan(query_lens, context_lens, table, min_query_len=8, min_context_len=50):
+    return flash_prefill.plan_flash_prefill(query_lens, context_lens, table, BLOCK_SIZE, to_device_of("cpu"),
+                                            min_query_len=min_query_len, min_context_len=min_context_len)
 
 
-def test_plan_is_none_without_a_long_prefill_or_when_disabled(monkeypatch):
-    table = np.arange(4).reshape(2, 2)
-    assert flash_prefill.plan_flash_prefill([1, 1], [20, 9], table, BLOCK_SIZE, to_device_of("cpu")) is None
+def test_a_long_chunk_over_a_long_context_takes_every_multi_token_sequence_along():
+    table = np.arange(16).reshape(4, 4)
+    step = plan([1, 40, 5, 1], [30, 60, 9, 12], table)  # 40 over 60 keys is the anchor; 5 joins it
+    assert step.query_rows == slice(1, 46)
+    assert step.cu_seqlens_q.tolist() == [0, 40, 45] and step.cu_seqlens_k.tolist() == [0, 60, 69]
+    assert step.cu_seqlens_q.dtype == torch.int32
+    assert step.key_slots.tolist() == list(range(4 * BLOCK_SIZE, 4 * BLOCK_SIZE + 60)) + list(range(128, 137))
+    (decode,) = step.rest  # the single-token sequences, as a batch of their own
+    assert decode.token_rows.tolist() == [0, 46] and decode.context_lens.tolist() == [30, 12]
+    assert decode.block_tables.tolist() == [[0, 1, 2, 3], [12, 13, 14, 15]]
+    assert decode.query_start_loc.tolist() == [0, 1, 2]
+    assert (decode.max_query_len, decode.max_context_len, step.num_tokens) == (1, 30, 47)
+
+
+def test_no_plan_without_an_anchor_or_when_disabled(monkeypatch):
+    table = np.arange(8).reshape(2, 4)
+    assert plan([1, 1], [20, 9], table) is None
+    assert plan([40, 30], [40, 30], table) is None  # many new tokens, but over short contexts
+    assert plan([7, 1], [60, 9], table) is None  # a long context, but few new tokens
     monkeypatch.setattr(flash_prefill, "ENABLED", False)
-    assert flash_prefill.plan_flash_prefill([300], [300], np.arange(19)[None], BLOCK_SIZE, to_device_of("cpu")) is None
+    assert plan([40, 1], [60, 9], table) is None
 
 
 def test_plan_caps_the_keys_it_gathers(monkeypatch):
     monkeypatch.setattr(flash_prefill, "FLASH_MAX_GATHERED_KEYS", 100)
     table = np.arange(21).reshape(3, 7)
-    plan = flash_prefill.plan_flash_prefill([50, 40, 9], [50, 100, 9], table, BLOCK_SIZE, to_device_of("cpu"),
-                                            min_query_len=8)
-    assert plan.cu_seqlens_k.tolist() == [0, 50] and plan.rest[0].token_rows.tolist() == list(range(50, 99))
+    step = plan([5, 50, 9], [100, 50, 9], table)  # the anchor first, then whoever still fits
+    assert step.cu_seqlens_k.tolist() == [0, 50] and step.query_rows == slice(5, 55)
+    (left_out,) = step.rest  # the 5-token sequence over 100 keys did not fit; 9 over 9 neither
+    assert left_out.token_rows.tolist() == [0, 1, 2, 3, 4] + list(range(55, 64))
+    assert left_out.max_query_len == 9 and left_out.max_context_len == 100
 
 
 def test_plan_gathers_keys_in_position_order_across_shuffled_blocks():
     table = np.array([[7, 2, 5]])
-    plan = flash_prefill.plan_flash_prefill([10], [40], table, BLOCK_SIZE, to_device_of("cpu"), min_query_len=8)
-    slots = plan.key_slots.tolist()
+    step = plan([10], [40], table, min_context_len=40)
+    slots = step.key_slots.tolist()
     assert slots[:16] == list(range(7 * 16, 8 * 16)) and slots[16:32] == list(range(2 * 16, 3 * 16))
-    assert slots[32:] == list(range(5 * 16, 5 * 16 + 8)) and plan.rest == ()
+    assert slots[32:] == list(range(5 * 16, 5 * 16 + 8)) and step.rest == ()
 
 
 @pytest.mark.parametrize("query_lens, context_lens", [
@@ -121,6 +130,14 @@ def test_routed_attention_equals_the_reference_over_the_whole_batch(query_lens, 
     step, table = paged_step(query_lens, context_lens)
     plan, out = routed(step, table)
     assert plan is not None
+    torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)
+
+
+def test_routed_attention_with_sequences_the_gather_cap_left_out(monkeypatch):
+    monkeypatch.setattr(flash_prefill, "FLASH_MAX_GATHERED_KEYS", 150)
+    step, table = paged_step([1, 1, 50, 1, 30], [70, 3, 120, 41, 90])
+    plan, out = routed(step, table)
+    assert [group.max_query_len for group in plan.rest] == [1, 30]  # decode rows; the 30 that did not fit
     torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)
 
 
@@ -150,7 +167,7 @@ def test_flash_attention_on_cuda_is_close_to_the_reference_in_bf16(sliding_windo
     step, table = paged_step([1, 300, 1, 200, 7], [900, 812, 5, 200, 40], num_heads=32, num_kv_heads=8,
                              head_dim=128, dtype=torch.bfloat16, device="cuda")
     _, out = routed(step, table, sliding_window, varlen_attention=flash_prefill.flash_varlen_attention,
-                    min_query_len=128)
+                    min_query_len=128, min_context_len=500)  # 300 over 812 keys anchors; 200 and 7 join
     want = expected(step, sliding_window)
     assert (out.float() - want.float()).abs().max().item() < 2e-2
 
@@ -179,10 +196,12 @@ def test_a_refusing_op_turns_the_routing_off_with_a_warning(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention runs on CUDA only")
-def test_engine_with_long_prefills_on_flash_keeps_the_top5_rule_against_triton():
+def test_engine_with_long_prefills_on_flash_keeps_the_top5_rule_against_triton(monkeypatch):
     from hearth_llm.benchmarks.attention_kernels import top5_check
     from hearth_llm.benchmarks.throughput import our_engine, random_checkpoint
 
+    monkeypatch.setattr(flash_prefill, "FLASH_MIN_QUERY_LEN", 256)  # anchors at these small sizes
+    monkeypatch.setattr(flash_prefill, "FLASH_MIN_CONTEXT_LEN", 256)
     _, checkpoint = random_checkpoint("qwen3-0.6b", torch.bfloat16, "cuda", max_model_len=2048)
     engine = our_engine(checkpoint, "bfloat16", max_num_seqs=16, kv_cache_memory="2GiB", max_model_len=2048,
                         max_num_batched_tokens=1024)  # the 1,500-token prompt is chunked: a chunk over cached keys

@@ -1,20 +1,28 @@
 """FlashAttention-2 for the prefill rows of a step: torch's bundled varlen forward
 (``aten._flash_attention_forward``, CUDA only) over keys and values gathered out of the paged cache.
 
-On an H200 (Llama-3-8B shape) it ran fresh 8k prompts at 345 TFLOP/s and a 2,048-token chunk over
-8,192 keys at 338, against 283 and 264 for our Triton prefill kernel. Gathering a sequence's context
-costs one read and one write of its keys and values per layer, which is small next to attention
-once a sequence brings many queries, so only sequences of at least :data:`FLASH_MIN_QUERY_LEN` new
-tokens go to it; the other sequences of the step stay on the paged Triton kernels, in two compacted
-batches: single-token ones on the split-K decode kernel, the rest on the prefill kernel.
+On an H200 (Llama-3-8B shape, round 1 of 2026-12-02, per layer call in CUDA graphs, gathering
+included) it ran two fresh 8k prompts at 335 TFLOP/s against 282 for our Triton prefill kernel
+(1.19x), two 2,048-token chunks over 8,192 keys at 331 against 264 (1.26x), Qwen3-0.6B's two 8k
+prompts at 316 against 261; but 30 prompts of U[100,1024] tokens at 101 against 173 and a
+2,112-token prompt beside 63 short extends at 0.90x: short sequences lose, FlashAttention's blocks
+have few keys to walk and the gather and the copies cost as much as they save. So a step uses it
+only when it holds an *anchor*: a sequence of at least :data:`FLASH_MIN_QUERY_LEN` new tokens over at
+least :data:`FLASH_MIN_CONTEXT_LEN` keys. Then every sequence of the step with more than one new
+token joins that one launch (a 6-token chunk continuation over 8k keys, alone in a Triton launch,
+walks its keys on 8 programs and took longer than the rest of the step's attention: in the big
+launch its latency hides), and the single-token (decode) sequences run on the split-K decode kernel
+as a compacted batch. Steps without an anchor (the benchmark workload, the prefix burst) run
+everything on the paged Triton kernels, as before.
 
 The routing is decided once per step on the host, from lengths the model runner already has
 (:func:`plan_flash_prefill`), so no layer reads anything back from the device.
 
 >>> to_device = lambda arrays: [torch.as_tensor(np.asarray(a, dtype=np.int64)) for a in arrays]
->>> plan = plan_flash_prefill([3, 200], [40, 200], np.array([[0, 1], [2, 3]]), 128, to_device)
->>> plan.query_rows, plan.key_slots[[0, 127, 128]].tolist(), plan.rest[0].max_context_len
-(slice(3, 203, None), [256, 383, 384], 40)
+>>> table = np.arange(8).reshape(2, 4)
+>>> plan = plan_flash_prefill([1, 2000], [40, 4100], table, 2048, to_device)  # 2,048-token blocks
+>>> plan.query_rows, plan.key_slots[[0, 2047, 2048]].tolist(), plan.rest[0].max_context_len
+(slice(1, 2001, None), [8192, 10239, 10240], 40)
 """
 from __future__ import annotations
 
@@ -25,8 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# A sequence with at least this many new tokens runs on FlashAttention (its keys gathered first).
-FLASH_MIN_QUERY_LEN = 128
+# A step runs FlashAttention when a sequence brings at least this many new tokens over at least
+# this many keys (from the round-1 A/B above; shorter ones lost to the Triton kernel).
+FLASH_MIN_QUERY_LEN = 1024
+FLASH_MIN_CONTEXT_LEN = 4096
 # Keys gathered per layer at most (the first routed sequences up to it; later ones stay on Triton): the
 # gathered copy is transient device memory outside the KV cache, 1 GiB at this cap for 8 KV heads of 128.
 FLASH_MAX_GATHERED_KEYS = 1 << 18
@@ -57,25 +67,36 @@ class FlashPrefillPlan:
     max_query_len: int
     max_context_len: int
     num_tokens: int                   # tokens in the whole step
-    # The other sequences: single-token ones (decode: the split-K kernel) and the rest (the paged
-    # prefill kernel), each group a batch of its own; empty when FlashAttention runs them all.
+    # The other sequences: single-token ones (decode: the split-K kernel) and any the gather cap
+    # left out (the paged prefill kernel), each group a batch of its own; empty when FlashAttention
+    # runs them all.
     rest: tuple[RestOfBatch, ...] = ()
 
 
 def plan_flash_prefill(num_new_tokens: Sequence[int], context_lens: Sequence[int], block_table: np.ndarray,
                        block_size: int, to_device: Callable[[list], list[torch.Tensor]],
-                       min_query_len: int | None = None) -> FlashPrefillPlan | None:
-    """The plan for one step, or None when no sequence brings ``min_query_len`` new tokens (default
-    :data:`FLASH_MIN_QUERY_LEN`); routed sequences' contexts add up to :data:`FLASH_MAX_GATHERED_KEYS` at most.
-    ``block_table`` ``[B, W]`` holds each sequence's block ids; ``to_device`` copies int64 host arrays
-    to the device (the runner's one pinned transfer)."""
+                       min_query_len: int | None = None, min_context_len: int | None = None
+                       ) -> FlashPrefillPlan | None:
+    """The plan for one step, or None when no sequence brings ``min_query_len`` new tokens over
+    ``min_context_len`` keys (defaults :data:`FLASH_MIN_QUERY_LEN`, :data:`FLASH_MIN_CONTEXT_LEN`).
+    With one, every sequence of more than one new token is routed, as long as the routed contexts
+    add up to :data:`FLASH_MAX_GATHERED_KEYS` (anchors counted first). ``block_table`` ``[B, W]`` holds
+    each sequence's block ids; ``to_device`` copies int64 host arrays to the device (the runner's
+    pinned transfer)."""
     min_query_len = FLASH_MIN_QUERY_LEN if min_query_len is None else min_query_len
+    min_context_len = FLASH_MIN_CONTEXT_LEN if min_context_len is None else min_context_len
     query_lens = np.asarray(num_new_tokens, dtype=np.int64)
     contexts = np.asarray(context_lens, dtype=np.int64)
-    is_routed = query_lens >= min_query_len
-    is_routed &= np.cumsum(np.where(is_routed, contexts, 0)) <= FLASH_MAX_GATHERED_KEYS
-    if not ENABLED or not is_routed.any():
+    is_anchor = (query_lens >= min_query_len) & (contexts >= min_context_len)
+    if not ENABLED or not is_anchor.any():
         return None
+    is_anchor &= np.cumsum(np.where(is_anchor, contexts, 0)) <= FLASH_MAX_GATHERED_KEYS
+    if not is_anchor.any():
+        return None
+    is_joining = (query_lens > 1) & ~is_anchor
+    room = FLASH_MAX_GATHERED_KEYS - int(contexts[is_anchor].sum())
+    is_joining &= np.cumsum(np.where(is_joining, contexts, 0)) <= room
+    is_routed = is_anchor | is_joining
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=starts[1:])
     routed = np.flatnonzero(is_routed)
