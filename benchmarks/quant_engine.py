@@ -122,6 +122,93 @@ def bs1_ab(engine, args) -> dict:
     return results
 
 
+def _guard_engine(args, dtype: str, std: float):
+    """An FP8 engine over random weights of ``std`` (bf16 values, whatever ``dtype`` computes)."""
+    from hearth_llm.engine.config import EngineConfig
+    from hearth_llm.engine.llm_engine import LLMEngine
+    from hearth_llm.engine.loader.checkpoint import LoadedCheckpoint
+
+    from .random_weights import RandomWeights, checkpoint_shapes
+    from .throughput import placeholder_tokenizer
+
+    config = hf_config(args.shape, args.num_layers, 1024)
+    weights = RandomWeights(checkpoint_shapes(config, torch.bfloat16), torch.bfloat16, args.device, std=std)
+    checkpoint = LoadedCheckpoint(config, placeholder_tokenizer(config.vocab_size), args.shape,
+                                  weight_stream=lambda: iter(weights.items()), dtype=torch.bfloat16,
+                                  weight_shapes={name: (dims, args.shape) for name, dims in weights.shapes.items()})
+    engine_config = EngineConfig(model=checkpoint.source, dtype=dtype, device=args.device, max_num_seqs=64,
+                                 kv_cache_memory="2GiB", max_model_len=1024, show_progress=False,
+                                 quantization="fp8", cuda_graphs=dtype != "float32")
+    return LLMEngine(engine_config, checkpoint=checkpoint)
+
+
+def _greedy_with_logprobs(engine, prompts, num_tokens: int, together: bool):
+    """``[(tokens, logprob of each)]`` per prompt: all at once (``together``) or one at a time."""
+    from hearth_llm.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, detokenize=False, logprobs=1)
+    results = []
+    for group in ([prompts] if together else [[p] for p in prompts]):
+        requests = {}
+        for prompt in group:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                requests.setdefault(id(delta.request), delta.request)
+        for request in sorted(requests.values(), key=lambda r: group.index(list(r.prompt_token_ids))):
+            tokens = list(request.output_token_ids)
+            results.append((tokens, [entry[token].logprob for entry, token in zip(request.logprobs, tokens)]))
+        for request_id in list(engine.groups):
+            engine.release(request_id)
+    return results
+
+
+def quality_guard(args, num_prompts: int = 32, num_alone: int = 4, num_tokens: int = 16, std: float = 0.05) -> dict:
+    """Our FP8 engine (bf16, CUDA graphs, the shipped kernels) against the dequantized-fp32
+    reference: the same FP8 weights and per-token activation quantization, every linear by
+    ``fp8.fp8_linear_reference`` in float32, eager. Random weights of ``std`` (larger than HF's
+    0.02, so the logits are not near ties); ``num_prompts`` prompts decoded together (the
+    several-row kernels) and ``num_alone`` of them alone (the one-row GEMV). Per group: prompts
+    whose greedy tokens equal the reference's, tokens equal before the first difference (mean),
+    and the largest |Δlogprob| of the chosen token over the positions before it."""
+    from hearth_llm import kernels
+    from hearth_llm.kernels.quant import Fp8Weight, fp8
+
+    generator = torch.Generator().manual_seed(7)
+    vocab = hf_config(args.shape, args.num_layers, 1024).vocab_size
+    prompts = [torch.randint(0, vocab, (int(torch.randint(8, 64, (1,), generator=generator)),),
+                             generator=generator).tolist() for _ in range(num_prompts)]
+    engine = _guard_engine(args, "bfloat16", std)
+    ours = {"together": _greedy_with_logprobs(engine, prompts, num_tokens, True),
+            "alone": _greedy_with_logprobs(engine, prompts[:num_alone], num_tokens, False)}
+    del engine
+    torch.cuda.empty_cache()
+    kernels.register_linear_routine(Fp8Weight, args.device, lambda x, weight, bias: fp8.fp8_linear_reference(
+        x.float(), weight.weight, weight.scale, None if bias is None else bias.float()).to(x.dtype))
+    try:
+        engine = _guard_engine(args, "float32", std)
+        reference = {"together": _greedy_with_logprobs(engine, prompts, num_tokens, True),
+                     "alone": _greedy_with_logprobs(engine, prompts[:num_alone], num_tokens, False)}
+    finally:  # the package's own routine back
+        from hearth_llm.kernels.quant import _triton_fp8_linear
+
+        kernels.register_linear_routine(Fp8Weight, args.device, _triton_fp8_linear if args.device == "cuda" else
+                                        lambda x, weight, bias: fp8.fp8_linear(x, weight.weight, weight.scale, bias))
+    report = {}
+    for group, rows in ours.items():
+        prefixes, deltas = [], [0.0]
+        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(rows, reference[group]):
+            same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+            prefixes.append(same)
+            deltas += [abs(a - b) for a, b in zip(logprobs[:same], ref_logprobs[:same])]
+        report[group] = {"num_prompts": len(rows), "num_identical": sum(p == num_tokens for p in prefixes),
+                         "mean_tokens_before_first_difference": sum(prefixes) / len(prefixes),
+                         "max_abs_dlogprob_before_it": max(deltas)}
+        print(f"fp8 quality guard {args.shape} ({args.num_layers or 'all'} layers, std {std}) {group}: "
+              f"{json.dumps(report[group])}", flush=True)
+    return report
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b")
@@ -132,11 +219,24 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-memory", default="40GiB")
     parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" (the model dtype) or "fp8" (e4m3 cache)')
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--quality", action="store_true",
+                        help="fp8: only the kernel checks (CUDA) and the quality guard against the dequantized-fp32 reference")
     parser.add_argument("--bs1-ab", action="store_true",
                         help="fp8: bs1 with the one-row GEMV and with the old several-row GEMV")
     add_workload_options(parser)
     args = parser.parse_args(argv)
     args.max_model_len = args.max_model_len or 4096
+    if args.quality:
+        if args.device == "cuda":  # the kernels' exactness first (PASS/FAIL lines), in this process
+            from .quant_kernels import check_codes_gemm, check_row
+
+            print("check fp8 row " + ("PASS" if check_row() else "FAIL"), flush=True)
+            print("check fp8 codes gemm " + ("PASS" if check_codes_gemm() else "FAIL"), flush=True)
+        report = quality_guard(args)
+        if args.json:
+            with open(args.json, "w") as sink:
+                json.dump(report, sink, indent=2)
+        return
     started = time.perf_counter()
     engine = build_engine(args)
     model = engine.runner.model

@@ -295,6 +295,28 @@ def check_row(device: str = "cuda") -> bool:
             report(err <= 1e-2, f"silu N={n} K={k}: rel err {err:.2e} vs silu_and_mul + gemv")
     return ok
 
+def check_codes_gemm(device: str = "cuda", rows=(8, 32, 64)) -> bool:
+    """The codes GEMM of 5-64-row steps at the 8B shapes against the exact product of the
+    quantizer's codes, each call twice (split-K buffers); one PASS/FAIL line each."""
+    from hearth_llm.kernels.quant import fp8, triton_fp8
+
+    ok = True
+    for (n, k), m in itertools.product([(6144, 4096), (28672, 4096), (4096, 14336)], rows):
+        generator = torch.Generator(device).manual_seed(n + m)
+        wq, ws = fp8.quantize_rows(torch.randn(n, k, device=device, generator=generator) * 0.02)
+        x = torch.randn(m, k, device=device, generator=generator).bfloat16()
+        codes, xs = triton_fp8.quantize_rows(x)
+        exact = (codes.float() @ wq.float().t()) * xs[:, None] * ws[None, :]
+        for call in range(2):
+            out = triton_fp8.fp8_linear(x, wq, ws)
+            err = ((out.float() - exact).abs().max() / exact.abs().max()).item()
+            good = err <= 1e-2 and out.dtype == torch.bfloat16
+            ok &= good
+            print(f"{'PASS' if good else 'FAIL'} fp8 codes gemm N={n} K={k} M={m} call {call + 1}: rel err {err:.2e}",
+                  flush=True)
+    return ok
+
+
 def check(device: str = "cuda", w4_shapes=((4096, 4096), (1000, 14336)),
           fp8_shapes=((4096, 4096), (1000, 14336), (6144, 4096))) -> bool:
     """The new GEMVs against their float32 references at 8B sizes; prints one PASS/FAIL line each."""
@@ -359,6 +381,7 @@ def main(argv=None) -> None:
 
         started = time.perf_counter()
         parts = [lambda: print("check fp8 row " + ("PASS" if check_row() else "FAIL"), flush=True),
+                 lambda: print("check fp8 codes gemm " + ("PASS" if check_codes_gemm() else "FAIL"), flush=True),
                  lambda: bench_row(max(0.0, (args.limit_s - (time.perf_counter() - started)) * 0.6)),
                  lambda: bench_small_m(args.rows, max(0.0, args.limit_s - (time.perf_counter() - started) - 4))]
         for part in parts:
