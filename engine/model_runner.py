@@ -177,7 +177,8 @@ class ModelRunner:
             max_context_len=max(context_lens),
             seq_lens=on_device[9],
         )
-        if self.has_flash_prefill:  # long prefills on FlashAttention-2 (kernels/attention/flash_prefill.py)
+        # Long prefills on FlashAttention-2 (kernels/attention/flash_prefill.py); decode steps skip the plan.
+        if self.has_flash_prefill and meta.max_query_len >= flash_prefill.FLASH_MIN_QUERY_LEN:
             meta.flash_prefill = flash_prefill.plan_flash_prefill(num_new_tokens, context_lens, table, block_size,
                                                                   self._copy_to_device)
         row_tables = row_context_lens = None
