@@ -16,6 +16,11 @@ per layer-projection, for every adapter and every slice of a fused layer at once
   once and never written back (the in-place expand's read and write of ``[T, 2I]`` were most of a
   LoRA step's extra traffic). Base tokens' tiles (the plan's slot ``-2``) take the activation alone.
 
+Sizes and strides are specialized (Triton's divisibility by 16): a mask ``cols < N`` with an unspecialized
+``N`` cannot be proven constant over 8 lanes, which turned every load and store of ``y`` into 2-byte
+accesses (sm_90 PTX: 112 ``ld.global.b16`` per thread against 6 ``ld.global.v4.b32``); the H200 ran the
+expands at 0.5-0.9 TB/s that way.
+
 Base-model tokens are in no tile of the shrink and expand: their rows of ``y`` are never loaded or
 stored, so they stay bit-identical to the base projection. Tiles with slot ``-1`` (a graph's grid is
 sized for its padded batch) exit at once.
@@ -34,7 +39,9 @@ from .plan import LoRAPlan, block_m_for, max_tiles_for, max_tiles_with_base_for
 _TARGET_PROGRAMS = 264        # two per H200 SM: what split-K aims for on decode-sized steps
 _MAX_SPLITS = 32
 _MIN_K_PER_SPLIT = 128
-_TARGET_EXPAND_PROGRAMS = 1056  # eight per SM: the expand's column blocks are dealt out to this many
+_TARGET_EXPAND_PROGRAMS = 4096  # decode-sized steps: at most this many expand programs (~31 per SM), each of
+                                # its tile's column blocks in turn; enough that a step's usual widths take one
+                                # block per program (its loads then wait on nothing but the tile's)
 NUM_TICKETS = 8192             # (tile, rank block) counters of split K, at the end of the scratch
 _PREFILL_BLOCK_M = 64          # prefill-sized tiles: no K split, a column block per expand program (as SGMV)
 _MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
@@ -62,7 +69,7 @@ def _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M: tl.constexpr, ONE_TOKEN: tl.con
     return slot, tokens, is_row
 
 
-@triton.jit(do_not_specialize=["K", "R", "K_PER_SPLIT"])
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, tiles_ptr, tokens_ptr, sum_ptr, part_ptr, tickets_ptr, K, R, K_PER_SPLIT, stride_xt,
                    stride_as, stride_ar, stride_ps, stride_pt, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
@@ -134,7 +141,7 @@ def _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, i
     return tl.dot(s.to(b.dtype), b, acc)
 
 
-@triton.jit(do_not_specialize=["N", "R", "stride_pslot"])
+@triton.jit
 def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_ptr, N, R,
                    stride_ps, stride_pt, stride_pslot, stride_bs, stride_br, stride_yt, NUM_SPLITS: tl.constexpr,
                    SLICE_RANK: tl.constexpr,
@@ -171,7 +178,7 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["I", "stride_pslot"])
+@triton.jit
 def _expand_silu_and_mul_kernel(y_ptr, shrunk_ptr, b_ptr, tiles_ptr, tokens_ptr, out_ptr, I, stride_yt, stride_st,
                                 stride_pslot, stride_bs, stride_br, stride_ot, RANK: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -228,6 +235,12 @@ def num_splits_for(num_tokens: int, in_features: int, rank: int, num_slots: int,
            and in_features // (2 * splits) >= _MIN_K_PER_SPLIT and (2 * splits + 1) * num_tokens <= scratch_rows):
         splits *= 2
     return splits
+
+
+def _warps_for(block_m: int) -> int:
+    """Warps of an expand program: 8 from 32-row tiles on (sm_90 ptxas, bf16, 128 columns: the SwiGLU's two
+    accumulators took 255 registers and spilled at 64 rows x 4 warps, 137 with 8; 32 rows, 128 against 64)."""
+    return 4 if block_m < 32 else 8
 
 
 def _block_r(rank: int) -> int:
@@ -299,7 +312,7 @@ def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b
         0, shrunk.stride(0), slot_stride, lora_b.stride(0), lora_b.stride(1), y.stride(0),
         NUM_SPLITS=1, SLICE_RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
-        ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token)
+        ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token, num_warps=_warps_for(block_m))
     return y
 
 
@@ -329,7 +342,8 @@ def expand_silu_and_mul_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoR
     _expand_silu_and_mul_kernel[(1 if one_token else num_tiles, num_col_blocks)](
         y, shrunk, lora_b, plan.tiles, plan.sorted_tokens, out, intermediate_size, y.stride(0), shrunk.stride(0),
         slot_stride, lora_b.stride(0), lora_b.stride(1), out.stride(0), RANK=slice_rank, BLOCK_M=block_m,
-        BLOCK_R=max(16, next_power_of_2(slice_rank)), BLOCK_N=block_n, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token)
+        BLOCK_R=max(16, next_power_of_2(slice_rank)), BLOCK_N=block_n, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token,
+        num_warps=_warps_for(block_m))
     return out
 
 
