@@ -9,8 +9,8 @@ and writes the output already packed: no padding, no mask, no copies. The CPU, f
 path) and shapes flash cannot take keep the per-run SDPA.
 
 A batch whose texts all have one length (long passages cut at ``max_seq_length``) goes to cuDNN's
-fused attention instead (SDPA's cuDNN backend on ``[texts, heads, length, head_dim]`` views of the
-same projection): on the H200, 64 texts of 256 tokens, 16 heads of 64, it took 60 us per layer
+fused attention instead (the op of SDPA's cuDNN backend on ``[texts, heads, length, head_dim]``
+views of the same projection): on the H200, 64 texts of 256 tokens, 16 heads of 64, it took 60 us per layer
 where flash's variable-length kernel took 98 (the encoder's forward pass 1.8 % less).
 
 >>> out = attend(query, key, value, cu_seqlens, max_length)   # [num_tokens, heads, head_dim] each
@@ -27,7 +27,6 @@ logger = logging.getLogger("hearth_llm")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _is_broken = False    # set when the kernel refused a call: the per-run path is used from then on
 _is_cudnn_broken = False   # the same for attend_equal_lengths
-CUDNN_MAX_HEAD_DIM = 128
 
 
 def can_run(qkv: torch.Tensor, head_dim: int) -> bool:
@@ -40,22 +39,33 @@ def can_run(qkv: torch.Tensor, head_dim: int) -> bool:
 def attend_equal_lengths(qkv: torch.Tensor, num_texts: int, length: int, num_heads: int) -> torch.Tensor | None:
     """Attention for ``num_texts`` texts of ``length`` tokens each, packed in the fused projection
     ``qkv`` ``[num_texts * length, 3 * width]`` (CUDA, half precision) → ``[num_texts * length,
-    width]``, through cuDNN's fused attention; None where cuDNN cannot take it (a head size above
-    128, a build or GPU without it: then :func:`attend` runs, and after a refusal from then on)."""
+    width]``, through cuDNN's fused attention; None where cuDNN cannot take it (SDPA's own check
+    says no, or it refused a call: then :func:`attend` runs, after a refusal from then on)."""
     global _is_cudnn_broken
-    if _is_cudnn_broken or qkv.shape[1] // 3 // num_heads > CUDNN_MAX_HEAD_DIM:
+    if _is_cudnn_broken:
         return None
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     query, key, value = qkv.view(num_texts, length, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
+    if not _cudnn_takes(query, key, value):
+        return None
     try:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            out = torch.nn.functional.scaled_dot_product_attention(query, key, value)
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, False)[0]
     except RuntimeError as error:
         logger.warning("cuDNN attention unavailable (%s); flash's variable-length kernel runs", error)
         _is_cudnn_broken = True
         return None
     return out.transpose(1, 2).reshape(qkv.shape[0], -1)
+
+
+def _cudnn_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """SDPA's own check for its cuDNN backend (shapes, strides, dtype, GPU, and
+    ``torch.backends.cuda.enable_cudnn_sdp``). The op is called directly rather than through
+    ``sdpa_kernel``, whose backend switches are process-wide: another thread's attention (or a
+    second engine's) could run, or be refused, under them."""
+    try:
+        params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, False, False)
+        return torch.backends.cuda.can_use_cudnn_attention(params, False)
+    except (AttributeError, TypeError, RuntimeError):    # a torch without this check
+        return False
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
