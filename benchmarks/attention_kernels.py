@@ -123,17 +123,21 @@ def run_decode(batch: PagedBatch, launch, graph_max_context_len: int | None = No
         max_len, None, common, launch), len(batch.caches))
 
 
-def run_prefill(batch: PagedBatch, block_m: int, block_n: int, warps: int, stages: int) -> float:
+def run_prefill(batch: PagedBatch, block_m: int, block_n: int, warps: int, stages: int, lazy: bool = False) -> float:
+    """µs per layer call of the paged prefill kernel with these tiles (``lazy``: PREFILL_LAZY_RESCALE)."""
     from hearth_llm.kernels.attention import triton_attention as ta
-    saved = ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES
+    saved = (ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES,
+             ta.PREFILL_LAZY_RESCALE)
     ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES = block_m, block_n, warps, stages
+    ta.PREFILL_LAZY_RESCALE = lazy
     try:
         scale = batch.query.shape[-1] ** -0.5
         return time_per_call_us(lambda layer: ta.paged_attention(
             batch.query, *batch.caches[layer], batch.block_tables, batch.context_lens, batch.query_start_loc,
             batch.max_query_len, batch.max_context_len, scale), len(batch.caches), replays=3)
     finally:
-        ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES = saved
+        (ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES,
+         ta.PREFILL_LAZY_RESCALE) = saved
 
 
 def _context_slots(batch: PagedBatch) -> torch.Tensor:
@@ -164,9 +168,11 @@ def flash_prefill_comparison(report, shape: str = "llama3-8b") -> None:
         ours_us = run_prefill(batch, ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N, ta.PREFILL_NUM_WARPS, ta.PREFILL_NUM_STAGES)
         if label.endswith("fresh"):  # a few other tiles of ours, on the case that decides the long mix
             cells = []
-            for tiles in ((128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)):
-                us = run_prefill(batch, *tiles)
-                cells.append(f"M{tiles[0]}/N{tiles[1]}/w{tiles[2]}/s{tiles[3]} {batch.flops / us / 1e6:.0f}")
+            for *tiles, lazy in ((128, 32, 4, 2, True), (128, 64, 8, 3, False), (128, 64, 8, 3, True),
+                                 (128, 128, 8, 3, True), (64, 64, 4, 3, False)):
+                us = run_prefill(batch, *tiles, lazy=lazy)
+                cells.append(f"M{tiles[0]}/N{tiles[1]}/w{tiles[2]}/s{tiles[3]}{'/lazy' if lazy else ''} "
+                             f"{batch.flops / us / 1e6:.0f}")
             report(f"prefill {shape} {label} tiles (TFLOP/s): default M{ta.PREFILL_BLOCK_M}/N{ta.PREFILL_BLOCK_N}/"
                    f"w{ta.PREFILL_NUM_WARPS}/s{ta.PREFILL_NUM_STAGES} {batch.flops / ours_us / 1e6:.0f} | " + " | ".join(cells))
         cu_q = batch.query_start_loc.to(torch.int32)
