@@ -8,10 +8,13 @@ numbers sit beside ``quant_vllm_side.py``'s for vLLM; ``ours_bs1_ms_per_token`` 
 128 tokens, the figure earlier notes quote) is printed too.
 
     python -m hearth_llm.benchmarks.quant_engine --shape llama3-8b --method fp8 --workloads bs1 throughput
+    python -m hearth_llm.benchmarks.quant_engine --method fp8 --workloads bs1 throughput --then-fp8-kv
+    python -m hearth_llm.benchmarks.quant_engine --method fp8 --quality --num-layers 4   # kernel checks + guard
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -220,7 +223,12 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" (the model dtype) or "fp8" (e4m3 cache)')
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--quality", action="store_true",
-                        help="fp8: only the kernel checks (CUDA) and the quality guard against the dequantized-fp32 reference")
+                        help="fp8: only the kernel checks (CUDA) and the quality guard against the dequantized-fp32 "
+                             "reference")
+    parser.add_argument("--then-fp8-kv", action="store_true",
+                        help="then the throughput workload again with kv_cache_dtype='fp8' (and their ratio)")
+    parser.add_argument("--no-bs1-extras", dest="bs1_extras", action="store_false",
+                        help="skip our own bs1 figures after the workloads")
     parser.add_argument("--bs1-ab", action="store_true",
                         help="fp8: bs1 with the one-row GEMV and with the old several-row GEMV")
     add_workload_options(parser)
@@ -237,6 +245,23 @@ def main(argv=None) -> None:
             with open(args.json, "w") as sink:
                 json.dump(report, sink, indent=2)
         return
+    results = run(args)
+    if args.then_fp8_kv:  # the same engine again with an e4m3 KV cache, in this process
+        results["fp8_kv"] = run(argparse.Namespace(**{**vars(args), "kv_cache_dtype": "fp8",
+                                                      "workloads": ["throughput"], "bs1_extras": False}))
+        ours, fp8_kv = results.get("measures", {}), results["fp8_kv"].get("measures", {})
+        if "throughput_tok_s" in ours and "throughput_tok_s" in fp8_kv:
+            results["fp8_kv_throughput_ratio"] = fp8_kv["throughput_tok_s"] / ours["throughput_tok_s"]
+            print(f"{args.method} {args.shape} throughput kv fp8 / kv {args.kv_cache_dtype}: "
+                  f"{results['fp8_kv_throughput_ratio']:.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as sink:
+            json.dump(results, sink, indent=2)
+
+
+def run(args) -> dict:
+    """One engine of ``args``: its workloads (bs1 first), then our own bs1 figures (steady decode
+    of 128 tokens, the decode graph's device time) unless ``args.bs1_extras`` is False."""
     started = time.perf_counter()
     engine = build_engine(args)
     model = engine.runner.model
@@ -247,24 +272,24 @@ def main(argv=None) -> None:
           f"weights {results['weight_bytes'] / 2**30:.2f} GiB", flush=True)
     if args.bs1_ab:
         results["bs1_ab"] = bs1_ab(engine, args)
-        if args.json:
-            with open(args.json, "w") as sink:
-                json.dump(results, sink, indent=2)
-        return
+        return results
     generate = engine_generate(engine)
     results["measures"] = {}
     for name in sorted(args.workloads, key=lambda w: w != "bs1"):  # bs1 first: short, printed before a kill
         results["measures"].update(run_workloads(generate, argparse.Namespace(**{**vars(args), "workloads": [name]})))
-        print(f"{args.method} {args.shape} {name}: {json.dumps(results['measures'])}", flush=True)
-    results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine, num_tokens=128 if args.device == "cuda" else 8)
+        print(f"{args.method} {args.shape} kv {args.kv_cache_dtype} {name}: {json.dumps(results['measures'])}",
+              flush=True)
+    if args.bs1_extras:
+        results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine, num_tokens=128 if args.device == "cuda" else 8)
+        if args.device == "cuda":
+            results["bs1_decode_graph_ms"] = decode_graph_bs1_ms(engine)
+        print(f"{args.method} {args.shape} ours_bs1_ms_per_token {results['ours_bs1_ms_per_token']:.3f}"
+              f" decode graph {results.get('bs1_decode_graph_ms')}", flush=True)
+    del engine, model, generate
+    gc.collect()  # the KV cache and graphs go before a next engine is built
     if args.device == "cuda":
-        results["bs1_decode_graph_ms"] = decode_graph_bs1_ms(engine)
-    print(f"{args.method} {args.shape} ours_bs1_ms_per_token {results['ours_bs1_ms_per_token']:.3f}"
-          f" decode graph {results.get('bs1_decode_graph_ms')}", flush=True)
-    if args.json:
-        with open(args.json, "w") as sink:
-            json.dump(results, sink, indent=2)
-
+        torch.cuda.empty_cache()
+    return results
 
 if __name__ == "__main__":
     main()
