@@ -1,18 +1,24 @@
 """Batch-size-1 decode on CUDA: where a step's time goes, and what the fused GEMV kernels buy.
 
-    python -m hearth_llm.benchmarks.bs1_decode                     # everything below, both shapes
-    python -m hearth_llm.benchmarks.bs1_decode --parts check sweep --budget-s 40
+    python -m hearth_llm.benchmarks.bs1_decode --parts engine                  # variants A/B, both shapes
+    python -m hearth_llm.benchmarks.bs1_decode --parts engine --shapes llama3-8b --variants fused fused+pdl+all+head+epi
+    python -m hearth_llm.benchmarks.bs1_decode --parts sweep --quick-sweep --sweep-set decode
+    python -m hearth_llm.benchmarks.bs1_decode --parts host --shapes qwen3-0.6b
 
 Parts, each printed as it finishes (flushed, so a run cut short keeps what it measured):
 
 * ``check``: the fused kernels (``kernels/gemv``) against their torch reference on bf16 real widths
   (PASS/FAIL lines); ``attention``: the attention kernels against theirs (``attention_kernels``);
 * ``sweep``: each projection of the 0.6B and 8B shapes at one row: cuBLAS (``F.linear``), the
-  unfused pair (norm or SwiGLU kernel, then cuBLAS) and the fused kernel over launch shapes, µs per
-  call inside a CUDA graph, with enough weight copies to defeat the 50 MB L2 (each call reads HBM);
-* ``engine``: an engine per shape (random weights, one sequence): ms/token as ``bench throughput``
-  times it and the decode graph's device time, fused on and off, and a torch.profiler table of the
-  kernels one decode graph replay runs (count and µs each).
+  unfused ops and the fused kernel over launch shapes (with and without programmatic dependent
+  launch), µs per call inside a CUDA graph, with enough weight copies to defeat the 50 MB L2;
+  ``--sweep-set decode`` takes the projections as the default decode path runs them;
+* ``engine``: an engine per shape (random weights, one sequence) and the :data:`VARIANTS` asked for:
+  ms/token as ``bench throughput`` times it and the decode graph's device time each; for the plain
+  fused one and the fastest, a middle layer's kernels one by one (µs, gap before each, GB/s of the
+  matmuls); for the fastest, graph vs eager and top-5 vs unfused, the host/device split of a step,
+  the LM head by cuBLAS and by the GEMV, the argmax, and every device op of whole steps;
+* ``host``: where the host's time of a step goes (timers around its pieces, cProfile).
 """
 from __future__ import annotations
 
