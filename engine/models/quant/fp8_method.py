@@ -3,8 +3,10 @@
 Each layer loads its weight in the compute dtype as the dense method would; once all its shards
 are in, the weight becomes e4m3 values with one float32 scale per output row (its largest
 magnitude maps to 448) and the dense copy is dropped, layer by layer, so the peak stays one dense
-layer above the FP8 model. Activations are quantized per token at every call
-(``kernels/quant/fp8.py``): ``torch._scaled_mm`` with row-wise scales (Hopper; the CPU emulates it).
+layer above the FP8 model. Activations are quantized per token at every call, the same math on
+every path (``kernels/quant/fp8.py``'s reference): on CUDA ``kernels/quant/triton_fp8.py`` picks
+by rows (a one-row GEMV for batch-size-1 decode, tensor-core GEMVs/GEMMs up to 64 rows, then the
+quantizer + ``torch._scaled_mm`` with row-wise scales); the CPU emulates ``_scaled_mm``.
 
 Layers whose sizes are not multiples of 16 (the FP8 GEMM's tile) stay dense; the LM head and the
 embeddings stay in the compute dtype, as vLLM keeps them.
