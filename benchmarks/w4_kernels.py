@@ -136,6 +136,7 @@ def part_kernels(rows, config_ids, json_path=None, tuned_path=None) -> dict:
         totals: dict = {}
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            expected = F.linear(x.float(), w4_layout.dequantize(weights[name][0]))
             cells = {"bf16": timing.graphed_us([lambda w=w: F.linear(x, w) for w in dense[name]], num_warmup=2)}
             if m == 1:
                 copies = weights[name]
@@ -148,6 +149,10 @@ def part_kernels(rows, config_ids, json_path=None, tuned_path=None) -> dict:
                     continue
                 try:
                     call = call_for(kind, config, target, x)
+                    err = ((call(weights[name][0]).float() - expected).abs().max() / expected.abs().max()).item()
+                    if not err < 1e-2:  # a wrong kernel is never timed, so never picked
+                        print(f"W4 {label(kind, config, target)} M={m} {name}: WRONG, max rel err {err:.2e}", flush=True)
+                        continue
                     cells[label(kind, config, target)] = timing.graphed_us(
                         [lambda w=w: call(w) for w in weights[name]], num_warmup=2)
                 except Exception as error:  # noqa: BLE001 - one config failing must not hide the rest
