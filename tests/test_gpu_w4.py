@@ -4,6 +4,8 @@ Skipped without a GPU (the CPU runs the same kernels under TRITON_INTERPRET in
 test_quant_awq_gptq.py)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,8 @@ from test_quant_awq_gptq import quantized_dirs, random_w4_rows  # noqa: F401  (f
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _weight(num_rows: int, num_columns: int, seed: int) -> w4_layout.W4Weight:
+@functools.lru_cache(maxsize=4)
+def _weight(num_rows: int, num_columns: int, seed: int = 0) -> w4_layout.W4Weight:
     return w4_layout.from_rows(random_w4_rows(num_rows, num_columns, seed).cuda())
 
 
@@ -32,7 +35,7 @@ def _close(out: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-2) -
 def test_w4_linear_matches_the_dequantized_reference(shape, num_rows):
     """The default path of each row count (GEMV, tensor-core GEMV, dequantize + cuBLAS), bf16 x, a
     bias, called twice (split-K leaves its workspace zeroed for the next call)."""
-    weight = _weight(*shape, seed=num_rows)
+    weight = _weight(*shape)
     x = torch.randn(num_rows, shape[1], device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(shape[0], device="cuda", dtype=torch.bfloat16)
     expected = F.linear(x.float(), w4_layout.dequantize(weight), bias.float())
@@ -45,7 +48,7 @@ def test_w4_linear_matches_the_dequantized_reference(shape, num_rows):
 @pytest.mark.parametrize("split_k", [1, 3, 8])
 def test_w4_gemvs_match_the_reference_with_any_split(kernel, options, split_k):
     """Each GEMV (the tensor-core one with either decode) at 1 and 5 rows, split in 1, 3 or 8 parts."""
-    weight = _weight(4096, 4096, seed=split_k)
+    weight = _weight(4096, 4096)
     for num_rows in (1, 5) if kernel == "dot_gemv" else (1,):
         x = torch.randn(num_rows, 4096, device="cuda", dtype=torch.bfloat16)
         expected = F.linear(x.float(), w4_layout.dequantize(weight))
@@ -66,7 +69,7 @@ def test_w4_dequantize_kernel_is_exact_on_gpu():
 @pytest.mark.parametrize("num_rows", [1, 4])
 def test_w4_linear_replays_in_a_cuda_graph(num_rows):
     """Captured after one eager call (which makes the split-K buffers), replays give the eager result."""
-    weight = _weight(4096, 4096, seed=3)
+    weight = _weight(4096, 4096)
     x = torch.randn(num_rows, 4096, device="cuda", dtype=torch.bfloat16)
     eager = triton_w4.w4_linear(x, weight)
     graph = torch.cuda.CUDAGraph()
