@@ -54,15 +54,36 @@ def test_c_gemv_multiplies_the_exact_weights_for_each_row_count(quant_type):
     assert torch.equal(threads, gguf_cpu_native.gemv(x[:3], data, quant_type, num_threads=1))  # rows split, same sums
 
 
-@pytest.mark.parametrize("quant_type", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_c_bf16_gemv_multiplies_the_exact_weights(quant_type):
     if not gguf_cpu_native.has_bf16(quant_type):
         pytest.skip("this CPU has no AVX-512 BF16")
-    data = random_blocks(quant_type, 33, 512, seed=4)
-    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
-    for rows in (1, 2, 5, 8):
+    # Q4_0/Q4_1: 576 columns = four-block groups and a tail of two blocks (the bundled SmolLM2's width)
+    num_columns = 576 if quant_type in ("Q4_0", "Q4_1") else 512
+    data = random_blocks(quant_type, 33, num_columns, seed=4)
+    x = torch.randn(8, num_columns, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for rows in range(1, 9):
         out, expected = gguf_cpu_native.gemv_bf16(x[:rows], data, quant_type), _exact(x[:rows], data, quant_type)
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+    threads = gguf_cpu_native.gemv_bf16(x[:5], data, quant_type, num_threads=2)
+    assert torch.equal(threads, gguf_cpu_native.gemv_bf16(x[:5], data, quant_type, num_threads=1))
+
+
+def test_q4_1_bf16_gemv_uses_the_files_fp16_scales_not_bf16_rounded_ones():
+    """A Q4_1 block whose d and m are not bf16 values: the kernel's result is the fp16 weights' (the int4
+    layout's bf16 scales would be off by ~2^-9 relative)."""
+    if not gguf_cpu_native.has_bf16("Q4_1"):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    block = bytearray(20)
+    block[0:2] = np.float16(1.0 + 2.0 ** -10).tobytes()  # d: 11 significant bits, not a bf16
+    block[2:4] = np.float16(-3.0 - 2.0 ** -9).tobytes()
+    block[4:20] = bytes(range(0xF0, 0x100))  # codes j & 15 = j, high nibbles 15
+    data = torch.tensor(list(bytes(block) * 4), dtype=torch.uint8).reshape(1, 80)  # one group of four blocks
+    x = torch.ones(1, 128, dtype=torch.bfloat16)
+    expected = _exact(x, data, "Q4_1").item()
+    assert gguf_cpu_native.gemv_bf16(x, data, "Q4_1").item() == pytest.approx(expected, rel=1e-6)
+    rounded = 4 * ((torch.tensor(1.0 + 2.0 ** -10).bfloat16().item()) * (120 + 240) + 32 * torch.tensor(-3.0 - 2.0 ** -9).bfloat16().item())
+    assert abs(rounded - expected) > 1e-3 * abs(expected)
 
 
 def test_bound_routine_joins_runs_of_two_types_and_adds_the_bias_for_decode_and_prefill():
@@ -152,16 +173,23 @@ def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_we
         resident += model.lm_head.resident_bytes() + model.embed_tokens.resident_bytes()
         file_bytes = sum(size for name, size in tensor_bytes.items() if name not in ("blk.0.ffn_gate", "blk.0.ffn_up"))
         assert resident == file_bytes  # the file's bytes, no dense copy (goal: <= 1.15x)
-        int4_layer = layers["layers.0.mlp.gate_up_proj"].cpu_weight
-        # pure Q4_0/Q4_1 layers keep their dense copy for prefill (gguf_linear_method.DROP_DENSE_COPY is off)
-        assert int4_layer.int4 is not None and int4_layer.packed_weight is not None
+        q4_layer = layers["layers.0.mlp.gate_up_proj"]
+        # pure Q4_0/Q4_1 layers keep their dense copy for prefill (gguf_linear_method.DROP_DENSE_COPY is off);
+        # decode steps read the file's blocks where the C bf16 Q4 kernels exist, else torch's int4 layout
+        assert q4_layer.cpu_weight.packed_weight is not None
+        if gguf_cpu_native.has_bf16("Q4_0"):
+            runs = q4_layer.method.block_runs(q4_layer)
+            assert [quant_type for quant_type, _ in runs] == ["Q4_0", "Q4_1"] and q4_layer.cpu_weight.int4 is None
+            assert sum(data.numel() for _, data in runs) == tensor_bytes["blk.0.ffn_gate"] + tensor_bytes["blk.0.ffn_up"]
+        else:
+            assert q4_layer.cpu_weight.int4 is not None
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
 
 
 def test_bundled_smollm2_in_bf16_shares_one_block_copy_of_its_tied_embedding_and_head():
-    """The tied Q8_0 embedding and head are one shared block copy; the Q4_1 linears keep int4 codes plus
-    their dense copy for prefill (``gguf_linear_method.DROP_DENSE_COPY`` is off: the int4 layout's bf16
+    """The tied Q8_0 embedding and head are one shared block copy; the Q4_1 linears keep their blocks
+    (int4 codes where the C bf16 Q4 kernels are not built) plus their dense copy for prefill (``gguf_linear_method.DROP_DENSE_COPY`` is off: the int4 layout's bf16
     scales changed the model's answers), so the whole model is not within 1.15x of the file."""
     from gguf import GGUFReader
 
@@ -176,7 +204,9 @@ def test_bundled_smollm2_in_bf16_shares_one_block_copy_of_its_tied_embedding_and
         embedding_file_bytes = next(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
         assert model.embed_tokens.resident_bytes() <= 1.15 * embedding_file_bytes < tensor_bytes
         for _, layer in linear_layers(model):
-            assert layer.cpu_weight.int4 is not None and layer.cpu_weight.packed_weight is not None
+            assert layer.cpu_weight.packed_weight is not None
+            assert (layer.method.block_runs(layer) is not None) == gguf_cpu_native.has_bf16("Q4_1")
+            assert (layer.cpu_weight.int4 is None) == gguf_cpu_native.has_bf16("Q4_1")
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 

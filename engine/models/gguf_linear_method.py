@@ -1,12 +1,13 @@
-"""GGUF Q4_0/Q4_1 weights on the CPU as 4-bit weights, packed straight from llama.cpp's blocks.
+"""GGUF Q4_0/Q4_1 weights on the CPU: decode steps on the file's blocks (exact), batches on a dense copy.
 
 Chosen before loading for a linear layer whose every checkpoint shard is a Q4_0 or Q4_1 tensor
-(the checkpoint says so in ``weight_formats``). Loading takes each shard's codes and scales from
-its blocks (exact) into torch's int4 CPU layout, which decode steps of a few rows read: a quarter
-of a bf16 weight's bytes. Batches of 96+ rows decode tiles of those codes for oneDNN (the C kernels of
-``kernels/quant/gguf_cpu_native.py``), so the layer holds only its 4-bit copy (~1.0-1.1x the file's
-bytes); where those are not built, a bf16 copy in oneDNN's layout, dequantized from the same blocks. The old path (dequantize, then search the dense weight for a 4-bit grid) is gone for
-GGUF files.
+(the checkpoint says so in ``weight_formats``). Where this machine's C kernels have the bf16 Q4
+kernels (AVX-512 BF16, ``kernels/quant/gguf_cpu_native.py``), the layer keeps the file's blocks (a
+uint8 buffer per run of same-type shards, as ``GGUFBlockLinearMethod``) and steps of up to
+``gguf_cpu_native.MAX_ROWS`` rows (decode, speculative verification) multiply them in place: the
+file's fp16 block scales, not rounded. Elsewhere it packs the blocks' codes into torch's int4 CPU layout
+(``_weight_int4pack_mm_for_cpu``, whose scales and zeros are bf16: the file's fp16 scales rounded).
+Batches of more rows multiply a bf16 copy dequantized from the same blocks (``DROP_DENSE_COPY``).
 
 >>> configure_linears(model, lambda name, layer: GGUF_INT4 if GGUFInt4LinearMethod.supports(layer, "cpu", bf16) else None)
 """
@@ -16,7 +17,7 @@ import torch
 
 from hearth_llm.engine.loader.gguf_blocks import BLOCK_SIZE, KEPT_TYPES, GGUFBlocks
 from hearth_llm.kernels import cpu_ops
-from hearth_llm.kernels.quant import gguf_cpu_native
+from hearth_llm.kernels.quant import gguf_cpu, gguf_cpu_native
 
 from .cpu_weights import CpuLinear
 from .linear_method import LinearMethod
@@ -50,6 +51,9 @@ class GGUFInt4LinearMethod(LinearMethod):
         rows = loaded.shape[0]
         if param.numel():
             param.data.narrow(0, offset, rows).copy_(loaded.dequantized(torch.float32))
+        if _exact_blocks(loaded.quant_type) and loaded.input_order is None:
+            layer.__dict__.setdefault("_gguf_shards", []).append((offset, loaded.quant_type, loaded.data.clone()))
+            return
         codes, scales, zeros = _int4_parts(layer)
         shard_codes, shard_scales, shard_zeros = loaded.int4_parts()
         codes.narrow(0, offset, rows).copy_(shard_codes)
@@ -57,20 +61,72 @@ class GGUFInt4LinearMethod(LinearMethod):
         zeros.narrow(0, offset, rows).copy_(shard_zeros)
 
     def process_weights_after_loading(self, layer) -> None:
+        shards = layer.__dict__.pop("_gguf_shards", None)
+        dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() else None
+        if shards is not None and "_int4_parts" not in layer.__dict__:
+            # Runs of consecutive shards of one type, each one buffer of the file's block rows.
+            runs = []
+            for offset, quant_type, data in sorted(shards, key=lambda shard: shard[0]):
+                if runs and runs[-1][0] == quant_type:
+                    runs[-1][1].append(data)
+                else:
+                    runs.append((quant_type, [data]))
+            layer.gguf_block_runs = []
+            for index, (quant_type, parts) in enumerate(runs):
+                name = f"gguf_blocks_{index}"
+                layer.register_buffer(name, parts[0] if len(parts) == 1 else torch.cat(parts))
+                layer.gguf_block_runs.append((quant_type, name))
+            layer.cpu_weight = CpuLinear(dense, None) if dense is not None else None
+            del layer.weight
+            return
         codes, scales, zeros = layer.__dict__.pop("_int4_parts")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         del codes
         # The kernel reads [num_groups, rows, (scale, zero)].
         scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(layer.weight.dtype)
-        dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() else None
         layer.cpu_weight = CpuLinear(dense, (packed, scales_and_zeros))
         del layer.weight
 
+    def block_runs(self, layer) -> list[tuple[str, torch.Tensor]] | None:
+        """``[(quant_type, block rows), ...]`` in output-row order where the layer kept the file's blocks."""
+        runs = getattr(layer, "gguf_block_runs", None)
+        return None if runs is None else [(quant_type, getattr(layer, name)) for quant_type, name in runs]
+
+    def resident_bytes(self, layer) -> int:
+        """Bytes of the layer's weight copies: the blocks (or int4 codes and scales) and the dense copy."""
+        total = sum(data.numel() for _, data in self.block_runs(layer) or [])
+        cpu = getattr(layer, "cpu_weight", None)
+        if cpu is not None:
+            for tensor in ([cpu.packed_weight] if cpu.packed_weight is not None else []) + list(cpu.int4 or ()):
+                total += tensor.numel() * tensor.element_size()
+        return total
+
     def apply(self, layer, x, bias):
+        runs = self.block_runs(layer)
+        if runs is None:
+            return layer.cpu_weight(x, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= gguf_cpu_native.MAX_ROWS or layer.cpu_weight is None:
+            outs = [gguf_cpu.gguf_linear(flat, data, quant_type) for quant_type, data in runs]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            out = out if bias is None else out.add_(bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return layer.cpu_weight(x, bias)
 
     def forward_routine(self, layer):
-        return layer.cpu_weight.routine(layer.bias)
+        runs = self.block_runs(layer)
+        if runs is None:
+            return layer.cpu_weight.routine(layer.bias)
+        exact = gguf_cpu.gguf_linear_routine(runs, layer.bias)
+        dense = None if layer.cpu_weight is None else layer.cpu_weight.routine(layer.bias)
+        if dense is None:
+            return exact
+        max_rows = gguf_cpu_native.MAX_ROWS
+
+        def exact_or_dense(x: torch.Tensor) -> torch.Tensor:
+            return exact(x) if 0 < x.numel() <= max_rows * x.shape[-1] else dense(x)
+
+        return exact_or_dense
 
 
 # Whether pure Q4_0/Q4_1 layers drop their dense copy (prefill then runs the int4 codes: the int4 kernel up
@@ -85,6 +141,11 @@ def _tiles_from_codes(layer) -> bool:
     """Whether large batches will decode tiles from the int4 codes (see ``CpuLinear``): only with
     ``DROP_DENSE_COPY``, where the C kernels are built and the rows come in the int4 layout's blocks of 64."""
     return DROP_DENSE_COPY and layer.output_size_per_rank % 64 == 0 and gguf_cpu_native.available()
+
+
+def _exact_blocks(quant_type: str) -> bool:
+    """Whether this machine multiplies ``quant_type`` blocks in place, exactly and fast (the C bf16 Q4 kernels)."""
+    return gguf_cpu_native.has_bf16(quant_type)
 
 
 def _int4_parts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

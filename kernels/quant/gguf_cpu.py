@@ -27,6 +27,10 @@ TILE_ELEMENTS = 1 << 22
 # The bf16 kernels (Q4_K, Q6_K) win for one or two rows of x; for more, the float32 ones did
 # (1 thread, [8192, 2048], ms: Q4_K 1.70 vs 1.99 at 1 row, 3.85 vs 2.21 at 4; Q6_K 2.28 vs 2.82, 3.99 vs 4.00).
 BF16_MAX_ROWS = 2
+# Q4_0/Q4_1's bf16 kernels (four blocks per step, x laid out once per call) beat their float32 ones at
+# every row count: the bundled SmolLM2's 210 Q4_1 matrices, 1 thread, CPU ms per pass, bf16 / float32:
+# 8.67 / 10.42 at 1 row, 11.03 / 12.36 at 2, 18.83 / 23.73 at 4, 24.33 / 31.45 at 5, 34.04 / 44.02 at 8.
+BF16_MAX_ROWS_BY_TYPE = {"Q4_0": 8, "Q4_1": 8}
 # The numba GEMV decodes the weight once per row of x; above this the tiled path's one decode wins.
 NUMBA_MAX_ROWS = 2
 
@@ -41,7 +45,8 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bias: torc
         raise ValueError(f"x must have {num_columns} columns for this {quant_type} weight, got {tuple(x.shape)}")
     gemv_rows = x.dim() == 2 and tile_elements is None and x.shape[0] > 0
     if gemv_rows and x.shape[0] <= gguf_cpu_native.MAX_ROWS and gguf_cpu_native.available():
-        if x.dtype == torch.bfloat16 and x.shape[0] <= BF16_MAX_ROWS and gguf_cpu_native.has_bf16(quant_type):
+        if (x.dtype == torch.bfloat16 and x.shape[0] <= BF16_MAX_ROWS_BY_TYPE.get(quant_type, BF16_MAX_ROWS)
+                and gguf_cpu_native.has_bf16(quant_type)):
             out = gguf_cpu_native.gemv_bf16(x, data, quant_type).to(x.dtype)
         else:
             out = gguf_cpu_native.gemv(x.float(), data, quant_type).to(x.dtype)
@@ -83,20 +88,21 @@ def gguf_linear_routine(runs, bias: torch.Tensor | None = None):
     """``routine(x)`` = ``x @ W.T + bias`` for a weight made of row runs ``[(quant_type, data), ...]``
     (their outputs joined in order), with decode-sized steps bound straight to the C GEMVs: one
     call per run and no dispatch (a decode step runs ~100 of these). bf16 ``x`` goes to the bf16
-    kernels where the type has one (Q4_K, Q6_K), else is read as float32. None where the C kernels
+    kernels where the type has one (Q4_0, Q4_1, Q4_K, Q6_K), else is read as float32. None where the C kernels
     are not built here."""
     if not gguf_cpu_native.available():
         return None
     fp32 = [gguf_cpu_native.gemv_routine(data, quant_type) for quant_type, data in runs]
     bf16 = [gguf_cpu_native.gemv_routine(data, quant_type, bf16=True) if gguf_cpu_native.has_bf16(quant_type)
             else None for quant_type, data in runs]
+    bf16_max_rows = [BF16_MAX_ROWS_BY_TYPE.get(quant_type, BF16_MAX_ROWS) for quant_type, _ in runs]
     max_rows = gguf_cpu_native.MAX_ROWS
 
     def rows_out(flat: torch.Tensor) -> torch.Tensor:
         x32 = None
         outs = []
-        for gemv32, gemv16 in zip(fp32, bf16):
-            if gemv16 is not None and flat.dtype == torch.bfloat16 and flat.shape[0] <= BF16_MAX_ROWS:
+        for gemv32, gemv16, most in zip(fp32, bf16, bf16_max_rows):
+            if gemv16 is not None and flat.dtype == torch.bfloat16 and flat.shape[0] <= most:
                 outs.append(gemv16(flat.contiguous()))
             else:
                 x32 = flat.float().contiguous() if x32 is None else x32

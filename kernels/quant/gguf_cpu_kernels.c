@@ -16,6 +16,7 @@
  * accumulator count: M of 1-2, 3-4, 5-8).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -536,6 +537,164 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
     }
 }
 
+/* Q4_0/Q4_1: a block is 32 weights, codes 0..15 in 16 bytes (low nibbles elements 0-15, high ones
+   16-31). The 16 bytes go to both halves of a register of 32 words, the upper half shifted right by
+   4, and vpermw maps each code to its bf16 value (Q4_0: code - 8; Q4_1: the code; exact, and vpermw
+   reads 5 index bits, so the table repeats every 16 and the low half needs no mask): one vdpbf16ps
+   against the block's 32 x, then w x = d (q x) (Q4_1: + m * sum x), d and m the file's fp16 values
+   in float32. So the weights are the file's (d (q - 8) exactly; d q + m unrounded), not bf16-rounded
+   scales; only where the float32 roundings fall differs from a dense GEMV. */
+static inline __m512i q4_word_table(int offset) {
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++) t[i] = bf16_of_int((i & 15) - offset);
+    return _mm512_loadu_si512(t);
+}
+
+#define Q4_WORDS(p) _mm512_mask_srli_epi16(                                                           \
+    _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))),       \
+    (__mmask32)0xFFFF0000u, _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))), 4)
+
+static inline __attribute__((always_inline)) void q4_01_bf16_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
+        const float *xsum, const int M, float *out, int64_t out_stride, const int with_min) {
+    const int type_size = with_min ? 20 : 18, codes_at = with_min ? 4 : 2;
+    const __m512i table = q4_word_table(with_min ? 0 : 8);
+    const int64_t num_blocks = K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = data + n * row_stride;
+        __m512 acc[M][2];
+        float minsum[M];
+        for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
+        int64_t blk = 0;
+#define Q4_01_BLOCK(bi, a) {                                                                          \
+            const uint8_t *b = row + (bi) * type_size;                                               \
+            const __m512i w = _mm512_permutexvar_epi16(Q4_WORDS(b + codes_at), table);               \
+            const __m512 d = _mm512_set1_ps(f16(b));                                                 \
+            for (int m = 0; m < M; m++)                                                              \
+                acc[m][a] = _mm512_fmadd_ps(d, DP(w, x + m * K + (bi) * 32), acc[m][a]);             \
+            if (with_min) {                                                                          \
+                const float mn = f16(b + 2);                                                         \
+                for (int m = 0; m < M; m++) minsum[m] += mn * xsum[m * num_blocks + (bi)];           \
+            } }
+        for (; blk + 2 <= num_blocks; blk += 2) {
+            PREFETCH(row + blk * type_size, 2 * type_size);
+            Q4_01_BLOCK(blk, 0)
+            Q4_01_BLOCK(blk + 1, 1)
+        }
+        if (blk < num_blocks) Q4_01_BLOCK(blk, 0)
+#undef Q4_01_BLOCK
+        for (int m = 0; m < M; m++)
+            out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + minsum[m];
+    }
+}
+
+/* The fast form, four blocks (128 weights) at a time: two loads take the group's bytes, vpermt2b
+   gathers its 64 code bytes (block L in 128-bit lane L) and its fp16 d (and m) per lane, and each
+   16-bit word of the codes yields four codes by shifts (vpermw reads 5 index bits; the table repeats
+   every 16). Word p of the four code vectors holds elements e of block p / 8 with k = p % 8:
+   e = 2k, 2k + 1, 16 + 2k, 17 + 2k; x is laid out once per call in that order (q4_x_order), so
+   lanes 4L..4L+3 of the dot products sum block L, which one multiply by d (lanes 4L..4L+3 = d_L)
+   scales. Q4_1 adds m_L times the block's x sum (xs: lane 4L, zeros elsewhere). The tail blocks
+   (K / 32 % 4) run q4_01_bf16_rows's one-block step on the natural x. */
+#define Q4G_WORDS 32  /* bf16 x values per code vector */
+static void q4_x_order(const uint16_t *x, const float *xsum, int64_t K, int M, uint16_t *xr, float *xs) {
+    const int64_t groups = K / 128;
+    for (int m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *src = x + m * K + g * 128;
+            uint16_t *dst = xr + m * groups * 128 + g * 128;
+            float *lanes = xs + m * groups * 16 + g * 16;
+            for (int p = 0; p < 32; p++) {
+                const int L = p / 8, k = p % 8;
+                dst[p] = src[32 * L + 2 * k];
+                dst[32 + p] = src[32 * L + 2 * k + 1];
+                dst[64 + p] = src[32 * L + 16 + 2 * k];
+                dst[96 + p] = src[32 * L + 17 + 2 * k];
+            }
+            for (int lane = 0; lane < 16; lane++)
+                lanes[lane] = lane % 4 ? 0.0f : xsum[m * (K / 32) + g * 4 + lane / 4];
+        }
+}
+
+static inline __attribute__((always_inline)) void q4_01_grouped_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
+        const float *xsum, const uint16_t *xr, const float *xs, const int M, float *out, int64_t out_stride,
+        const int with_min) {
+    const int type_size = with_min ? 20 : 18, codes_at = with_min ? 4 : 2;
+    const __m512i table = q4_word_table(with_min ? 0 : 8);
+    const int64_t groups = K / 128, num_blocks = K / 32;
+    /* byte 16 L + j <- L * type_size + codes_at + j; scale word 4 L + r <- d_L (bytes L ts, L ts + 1),
+       word 16 + 4 L + r <- m_L (bytes L ts + 2, + 3) */
+    uint8_t code_index[64], scale_index[64];
+    for (int i = 0; i < 64; i++) {
+        code_index[i] = (uint8_t)((i / 16) * type_size + codes_at + i % 16);
+        const int word = i / 2, L = (word % 16) / 4;
+        scale_index[i] = (uint8_t)(L * type_size + (word >= 16 ? 2 : 0) + i % 2);
+    }
+    const __m512i code_idx = _mm512_loadu_si512(code_index), scale_idx = _mm512_loadu_si512(scale_index);
+    const __mmask64 tail_bytes = (__mmask64)((1ull << (4 * type_size - 64)) - 1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = data + n * row_stride;
+        __m512 acc[M];
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = row + g * 4 * type_size;
+            PREFETCH(b, 4 * type_size);
+            const __m512i lo = _mm512_loadu_si512((const void *)b), hi = _mm512_maskz_loadu_epi8(tail_bytes, b + 64);
+            const __m512i codes = _mm512_permutex2var_epi8(lo, code_idx, hi);
+            const __m512i halves = _mm512_permutex2var_epi8(lo, scale_idx, hi);
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+            const __m512i w0 = _mm512_permutexvar_epi16(codes, table);
+            const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 8), table);
+            const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+            const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 12), table);
+            for (int m = 0; m < M; m++) {
+                const uint16_t *xg = xr + (m * groups + g) * 128;
+                __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, X_BF16(xg));
+                sum = _mm512_dpbf16_ps(sum, (__m512bh)w1, X_BF16(xg + 32));
+                sum = _mm512_dpbf16_ps(sum, (__m512bh)w2, X_BF16(xg + 64));
+                sum = _mm512_dpbf16_ps(sum, (__m512bh)w3, X_BF16(xg + 96));
+                acc[m] = _mm512_fmadd_ps(d, sum, acc[m]);
+            }
+            if (with_min) {
+                const __m512 mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+                for (int m = 0; m < M; m++)
+                    acc[m] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(xs + (m * groups + g) * 16), acc[m]);
+            }
+        }
+        float minsum[8];
+        for (int m = 0; m < M; m++) minsum[m] = 0.0f;
+        for (int64_t blk = groups * 4; blk < num_blocks; blk++) {  /* the last 1-3 blocks, one at a time */
+            const uint8_t *b = row + blk * type_size;
+            const __m512i w = _mm512_permutexvar_epi16(Q4_WORDS(b + codes_at), table);
+            const __m512 d = _mm512_set1_ps(f16(b));
+            for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(d, DP(w, x + m * K + blk * 32), acc[m]);
+            if (with_min) {
+                const float mn = f16(b + 2);
+                for (int m = 0; m < M; m++) minsum[m] += mn * xsum[m * num_blocks + blk];
+            }
+        }
+        for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m]) + minsum[m];
+    }
+}
+
+#define Q4G_FN(NAME, WITH_MIN)                                                                       \
+    static void NAME(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,  \
+                     const float *xsum, const uint16_t *xr, const float *xs, int M, float *out, int64_t ldo) { \
+        switch (M) {                                                                                 \
+        case 1: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 1, out, ldo, WITH_MIN); break;  \
+        case 2: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 2, out, ldo, WITH_MIN); break;  \
+        case 3: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 3, out, ldo, WITH_MIN); break;  \
+        case 4: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 4, out, ldo, WITH_MIN); break;  \
+        case 5: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 5, out, ldo, WITH_MIN); break;  \
+        case 6: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 6, out, ldo, WITH_MIN); break;  \
+        case 7: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 7, out, ldo, WITH_MIN); break;  \
+        default: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 8, out, ldo, WITH_MIN); break; \
+        }                                                                                            \
+    }
+Q4G_FN(q4_0_grouped, 0)
+Q4G_FN(q4_1_grouped, 1)
+
 typedef void (*bf16_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const uint16_t *, const float *,
                              int, float *, int64_t);
 
@@ -610,7 +769,7 @@ int gguf_dequant(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, 
 /* bf16 x: 1 if this build has a bf16 kernel for qtype (Q4_K, Q6_K). */
 int gguf_has_bf16(int qtype) {
 #if defined(HAS_BF16_KERNELS)
-    return qtype == Q4_K || qtype == Q6_K;
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K || qtype == Q6_K;
 #else
     (void)qtype;
     return 0;
@@ -622,20 +781,33 @@ int gguf_has_bf16(int qtype) {
 int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
                    int M, float *out, int64_t out_stride, int num_threads) {
 #if defined(HAS_BF16_KERNELS)
-    if (!gguf_has_bf16(qtype) || M < 1 || M > 8 || K % 256) return -1;
-    float xsum[8 * 1024];  /* per 32 inputs of each row of x: Q4_K's minimums multiply these */
+    const int block_size = qtype == Q4_0 || qtype == Q4_1 ? 32 : 256;
+    if (!gguf_has_bf16(qtype) || M < 1 || M > 8 || K % block_size) return -1;
+    float xsum[8 * 1024];  /* per 32 inputs of each row of x: Q4_K's and Q4_1's minimums multiply these */
     if (K / 32 > 1024) return -2;
-    for (int m = 0; m < M; m++)
-        for (int64_t g = 0; g < K / 32; g++) {
-            float total = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                uint32_t bits = (uint32_t)x[m * K + g * 32 + j] << 16;
-                float v;
-                memcpy(&v, &bits, 4);
-                total += v;
+    if (qtype == Q4_K || qtype == Q4_1)
+        for (int m = 0; m < M; m++)
+            for (int64_t g = 0; g < K / 32; g++) {  /* the 32 values as float32 (exact), added in a fixed order */
+                const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)));
+                const __m512i words2 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32 + 16)));
+                xsum[m * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(
+                    _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(words2, 16))));
             }
-            xsum[m * (K / 32) + g] = total;
-        }
+    if (qtype == Q4_0 || qtype == Q4_1) {
+        /* x in the grouped kernel's order, and Q4_1's block sums in their lanes (see q4_x_order) */
+        const int64_t groups = K / 128;
+        uint16_t *xr = malloc(sizeof(uint16_t) * (size_t)(M * groups * 128 + 1));
+        float *xs = malloc(sizeof(float) * (size_t)(M * groups * 16 + 1));
+        if (!xr || !xs) { free(xr); free(xs); return -3; }
+        q4_x_order(x, xsum, K, M, xr, xs);
+        if (qtype == Q4_0)
+            OVER_ROW_PARTS(N, num_threads, q4_0_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride));
+        else
+            OVER_ROW_PARTS(N, num_threads, q4_1_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride));
+        free(xr);
+        free(xs);
+        return 0;
+    }
     const bf16_rows_fn fn = qtype == Q4_K ? q4_k_bf16 : q6_k_bf16;
     OVER_ROW_PARTS(N, num_threads, fn(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride));
     return 0;

@@ -71,8 +71,8 @@ def gemv(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads: int 
 
 
 def has_bf16(quant_type: str) -> bool:
-    """Whether this build multiplies ``quant_type`` blocks by bf16 ``x`` directly (Q4_K, Q6_K with
-    AVX-512 BF16: bf16 dot products of the exact integer codes, then the float32 scales)."""
+    """Whether this build multiplies ``quant_type`` blocks by bf16 ``x`` directly (Q4_0, Q4_1, Q4_K, Q6_K
+    with AVX-512 BF16: bf16 dot products of the exact integer codes, then the file's scales in float32)."""
     library = _library()
     return library is not None and quant_type in QTYPE_IDS and bool(library.gguf_has_bf16(QTYPE_IDS[quant_type]))
 
