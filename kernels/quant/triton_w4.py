@@ -34,14 +34,14 @@ import triton.language as tl
 
 from .w4_layout import W4Weight
 
-GEMV_MAX_ROWS = 1
-DOT_MAX_ROWS = 16
-# (block_n, num_warps, num_stages) of each kernel, and the programs split-K aims for.
+GEMV_MAX_ROWS = 1   # rows the CUDA-core GEMV takes (0: the tensor-core one takes single rows too)
+DOT_MAX_ROWS = 16   # rows the tensor-core GEMV takes; more dequantize for cuBLAS
 # Each kernel's tiling by layer width: "narrow" up to WIDE_N output rows (Llama-3-8B qkv, o, down),
 # "wide" above (gate_up). target_programs: the programs split-K aims for (0: never split).
 # H200, CUDA graphs, weights cycling past L2, Llama-3-8B layers (qkv / o / gate_up / down, us), round 1:
 #   M=1 bf16 16.1 / 13.4 / 55.8 / 32.4; old W4G128 kernel 20.1 / 17.8 / 82.5 / 46.7;
-#       GEMV without prefetch BN128/G2/264 programs 11.2 / 8.5 / 35.1 / 21.9 (0.9-1.8 TB/s) -> layer 76.7 vs 117.6;
+#       GEMV without prefetch BN128/G2/264 programs 11.2 / 8.5 / 35.1 / 21.9 (0.9-1.8 TB/s) -> layer 76.7 vs
+#       117.6, few programs resident (~2 per SM) and a load-then-compute step: hence prefetch and more programs;
 #       tensor-core GEMV 114-128 a layer. M=4 and 8: tensor-core BN128/W4/3 stages 114 a layer (bf16 118).
 WIDE_N = 8192
 GEMV_CONFIGS = {
