@@ -227,3 +227,19 @@ def test_a_methods_own_fused_kernels_run_first_and_may_decline(monkeypatch):
     assert mlp.act_and_mul is kernels.silu_and_mul
     assert fused_decode.act_and_down(mlp, torch.randn(1, 16)) is answer[0]
     assert calls == ["norm", "norm", "silu"]
+
+
+@pytest.mark.parametrize("rows,width", [(1, 40000), (3, 33000)])
+def test_split_argmax_finds_each_rows_first_maximum_and_first_nan(rows, width):
+    """kernels/sampling's argmax for vocabulary-wide rows that torch reduces on one CTA (Llama-3's
+    128,256 on the H200): the first maximum of each row, NaN the largest, ties to the lowest index."""
+    triton_sampling = pytest.importorskip("hearth_llm.kernels.sampling.triton_sampling")
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
+    x[0, 100] = x[0, width - 5] = 50.0              # a tie across splits: the lower index
+    if rows > 1:
+        x[1, width // 2] = float("nan")              # NaN beats every value, the +inf below too
+        x[1, 3] = float("inf")
+        x[2] = float("-inf")                          # nothing but -inf: index 0, as torch says
+    assert torch.equal(triton_sampling.argmax(x), x.argmax(dim=-1))
+    narrow = x[:, :1000]  # outside the widths it splits: torch's own argmax
+    assert torch.equal(triton_sampling.argmax(narrow.contiguous()), narrow.argmax(dim=-1))

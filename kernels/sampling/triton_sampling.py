@@ -1,5 +1,8 @@
-"""Triton: a Gumbel-max sampler for greedy and plain-temperature rows; see ``reference.py``."""
+"""Triton: a Gumbel-max sampler for greedy and plain-temperature rows, and the greedy argmax of a few
+vocabulary-wide rows split across programs (:func:`argmax`); see ``reference.py``."""
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
@@ -128,3 +131,95 @@ def _gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, generat
     # torch.argmax takes the first of equal maxima: the lowest split, whose index is the lowest.
     best_split = best_score.argmax(dim=1, keepdim=True)
     return best_index.gather(1, best_split).squeeze(1)
+
+
+@triton.jit
+def _argmax_partial_kernel(best_value_ptr, best_index_ptr, first_nan_ptr, x_ptr, vocab_size, x_stride_row,
+                           split_size, num_splits, BLOCK_V: tl.constexpr):
+    """One split of one row: its largest value, the first index holding it, and its first NaN
+    (``vocab_size`` when none)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    start = split * split_size
+    end = tl.minimum(start + split_size, vocab_size)
+    best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+    best_index = tl.full([BLOCK_V], vocab_size, dtype=tl.int32)
+    first_nan = tl.full([BLOCK_V], vocab_size, dtype=tl.int32)
+    for first in range(start, end, BLOCK_V):
+        cols = first + tl.arange(0, BLOCK_V)
+        mask = cols < end
+        values = tl.load(x_ptr + row * x_stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        is_nan = values != values
+        first_nan = tl.minimum(first_nan, tl.where(is_nan & mask, cols, vocab_size))
+        # Strict '>' keeps each lane's first index; '>= -inf' lets an all -inf split answer its first index.
+        is_better = mask & ~is_nan & ((values > best) | ((values == best) & (cols < best_index)))
+        best = tl.where(is_better, values, best)
+        best_index = tl.where(is_better, cols, best_index)
+    top = tl.max(best, 0)
+    out = row * num_splits + split
+    tl.store(best_value_ptr + out, top)
+    tl.store(best_index_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), 0))
+    tl.store(first_nan_ptr + out, tl.min(first_nan, 0))
+
+
+@triton.jit
+def _argmax_final_kernel(out_ptr, best_value_ptr, best_index_ptr, first_nan_ptr, vocab_size, num_splits,
+                         BLOCK_S: tl.constexpr):
+    """A row's answer from its splits: its first NaN if it has one, else the first index of its maximum."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    mask = splits < num_splits
+    values = tl.load(best_value_ptr + row * num_splits + splits, mask=mask, other=float("-inf"))
+    indices = tl.load(best_index_ptr + row * num_splits + splits, mask=mask, other=vocab_size)
+    nans = tl.load(first_nan_ptr + row * num_splits + splits, mask=mask, other=vocab_size)
+    top = tl.max(values, 0)
+    answer = tl.min(tl.where(values == top, indices, vocab_size), 0)
+    first_nan = tl.min(nans, 0)
+    answer = tl.where(first_nan < vocab_size, first_nan, answer)
+    tl.store(out_ptr + row, tl.where(answer < vocab_size, answer, 0).to(tl.int64))
+
+
+# torch's argmax of a row runs on one CTA when the row has fewer than 256 values for each of its 512
+# threads (Reduce.cuh's split rule): Llama-3's 128,256-token vocabulary took 27-37 µs there on the
+# H200 (round 1, 2026-12-02), Qwen3's 151,936, split across CTAs, 9 µs. Rows of these widths take
+# the two-kernel argmax below; other widths keep torch's.
+SPLIT_ARGMAX_WIDTHS = (32768, 512 * 256)
+SPLIT_ARGMAX_MAX_ROWS = 16
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """As ``reference.argmax`` (the first maximum of each row; NaN counts as the largest): for a few
+    rows as wide as a vocabulary but under torch's one-CTA limit, split across programs."""
+    global _split_argmax_error
+    rows, width = x.shape
+    low, high = SPLIT_ARGMAX_WIDTHS
+    if (_split_argmax_error is not None or not (0 < rows <= SPLIT_ARGMAX_MAX_ROWS and low <= width < high)
+            or x.stride(-1) != 1):
+        return reference.argmax(x)
+    try:
+        return _split_argmax(x)
+    except Exception as error:  # noqa: BLE001  (a kernel that fails to build must not fail the step: torch's answer)
+        _split_argmax_error = error
+        logging.getLogger(__name__).warning("split argmax unavailable (%s: %s); torch.argmax from now on",
+                                            type(error).__name__, error)
+        return reference.argmax(x)
+
+
+_split_argmax_error: Exception | None = None
+
+
+def _split_argmax(x: torch.Tensor) -> torch.Tensor:
+    rows, width = x.shape
+    block_v = 2048
+    num_splits = 64
+    split_size = triton.cdiv(triton.cdiv(width, num_splits), block_v) * block_v
+    num_splits = triton.cdiv(width, split_size)
+    best_value = torch.empty(rows, num_splits, dtype=torch.float32, device=x.device)
+    best_index = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)
+    first_nan = torch.empty(rows, num_splits, dtype=torch.int32, device=x.device)
+    _argmax_partial_kernel[(rows, num_splits)](best_value, best_index, first_nan, x, width, x.stride(0), split_size,
+                                               num_splits, BLOCK_V=block_v, num_warps=4)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    _argmax_final_kernel[(rows,)](out, best_value, best_index, first_nan, width, num_splits,
+                                  BLOCK_S=next_power_of_2(num_splits), num_warps=1)
+    return out
