@@ -108,3 +108,20 @@ def test_base_only_steps_replay_the_graphs_without_lora_kernels(models):
         assert replays["lora"] > 0
     assert got == _tokens(base, prompts)
     assert with_a.outputs[0].token_ids == _tokens(adapters["a"][1], prompts[:1])[0]
+
+
+def test_pdl_launches_of_the_expands_keep_the_tokens(models, monkeypatch):
+    """With programmatic dependent launch (the expands start while the kernel before them finishes and wait
+    for its outputs), mixed batches and batch-1 decode in CUDA graphs give the tokens of plain launches."""
+    from hearth_llm.kernels.lora import triton_lora
+
+    base, adapters = models
+    prompts = random_prompts(5, [150, 7, 1, 40], seed=44)
+    names = ["a", None, "b", "a", None]
+    loras = [None if n is None else LoRARequest(n, adapters[n][0]) for n in names]
+    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    plain = _tokens(base, prompts, loras, **kwargs) + _tokens(base, prompts[:1], loras[:1], **kwargs)
+    monkeypatch.setattr(triton_lora, "USE_PDL", True)
+    assert triton_lora._pdl(torch.zeros(1, device="cuda"))  # (an H200: Hopper)
+    with_pdl = _tokens(base, prompts, loras, **kwargs) + _tokens(base, prompts[:1], loras[:1], **kwargs)
+    assert with_pdl == plain

@@ -335,12 +335,12 @@ for dtype in ("*fp32", "*bf16"):
              ["N", "R", "stride_ps", "stride_pt", "stride_pslot", "stride_bs", "stride_br", "stride_yt"],
              {"NUM_SPLITS": 32 if one_block else 1, "SLICE_RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 256 if one_block else 64,
               "BLOCK_N": 64 if fp32 else 128, "ONE_RANK_BLOCK": one_block, "DOT_IN_FP32": fp32,
-              "ONE_TOKEN": one_block}),
+              "ONE_TOKEN": one_block, "USE_PDL": one_block}),
             (k._expand_silu_and_mul_kernel, {"y_ptr": dtype, "shrunk_ptr": dtype, "b_ptr": dtype, "tiles_ptr": "*i32",
                                              "tokens_ptr": "*i32", "out_ptr": dtype},
              ["I", "stride_yt", "stride_st", "stride_pslot", "stride_bs", "stride_br", "stride_ot"],
              {"RANK": 64, "BLOCK_M": block_m, "BLOCK_R": 64, "BLOCK_N": 64 if fp32 else 128, "DOT_IN_FP32": fp32,
-              "ONE_TOKEN": one_block}),
+              "ONE_TOKEN": one_block, "USE_PDL": one_block}),
         ]
         for kernel, pointers, ints, blocks in cases:
             sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in blocks}}

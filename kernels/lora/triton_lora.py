@@ -46,6 +46,9 @@ NUM_TICKETS = 8192             # (tile, rank block) counters of split K, at the 
 _PREFILL_BLOCK_M = 64          # prefill-sized tiles: no K split, a column block per expand program (as SGMV)
 _MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
 ONE_TOKEN_STEPS = True         # one-token steps (batch-1 decode) skip the sorted-token load (benchmarks A/B it)
+# Programmatic dependent launch of the expands (as the batch-1 GEMVs'): off until the H200 has run the GPU tests
+# with it (benchmarks/lora.py --pdl, benchmarks/lora_kernels.py --pdl).
+USE_PDL = False
 
 
 @triton.jit
@@ -146,8 +149,12 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
                    stride_ps, stride_pt, stride_pslot, stride_bs, stride_br, stride_yt, NUM_SPLITS: tl.constexpr,
                    SLICE_RANK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_RANK_BLOCK: tl.constexpr,
-                   DOT_IN_FP32: tl.constexpr, ONE_TOKEN: tl.constexpr = False):
-    slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M, ONE_TOKEN)
+                   DOT_IN_FP32: tl.constexpr, ONE_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M, ONE_TOKEN)  # the plan: not a kernel's output
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the rank-space rows and y are the previous kernel's outputs
     if slot >= 0:
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         slot_part_ptr = part_ptr + slot * stride_pslot  # 0, or where this slot's ranks sit in a row of every slot's
@@ -182,8 +189,13 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
 def _expand_silu_and_mul_kernel(y_ptr, shrunk_ptr, b_ptr, tiles_ptr, tokens_ptr, out_ptr, I, stride_yt, stride_st,
                                 stride_pslot, stride_bs, stride_br, stride_ot, RANK: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                                DOT_IN_FP32: tl.constexpr, ONE_TOKEN: tl.constexpr = False):
+                                DOT_IN_FP32: tl.constexpr, ONE_TOKEN: tl.constexpr = False,
+                                USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M, ONE_TOKEN)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     if slot != -1:
         # Base tiles (slot -2) run the same code with every rank masked off: the dots add exact zeros,
         # so their rows are the plain activation's, bit for bit.
@@ -235,6 +247,14 @@ def num_splits_for(num_tokens: int, in_features: int, rank: int, num_slots: int,
            and in_features // (2 * splits) >= _MIN_K_PER_SPLIT and (2 * splits + 1) * num_tokens <= scratch_rows):
         splits *= 2
     return splits
+
+
+def _pdl(tensor: torch.Tensor) -> dict:
+    """Launch arguments for programmatic dependent launch (:data:`USE_PDL`, Hopper and newer): the expand
+    lets the next kernel start early and reads its tile's plan before waiting for the kernel before it."""
+    if not (USE_PDL and tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9):
+        return {}
+    return {"USE_PDL": True, "launch_pdl": True}
 
 
 def _warps_for(block_m: int) -> int:
@@ -312,7 +332,8 @@ def expand_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoRAPlan, lora_b
         0, shrunk.stride(0), slot_stride, lora_b.stride(0), lora_b.stride(1), y.stride(0),
         NUM_SPLITS=1, SLICE_RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(rank)) if one_rank_block else 64, BLOCK_N=block_n,
-        ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token, num_warps=_warps_for(block_m))
+        ONE_RANK_BLOCK=one_rank_block, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token, num_warps=_warps_for(block_m),
+        **_pdl(y))
     return y
 
 
@@ -343,7 +364,7 @@ def expand_silu_and_mul_planned(y: torch.Tensor, shrunk: torch.Tensor, plan: LoR
         y, shrunk, lora_b, plan.tiles, plan.sorted_tokens, out, intermediate_size, y.stride(0), shrunk.stride(0),
         slot_stride, lora_b.stride(0), lora_b.stride(1), out.stride(0), RANK=slice_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(slice_rank)), BLOCK_N=block_n, DOT_IN_FP32=dot_in_fp32, ONE_TOKEN=one_token,
-        num_warps=_warps_for(block_m))
+        num_warps=_warps_for(block_m), **_pdl(y))
     return out
 
 
