@@ -54,7 +54,7 @@ def _engine_log_level() -> int | None:
     level = engine_logger.getEffectiveLevel()
     shown = engine_logger
     while shown is not None:
-        if any(handler.level <= level or handler.level == logging.NOTSET for handler in shown.handlers):
+        if any(handler.level <= level for handler in shown.handlers):  # (NOTSET is 0: shows all)
             return level
         shown = shown.parent if shown.propagate else None
     return None
