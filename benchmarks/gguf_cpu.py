@@ -9,7 +9,8 @@ measure to every worker in turn, repeat by repeat (interleaved), because timings
 drift; the table keeps each system's best repeat and prints the load average before and after.
 
 Systems: ``hearth`` (the default path: in bf16, linear weights stay in the file's blocks, run by the C
-kernels of ``kernels/quant/gguf_cpu_native.py``; pure Q4_0/Q4_1 layers by torch's int4 kernel), ``hearth gguf``
+kernels of ``kernels/quant/gguf_cpu_native.py``, pure Q4_0/Q4_1 layers' decode steps too, their prefill on a dense
+bf16 copy), ``hearth int4pack`` (the same with those Q4 decode steps on torch's int4 kernel, bf16 scales), ``hearth gguf``
 (``quantization="gguf"``: every GGUF linear in its blocks) and ``llama.cpp``. After each table, each
 system's CPU time per decoded token (all threads, prefill excluded), the steadier figure on a shared machine.
 
@@ -263,6 +264,10 @@ def worker_main(args) -> None:
     if args.worker == "llama":
         worker = _LlamaCppWorker(args.model, threads, args.sequential_sample)
     else:
+        if args.int4pack:  # the A/B: pure Q4_0/Q4_1 layers on torch's int4 layout (bf16 scales), as before
+            from hearth_llm.engine.models import gguf_linear_method
+
+            gguf_linear_method._exact_blocks = lambda quant_type: False
         worker = _HearthWorker(args.model, threads, args.quantization)
     load_s = time.perf_counter() - started
     worker.single(prompt_ids(7, 8, worker.vocab_size), 4)  # warm-up: first-call costs out of the numbers
@@ -321,7 +326,8 @@ def worker_commands(path: Path, threads: int, args) -> dict[str, list[str]]:
     this_file = str(Path(__file__).resolve())
     common = ["--model", str(path), "--threads", str(threads), "--sequential-sample", str(args.sequential_sample)]
     commands = {"hearth": [sys.executable, this_file, "--worker", "hearth", *common],
-                "hearth gguf": [sys.executable, this_file, "--worker", "hearth", "--quantization", "gguf", *common]}
+                "hearth gguf": [sys.executable, this_file, "--worker", "hearth", "--quantization", "gguf", *common],
+                "hearth int4pack": [sys.executable, this_file, "--worker", "hearth", "--int4pack", *common]}
     if not args.skip_llama_cpp:
         commands[LLAMA_CPP] = [args.llama_cpp_python, this_file, "--worker", "llama", *common]
     return {name: command for name, command in commands.items() if name in args.systems or name == LLAMA_CPP}
@@ -368,7 +374,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="hearth-llm bench gguf-cpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(MODELS)}")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (each system the same)")
-    parser.add_argument("--systems", default="hearth,hearth gguf", help="ours to run: 'hearth', 'hearth gguf'")
+    parser.add_argument("--systems", default="hearth,hearth gguf",
+                        help="ours to run: 'hearth', 'hearth gguf', 'hearth int4pack' (pure Q4_0/Q4_1 layers on "
+                             "torch's int4 kernel, the path before the exact Q4 kernels)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated, from {list(MEASURES)}")
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens per stream, SmolLM2")
@@ -382,6 +390,7 @@ def parse_args(argv=None):
     parser.add_argument("--worker", choices=["hearth", "llama"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--quantization", help=argparse.SUPPRESS)
+    parser.add_argument("--int4pack", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",")]
     args.measures = [m.strip() for m in args.measures.split(",")]

@@ -69,6 +69,19 @@ def test_c_bf16_gemv_multiplies_the_exact_weights(quant_type):
     assert torch.equal(threads, gguf_cpu_native.gemv_bf16(x[:5], data, quant_type, num_threads=1))
 
 
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
+def test_q4_bf16_out_is_the_float32_result_rounded_to_nearest_even(quant_type):
+    if not gguf_cpu_native.has_bf16(quant_type):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    data = random_blocks(quant_type, 45, 1536, seed=8)  # 12 four-block groups, no tail
+    to_float32 = gguf_cpu_native.gemv_routine(data, quant_type, bf16=True)
+    to_bf16 = gguf_cpu_native.gemv_routine(data, quant_type, bf16_out=True)
+    for rows in range(1, 9):
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        out = to_bf16(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), to_float32(x).bfloat16().view(torch.int16))
+
+
 def test_q4_1_bf16_gemv_uses_the_files_fp16_scales_not_bf16_rounded_ones():
     """A Q4_1 block whose d and m are not bf16 values: the kernel's result is the fp16 weights' (the int4
     layout's bf16 scales would be off by ~2^-9 relative)."""

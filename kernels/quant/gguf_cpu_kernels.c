@@ -544,6 +544,14 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
    against the block's 32 x, then w x = d (q x) (Q4_1: + m * sum x), d and m the file's fp16 values
    in float32. So the weights are the file's (d (q - 8) exactly; d q + m unrounded), not bf16-rounded
    scales; only where the float32 roundings fall differs from a dense GEMV. */
+/* float32 -> bf16 bits, to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN */
+static inline uint16_t bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 static inline __m512i q4_word_table(int offset) {
     uint16_t t[32];
     for (int i = 0; i < 32; i++) t[i] = bf16_of_int((i & 15) - offset);
@@ -618,8 +626,8 @@ static void q4_x_order(const uint16_t *x, const float *xsum, int64_t K, int M, u
 
 static inline __attribute__((always_inline)) void q4_01_grouped_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
-        const float *xsum, const uint16_t *xr, const float *xs, const int M, float *out, int64_t out_stride,
-        const int with_min) {
+        const float *xsum, const uint16_t *xr, const float *xs, const int M, void *out, int64_t out_stride,
+        const int with_min, const int bf16_out) {
     const int type_size = with_min ? 20 : 18, codes_at = with_min ? 4 : 2;
     const __m512i table = q4_word_table(with_min ? 0 : 8);
     const int64_t groups = K / 128, num_blocks = K / 32;
@@ -674,22 +682,29 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
                 for (int m = 0; m < M; m++) minsum[m] += mn * xsum[m * num_blocks + blk];
             }
         }
-        for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m]) + minsum[m];
+        for (int m = 0; m < M; m++) {
+            const float total = _mm512_reduce_add_ps(acc[m]) + minsum[m];
+            if (bf16_out)
+                ((uint16_t *)out)[m * out_stride + n] = bf16_round(total);
+            else
+                ((float *)out)[m * out_stride + n] = total;
+        }
     }
 }
 
 #define Q4G_FN(NAME, WITH_MIN)                                                                       \
     static void NAME(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,  \
-                     const float *xsum, const uint16_t *xr, const float *xs, int M, float *out, int64_t ldo) { \
+                     const float *xsum, const uint16_t *xr, const float *xs, int M, void *out, int64_t ldo,  \
+                     int bf16_out) {                                                                 \
         switch (M) {                                                                                 \
-        case 1: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 1, out, ldo, WITH_MIN); break;  \
-        case 2: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 2, out, ldo, WITH_MIN); break;  \
-        case 3: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 3, out, ldo, WITH_MIN); break;  \
-        case 4: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 4, out, ldo, WITH_MIN); break;  \
-        case 5: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 5, out, ldo, WITH_MIN); break;  \
-        case 6: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 6, out, ldo, WITH_MIN); break;  \
-        case 7: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 7, out, ldo, WITH_MIN); break;  \
-        default: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 8, out, ldo, WITH_MIN); break; \
+        case 1: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 1, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 2: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 2, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 3: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 3, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 4: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 4, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 5: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 5, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 6: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 6, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 7: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 7, out, ldo, WITH_MIN, bf16_out); break;  \
+        default: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 8, out, ldo, WITH_MIN, bf16_out); break; \
         }                                                                                            \
     }
 Q4G_FN(q4_0_grouped, 0)
@@ -776,6 +791,42 @@ int gguf_has_bf16(int qtype) {
 #endif
 }
 
+#if defined(HAS_BF16_KERNELS)
+/* Q4_0/Q4_1 rows by the grouped kernel: x laid out in its order once (q4_x_order), then the rows
+   [0, N) split over the threads; out float32, or bf16 (rounded to nearest even) with bf16_out. */
+static int q4_gemv(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
+                   const float *xsum, int M, void *out, int64_t out_stride, int num_threads, int bf16_out) {
+    const int64_t groups = K / 128;
+    uint16_t stack_xr[16384];
+    float stack_xs[2048];
+    const int on_stack = M * groups * 128 <= 16384 && M * groups * 16 <= 2048;
+    uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * groups * 128 + 1));
+    float *xs = on_stack ? stack_xs : malloc(sizeof(float) * (size_t)(M * groups * 16 + 1));
+    if (!xr || !xs) {
+        if (!on_stack) { free(xr); free(xs); }
+        return -3;
+    }
+    q4_x_order(x, xsum, K, M, xr, xs);
+    if (qtype == Q4_0)
+        OVER_ROW_PARTS(N, num_threads, q4_0_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride, bf16_out));
+    else
+        OVER_ROW_PARTS(N, num_threads, q4_1_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride, bf16_out));
+    if (!on_stack) { free(xr); free(xs); }
+    return 0;
+}
+
+/* Q4's block sums of x per 32 (Q4_1's minimums multiply these), each in a fixed order */
+static void block_sums(const uint16_t *x, int64_t K, int M, float *xsum) {
+    for (int m = 0; m < M; m++)
+        for (int64_t g = 0; g < K / 32; g++) {
+            const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)));
+            const __m512i words2 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32 + 16)));
+            xsum[m * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(
+                _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(words2, 16))));
+        }
+}
+#endif
+
 /* out[m, n] = sum_k x[m, k] W[n, k] for bf16 x (uint16 bits) [M, K], M <= 8; -1 where
    gguf_has_bf16(qtype) is 0. */
 int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
@@ -785,32 +836,28 @@ int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N
     if (!gguf_has_bf16(qtype) || M < 1 || M > 8 || K % block_size) return -1;
     float xsum[8 * 1024];  /* per 32 inputs of each row of x: Q4_K's and Q4_1's minimums multiply these */
     if (K / 32 > 1024) return -2;
-    if (qtype == Q4_K || qtype == Q4_1)
-        for (int m = 0; m < M; m++)
-            for (int64_t g = 0; g < K / 32; g++) {  /* the 32 values as float32 (exact), added in a fixed order */
-                const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32)));
-                const __m512i words2 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + m * K + g * 32 + 16)));
-                xsum[m * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(
-                    _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(words2, 16))));
-            }
-    if (qtype == Q4_0 || qtype == Q4_1) {
-        /* x in the grouped kernel's order, and Q4_1's block sums in their lanes (see q4_x_order) */
-        const int64_t groups = K / 128;
-        uint16_t *xr = malloc(sizeof(uint16_t) * (size_t)(M * groups * 128 + 1));
-        float *xs = malloc(sizeof(float) * (size_t)(M * groups * 16 + 1));
-        if (!xr || !xs) { free(xr); free(xs); return -3; }
-        q4_x_order(x, xsum, K, M, xr, xs);
-        if (qtype == Q4_0)
-            OVER_ROW_PARTS(N, num_threads, q4_0_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride));
-        else
-            OVER_ROW_PARTS(N, num_threads, q4_1_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride));
-        free(xr);
-        free(xs);
-        return 0;
-    }
+    if (qtype == Q4_K || qtype == Q4_1) block_sums(x, K, M, xsum);
+    if (qtype == Q4_0 || qtype == Q4_1) return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, 0);
     const bf16_rows_fn fn = qtype == Q4_K ? q4_k_bf16 : q6_k_bf16;
     OVER_ROW_PARTS(N, num_threads, fn(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride));
     return 0;
+#else
+    (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
+    (void)num_threads;
+    return -1;
+#endif
+}
+
+/* gguf_gemv_bf16 for Q4_0/Q4_1 with bf16 out (uint16 bits; the float32 sums rounded to nearest even,
+   as .to(torch.bfloat16) would): no float32 output tensor and no cast for the engine's decode steps.
+   -1 for other types or without AVX-512 BF16. */
+int gguf_gemv_bf16_out(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
+                       int M, uint16_t *out, int64_t out_stride, int num_threads) {
+#if defined(HAS_BF16_KERNELS)
+    if ((qtype != Q4_0 && qtype != Q4_1) || M < 1 || M > 8 || K % 32 || K / 32 > 1024) return -1;
+    float xsum[8 * 1024];
+    if (qtype == Q4_1) block_sums(x, K, M, xsum);
+    return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, 1);
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
     (void)num_threads;

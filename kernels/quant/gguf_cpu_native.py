@@ -94,22 +94,30 @@ def gemv_bf16(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads:
     return out
 
 
-def gemv_routine(data: torch.Tensor, quant_type: str, bf16: bool = False):
+# Types whose bf16 kernel can also write bf16 out (gemv_routine's ``bf16_out``).
+BF16_OUT_TYPES = ("Q4_0", "Q4_1")
+
+
+def gemv_routine(data: torch.Tensor, quant_type: str, bf16: bool = False, bf16_out: bool = False):
     """:func:`gemv` (``bf16``: :func:`gemv_bf16`) with the weight bound and checked once:
     ``routine(x)`` for contiguous float32 (bf16) ``x`` ``[M, K]``, 1 <= M <= :data:`MAX_ROWS` (the
-    caller's contract: not checked per call)."""
+    caller's contract: not checked per call). ``bf16_out`` (bf16 x, :data:`BF16_OUT_TYPES`): the output
+    in bf16, the float32 sums rounded to nearest even in the kernel (equal to ``routine(x).bfloat16()``)."""
     library = _library()
     if library is None:
         raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
-    if bf16 and not has_bf16(quant_type):
+    if (bf16 or bf16_out) and not has_bf16(quant_type):
         raise ValueError(f"no bf16 kernel for {quant_type} in this build")
+    if bf16_out and quant_type not in BF16_OUT_TYPES:
+        raise ValueError(f"bf16_out is for {BF16_OUT_TYPES}, not {quant_type}")
     num_rows, num_columns = _check(None, data, quant_type)
-    call = library.gguf_gemv_bf16 if bf16 else library.gguf_gemv
+    call = library.gguf_gemv_bf16_out if bf16_out else library.gguf_gemv_bf16 if bf16 else library.gguf_gemv
     qtype, pointer, stride = QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0)
     get_num_threads = torch.get_num_threads
+    out_dtype = torch.bfloat16 if bf16_out else torch.float32
 
     def routine(x: torch.Tensor, _data=data) -> torch.Tensor:  # _data: keeps the weight alive
-        out = torch.empty(x.shape[0], num_rows, dtype=torch.float32)
+        out = torch.empty(x.shape[0], num_rows, dtype=out_dtype)
         call(qtype, pointer, stride, num_rows, num_columns, x.data_ptr(), x.shape[0], out.data_ptr(), num_rows,
              get_num_threads())
         return out
@@ -221,6 +229,8 @@ def _library():
     library.gguf_gemv.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int)
     library.gguf_dequant.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int)
     library.gguf_gemv_bf16.argtypes = library.gguf_gemv.argtypes
+    library.gguf_gemv_bf16_out.argtypes = library.gguf_gemv.argtypes
+    library.gguf_gemv_bf16_out.restype = ctypes.c_int
     library.gguf_has_bf16.argtypes = (ctypes.c_int,)
     library.int4pack_dequant.argtypes = (ptr, ptr, i64, i64, i64, i64, i64, ptr)
     library.int4pack_dequant_t.argtypes = library.int4pack_dequant.argtypes
