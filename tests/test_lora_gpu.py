@@ -120,6 +120,7 @@ def test_pdl_launches_of_the_expands_keep_the_tokens(models, monkeypatch):
     names = ["a", None, "b", "a", None]
     loras = [None if n is None else LoRARequest(n, adapters[n][0]) for n in names]
     kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    monkeypatch.setattr(triton_lora, "USE_PDL", False)
     plain = _tokens(base, prompts, loras, **kwargs) + _tokens(base, prompts[:1], loras[:1], **kwargs)
     monkeypatch.setattr(triton_lora, "USE_PDL", True)
     assert triton_lora._pdl(torch.zeros(1, device="cuda"))  # (an H200: Hopper)

@@ -27,6 +27,8 @@ sized for its padded batch) exit at once.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -46,9 +48,10 @@ NUM_TICKETS = 8192             # (tile, rank block) counters of split K, at the 
 _PREFILL_BLOCK_M = 64          # prefill-sized tiles: no K split, a column block per expand program (as SGMV)
 _MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
 ONE_TOKEN_STEPS = True         # one-token steps (batch-1 decode) skip the sorted-token load (benchmarks A/B it)
-# Programmatic dependent launch of the expands (as the batch-1 GEMVs'): off until the H200 has run the GPU tests
-# with it (benchmarks/lora.py --pdl, benchmarks/lora_kernels.py --pdl).
-USE_PDL = False
+# Programmatic dependent launch of the expands, as the batch-1 GEMVs' (kernels/gemv): the same pattern (let the
+# next kernel start, read what no kernel of the step writes, then wait), so a one-row LoRA step keeps the GEMVs'
+# overlap across its expands. tests/test_lora_gpu.py checks its tokens against plain launches; off: plain launches.
+USE_PDL = True
 
 
 @triton.jit
@@ -252,9 +255,14 @@ def num_splits_for(num_tokens: int, in_features: int, rank: int, num_slots: int,
 def _pdl(tensor: torch.Tensor) -> dict:
     """Launch arguments for programmatic dependent launch (:data:`USE_PDL`, Hopper and newer): the expand
     lets the next kernel start early and reads its tile's plan before waiting for the kernel before it."""
-    if not (USE_PDL and tensor.is_cuda and torch.cuda.get_device_capability(tensor.device)[0] >= 9):
+    if not (USE_PDL and tensor.is_cuda and _has_pdl(tensor.device.index or 0)):
         return {}
     return {"USE_PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _warps_for(block_m: int) -> int:
