@@ -72,7 +72,9 @@ def dense_weight(layer, x: torch.Tensor) -> torch.Tensor | None:
         return None
     if layer.method is not DENSE:  # a wrapper adding to a dense product (LoRA) names the weight, or None
         weight_for = getattr(layer.method, "fused_decode_weight", None)
-        return None if weight_for is None else _usable(weight_for(layer, x), x, MAX_WEIGHT_NUMEL)
+        # (any size where the MLP's big weights go through GEMVs: a LoRA MLP cannot take the epilogue)
+        limit = float("inf") if SWIGLU_EPILOGUE else MAX_WEIGHT_NUMEL
+        return None if weight_for is None else _usable(weight_for(layer, x), x, limit)
     return _usable(getattr(layer, "weight", None), x, MAX_WEIGHT_NUMEL)
 
 

@@ -406,10 +406,12 @@ def _stacked_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``x @ weight.T (+ bias)``; one row by the batch-1 Triton GEMV where the base model's fused decode
     would take it (cuBLAS is slow at one row: Llama-3-8B o_proj 13.5 against 10.8 us)."""
     settings = fused_decode  # (read on every call: benchmarks and tests switch them)
+    # Any size where the base model's MLP weights go through the GEMVs (its SwiGLU epilogue), as fused_decode does.
+    limit = float("inf") if getattr(settings, "SWIGLU_EPILOGUE", False) else getattr(settings, "MAX_WEIGHT_NUMEL", 0)
     if (bias is None and x.dim() == 2 and x.shape[0] <= getattr(settings, "MAX_ROWS", 0)
             and getattr(settings, "ENABLED", False) and getattr(settings, "PLAIN_GEMV", False)
             and x.device.type in getattr(settings, "DEVICE_TYPES", ()) and x.dtype == weight.dtype
-            and weight.numel() <= getattr(settings, "MAX_WEIGHT_NUMEL", 0)):
+            and weight.numel() <= limit):
         gemv = triton_module("hearth_llm.kernels.gemv")
         if gemv is not None:
             return gemv.linear(x, weight)
