@@ -82,6 +82,20 @@ def test_q4_bf16_out_is_the_float32_result_rounded_to_nearest_even(quant_type):
         assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), to_float32(x).bfloat16().view(torch.int16))
 
 
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
+def test_q4_bf16_gemv_is_row_invariant(quant_type):
+    """Each row of x takes the same operations whatever the row count: a speculative verify step of
+    k + 1 rows gives each row the bits a one-row decode step gives it."""
+    if not gguf_cpu_native.has_bf16(quant_type):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    data = random_blocks(quant_type, 40, 576, seed=9)
+    gemv = gguf_cpu_native.gemv_routine(data, quant_type, bf16_out=True)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(10)).bfloat16()
+    alone = torch.cat([gemv(x[i:i + 1]) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(gemv(x[:rows]).view(torch.int16), alone[:rows].view(torch.int16)), rows
+
+
 def test_q4_1_bf16_gemv_uses_the_files_fp16_scales_not_bf16_rounded_ones():
     """A Q4_1 block whose d and m are not bf16 values: the kernel's result is the fp16 weights' (the int4
     layout's bf16 scales would be off by ~2^-9 relative)."""

@@ -10,7 +10,9 @@ compiling per shape; torch's ``_weight_int4pack_mm_for_cpu`` runs 13-15 G/s but 
 scales (Q4's fp16 scales rounded: not exact; its float32 path is 0.4 G/s) and cannot hold 5/6/8-bit
 codes; ``_weight_int8pack_mm`` has per-row scales only (Q8_0 has one per 32); torchao has no wheel
 for this torch; the numba kernels (``gguf_numba.py``) ran 0.2-0.4x llama.cpp end to end. These
-AVX-512 kernels: Q4_K 10-12 G/s, Q8_0 ~13 G/s, Q6_K ~7 G/s (bf16 x). Elsewhere (no AVX-512) plain C
+AVX-512 kernels: Q4_K 10-12 G/s, Q8_0 ~13 G/s, Q6_K ~7 G/s (bf16 x); Q4_1 with bf16 x (four blocks per
+step) 16-18 G/s hot ([1536, 576], 1 row; torch's int4 kernel 19-20 G/s on bf16-rounded scales), the same
+as the int4 kernel on the bundled SmolLM2's whole weight set (memory-bound). Elsewhere (no AVX-512) plain C
 loops that gcc vectorizes as it can.
 
 The shared library is cached under ``~/.cache/hearth_llm/kernels`` (``HEARTH_LLM_KERNEL_CACHE``),
