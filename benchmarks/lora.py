@@ -165,8 +165,8 @@ def main(argv=None) -> None:
                         help="a separate shrink kernel, not every slot's A stacked under the dense base weight")
     parser.add_argument("--unstacked", nargs="+", default=(), metavar="NAME_END",
                         help="layers (by name end: o_proj, down_proj, ...) that keep the separate shrink kernel")
-    parser.add_argument("--no-pdl", action="store_true",
-                        help="plain launches of the LoRA expands (not kernels.lora.triton_lora.USE_PDL's)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="programmatic dependent launch of the LoRA expands (kernels.lora.triton_lora.USE_PDL)")
     parser.add_argument("--no-fused-swiglu", action="store_true",
                         help="gate_up_proj expands in place (the SwiGLU does not add its update)")
     parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
@@ -187,10 +187,10 @@ def main(argv=None) -> None:
     LoRAStep.stacks_shrink = not args.no_stack
     LoRAStep.unstacked_layers = tuple(args.unstacked)
     LoRAStep.defers_gate_up_expand = not args.no_fused_swiglu
-    if args.no_pdl:
+    if args.pdl:
         from hearth_llm.kernels.lora import triton_lora
 
-        triton_lora.USE_PDL = False
+        triton_lora.USE_PDL = True
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
 

@@ -49,9 +49,10 @@ _PREFILL_BLOCK_M = 64          # prefill-sized tiles: no K split, a column block
 _MAX_ONE_RANK_BLOCK = 4096     # tile rows x ranks kept in registers, summed once per tile (else per column block)
 ONE_TOKEN_STEPS = True         # one-token steps (batch-1 decode) skip the sorted-token load (benchmarks A/B it)
 # Programmatic dependent launch of the expands, as the batch-1 GEMVs' (kernels/gemv): the same pattern (let the
-# next kernel start, read what no kernel of the step writes, then wait), so a one-row LoRA step keeps the GEMVs'
-# overlap across its expands. tests/test_lora_gpu.py checks its tokens against plain launches; off: plain launches.
-USE_PDL = True
+# next kernel start, read what no kernel of the step writes, then wait), so a one-row LoRA step would keep the
+# GEMVs' overlap across its expands. Off until tests/test_lora_gpu.py (PDL against plain launches' tokens) has
+# passed on a GPU; benchmarks/lora.py --pdl turns it on.
+USE_PDL = False
 
 
 @triton.jit
