@@ -210,17 +210,20 @@ def build_engine(shape: str):
 # RMSNorm GEMV at 16 outputs a program (the default before the norm took one pass).
 VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
             "fused+pdl+all+head+epi", "fused+pdl+head+epi", "fused+pdl+all+head+pf", "fused+pdl+head+pf",
-            "fused+pdl+all+head+epi+pf", "fused+pdl+all+head+n16"]
+            "fused+pdl+all+head+epi+pf", "fused+pdl+all+head+n16", "fused+pdl+all+head+epi+n8",
+            "fused+pdl+all+head+epi+targ"]
 _DEFAULT_LAUNCH = None
+_SPLIT_ARGMAX_MAX_ROWS = 16  # kernels/sampling/triton_sampling's
 
 
 def variant_options(label: str) -> dict:
     base, *options = label.split("+")
-    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16"}
+    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ"}
     if base not in ("fused", "unfused") or unknown:
         raise ValueError(f"variant {label!r}: unknown parts {sorted(unknown) or base!r}")
     return dict(fused=base == "fused", pdl="pdl" in options, all="all" in options, head="head" in options,
-                epi="epi" in options, pf="pf" in options, n16="n16" in options)
+                epi="epi" in options, pf="pf" in options, n16="n16" in options, n8="n8" in options,
+                targ="targ" in options)
 
 
 def apply_variant(label: str) -> None:
@@ -228,6 +231,7 @@ def apply_variant(label: str) -> None:
 
     from hearth_llm.engine.models import fused_decode
     from hearth_llm.kernels.gemv import triton_gemv
+    from hearth_llm.kernels.sampling import triton_sampling
 
     global _DEFAULT_LAUNCH
     if _DEFAULT_LAUNCH is None:
@@ -238,13 +242,14 @@ def apply_variant(label: str) -> None:
     fused_decode.LM_HEAD_GEMV = options["head"]
     fused_decode.SWIGLU_EPILOGUE = options["epi"]
     triton_gemv.USE_PDL = options["pdl"]
+    triton_sampling.SPLIT_ARGMAX_MAX_ROWS = 0 if options["targ"] else _SPLIT_ARGMAX_MAX_ROWS
     def launch(num_outputs, reduction, prologue=triton_gemv.PLAIN, gated_out=False):
         chosen = _DEFAULT_LAUNCH(num_outputs, reduction, prologue, gated_out)
-        if options["n16"] and prologue == triton_gemv.RMS_NORM and not gated_out:
-            chosen = dataclasses.replace(chosen, block_n=16)
+        if (options["n16"] or options["n8"]) and prologue == triton_gemv.RMS_NORM and not gated_out:
+            chosen = dataclasses.replace(chosen, block_n=16 if options["n16"] else 8)
         return dataclasses.replace(chosen, prefetch=True) if options["pf"] else chosen
 
-    triton_gemv.default_launch = launch if options["pf"] or options["n16"] else _DEFAULT_LAUNCH
+    triton_gemv.default_launch = launch if options["pf"] or options["n16"] or options["n8"] else _DEFAULT_LAUNCH
 
 
 def recapture(engine, label: str) -> None:
@@ -425,11 +430,13 @@ def head_and_argmax(engine, shape: str, label: str, results: dict) -> None:
         cublas_us = graphed_us([lambda: F.linear(hidden, weight)] * 4, replays=5)
         gemv_us = graphed_us([lambda: triton_gemv.linear(hidden, weight)] * 4, replays=5)
         argmax_us = graphed_us([lambda: kernels.argmax(logits)] * 10, replays=5)
+        torch_argmax_us = graphed_us([lambda: logits.argmax(dim=-1)] * 10, replays=5)
     head_bytes = weight.numel() * weight.element_size()
     results[f"{shape}.{label}.lm_head_us"] = head_us
     results[f"{shape}.{label}.argmax_us"] = argmax_us
     say(f"head {shape} {label}: LM head as run {head_us:.1f} us ({head_bytes / head_us / 1e3:.0f} GB/s of "
-        f"{head_bytes / 1e9:.2f} GB); cuBLAS {cublas_us:.1f}, GEMV {gemv_us:.1f} (4 in a row); argmax {argmax_us:.1f} us")
+        f"{head_bytes / 1e9:.2f} GB); cuBLAS {cublas_us:.1f}, GEMV {gemv_us:.1f} (4 in a row); argmax {argmax_us:.1f} us "
+        f"(torch's {torch_argmax_us:.1f})")
 
 
 def compare_fused(engine, shape: str, label: str, results: dict) -> None:
@@ -494,6 +501,9 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
         for label in variants:
             options = variant_options(label)
             options["all"] = options["all"] or largest <= 1 << 25
+            if shape in PROJECTIONS:  # options that change nothing on this shape
+                options["n8"] = options["n8"] and PROJECTIONS[shape][0][2] >= 4096
+                options["targ"] = options["targ"] and PROJECTIONS[shape][-1][1] < 131072
             effective = tuple(sorted(options.items()))
             if effective in seen:  # e.g. "+all" where every weight is under the limit anyway
                 continue
@@ -628,6 +638,7 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help="engine variants (see VARIANTS)")
     parser.add_argument("--budget-s", type=float, default=80.0, help="stop starting new measurements after this")
     parser.add_argument("--sweep-budget-s", type=float, default=None, help="when the sweep stops (default: budget)")
+    parser.add_argument("--host-shapes", nargs="+", default=None, help="shapes of part 'host' (default: --shapes)")
     parser.add_argument("--quick-sweep", action="store_true", help="a few launches per projection (QUICK_LAUNCHES)")
     parser.add_argument("--sweep-shapes", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
     parser.add_argument("--sweep-set", choices=["unfused-pairs", "decode"], default="unfused-pairs",
@@ -674,7 +685,7 @@ def run_part(part, args, results, budget_end, triton_gemv, reference, triton_nor
                                  args.quick_sweep, args.sweep_shapes,
                                  DECODE_PROJECTIONS if args.sweep_set == "decode" else None)
     elif part == "host":
-        host_part(args.shapes, results)
+        host_part(args.host_shapes or args.shapes, results)
     else:
         engine_part(args.shapes, args.variants, budget_end, results)
 
