@@ -602,7 +602,7 @@ static inline __attribute__((always_inline)) void q4_01_bf16_rows(
    every 16). Word p of the four code vectors holds elements e of block p / 8 with k = p % 8:
    e = 2k, 2k + 1, 16 + 2k, 17 + 2k; x is laid out once per call in that order (q4_x_order), so
    lanes 4L..4L+3 of the dot products sum block L, which one multiply by d (lanes 4L..4L+3 = d_L)
-   scales. Q4_1 adds m_L times the block's x sum (xs: lane 4L, zeros elsewhere). The tail blocks
+   scales. Q4_1 adds each block's m times its x sum, 16 blocks per multiply. The tail blocks
    (K / 32 % 4) run q4_01_bf16_rows's one-block step on the natural x. */
 #define Q4G_WORDS 32  /* bf16 x values per code vector */
 static void q4_x_order(const uint16_t *x, const float *xsum, int64_t K, int M, uint16_t *xr, float *xs) {
@@ -631,26 +631,35 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
     const int type_size = with_min ? 20 : 18, codes_at = with_min ? 4 : 2;
     const __m512i table = q4_word_table(with_min ? 0 : 8);
     const int64_t groups = K / 128, num_blocks = K / 32;
-    /* byte 16 L + j <- L * type_size + codes_at + j; scale word 4 L + r <- d_L (bytes L ts, L ts + 1),
-       word 16 + 4 L + r <- m_L (bytes L ts + 2, + 3) */
-    uint8_t code_index[64], scale_index[64];
+    /* byte 16 L + j <- L * type_size + codes_at + j; scale word 4 L + r <- d_L (bytes L ts, L ts + 1).
+       Q4_1's m: group g of a quad of four (i = g % 4) puts m_L in word 16 + 4 i + L (bytes L ts + 2, + 3)
+       and zeros in the quad's other m words, so OR-ing the quad's four gives the m of its 16 blocks in
+       block order, one multiply by those blocks' x sums (xsum) per quad and row. */
+    uint8_t code_index[64], scale_index[4][64];
+    __mmask64 keep[4];
     for (int i = 0; i < 64; i++) {
         code_index[i] = (uint8_t)((i / 16) * type_size + codes_at + i % 16);
-        const int word = i / 2, L = (word % 16) / 4;
-        scale_index[i] = (uint8_t)(L * type_size + (word >= 16 ? 2 : 0) + i % 2);
+        const int word = i / 2;
+        for (int q = 0; q < 4; q++)
+            scale_index[q][i] = (uint8_t)(word < 16 ? (word / 4) * type_size + i % 2 : (word % 4) * type_size + 2 + i % 2);
     }
-    const __m512i code_idx = _mm512_loadu_si512(code_index), scale_idx = _mm512_loadu_si512(scale_index);
+    for (int q = 0; q < 4; q++) keep[q] = (__mmask64)0xFFFFFFFFull | ((__mmask64)0xFFull << (32 + 8 * q));
+    const __m512i code_idx = _mm512_loadu_si512(code_index);
+    const __m512i scale_idx[4] = {_mm512_loadu_si512(scale_index[0]), _mm512_loadu_si512(scale_index[1]),
+                                  _mm512_loadu_si512(scale_index[2]), _mm512_loadu_si512(scale_index[3])};
     const __mmask64 tail_bytes = (__mmask64)((1ull << (4 * type_size - 64)) - 1);
+    (void)xs;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
         __m512 acc[M];
         for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        __m512i quad_m = _mm512_setzero_si512();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *b = row + g * 4 * type_size;
             PREFETCH(b, 4 * type_size);
             const __m512i lo = _mm512_loadu_si512((const void *)b), hi = _mm512_maskz_loadu_epi8(tail_bytes, b + 64);
             const __m512i codes = _mm512_permutex2var_epi8(lo, code_idx, hi);
-            const __m512i halves = _mm512_permutex2var_epi8(lo, scale_idx, hi);
+            const __m512i halves = _mm512_maskz_permutex2var_epi8(keep[g & 3], lo, scale_idx[g & 3], hi);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
             const __m512i w0 = _mm512_permutexvar_epi16(codes, table);
             const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 8), table);
@@ -665,9 +674,14 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
                 acc[m] = _mm512_fmadd_ps(d, sum, acc[m]);
             }
             if (with_min) {
-                const __m512 mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
-                for (int m = 0; m < M; m++)
-                    acc[m] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(xs + (m * groups + g) * 16), acc[m]);
+                quad_m = _mm512_or_si512(quad_m, halves);
+                if ((g & 3) == 3 || g == groups - 1) {  /* the quad's m times its blocks' x sums */
+                    const __m512 mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(quad_m, 1));
+                    const __mmask16 lanes = (__mmask16)((1u << (4 * ((g & 3) + 1))) - 1);
+                    for (int m = 0; m < M; m++)
+                        acc[m] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(lanes, xsum + m * num_blocks + (g & ~3) * 4), acc[m]);
+                    quad_m = _mm512_setzero_si512();
+                }
             }
         }
         float minsum[8];
