@@ -605,13 +605,12 @@ static inline __attribute__((always_inline)) void q4_01_bf16_rows(
    scales. Q4_1 adds each block's m times its x sum, 16 blocks per multiply. The tail blocks
    (K / 32 % 4) run q4_01_bf16_rows's one-block step on the natural x. */
 #define Q4G_WORDS 32  /* bf16 x values per code vector */
-static void q4_x_order(const uint16_t *x, const float *xsum, int64_t K, int M, uint16_t *xr, float *xs) {
+static void q4_x_order(const uint16_t *x, int64_t K, int M, uint16_t *xr) {
     const int64_t groups = K / 128;
     for (int m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *src = x + m * K + g * 128;
             uint16_t *dst = xr + m * groups * 128 + g * 128;
-            float *lanes = xs + m * groups * 16 + g * 16;
             for (int p = 0; p < 32; p++) {
                 const int L = p / 8, k = p % 8;
                 dst[p] = src[32 * L + 2 * k];
@@ -619,14 +618,12 @@ static void q4_x_order(const uint16_t *x, const float *xsum, int64_t K, int M, u
                 dst[64 + p] = src[32 * L + 16 + 2 * k];
                 dst[96 + p] = src[32 * L + 17 + 2 * k];
             }
-            for (int lane = 0; lane < 16; lane++)
-                lanes[lane] = lane % 4 ? 0.0f : xsum[m * (K / 32) + g * 4 + lane / 4];
         }
 }
 
 static inline __attribute__((always_inline)) void q4_01_grouped_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
-        const float *xsum, const uint16_t *xr, const float *xs, const int M, void *out, int64_t out_stride,
+        const float *xsum, const uint16_t *xr, const int M, void *out, int64_t out_stride,
         const int with_min, const int bf16_out) {
     const int type_size = with_min ? 20 : 18, codes_at = with_min ? 4 : 2;
     const __m512i table = q4_word_table(with_min ? 0 : 8);
@@ -648,7 +645,6 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
     const __m512i scale_idx[4] = {_mm512_loadu_si512(scale_index[0]), _mm512_loadu_si512(scale_index[1]),
                                   _mm512_loadu_si512(scale_index[2]), _mm512_loadu_si512(scale_index[3])};
     const __mmask64 tail_bytes = (__mmask64)((1ull << (4 * type_size - 64)) - 1);
-    (void)xs;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
         __m512 acc[M];
@@ -708,17 +704,17 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
 
 #define Q4G_FN(NAME, WITH_MIN)                                                                       \
     static void NAME(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,  \
-                     const float *xsum, const uint16_t *xr, const float *xs, int M, void *out, int64_t ldo,  \
+                     const float *xsum, const uint16_t *xr, int M, void *out, int64_t ldo,            \
                      int bf16_out) {                                                                 \
         switch (M) {                                                                                 \
-        case 1: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 1, out, ldo, WITH_MIN, bf16_out); break;  \
-        case 2: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 2, out, ldo, WITH_MIN, bf16_out); break;  \
-        case 3: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 3, out, ldo, WITH_MIN, bf16_out); break;  \
-        case 4: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 4, out, ldo, WITH_MIN, bf16_out); break;  \
-        case 5: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 5, out, ldo, WITH_MIN, bf16_out); break;  \
-        case 6: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 6, out, ldo, WITH_MIN, bf16_out); break;  \
-        case 7: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 7, out, ldo, WITH_MIN, bf16_out); break;  \
-        default: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, xs, 8, out, ldo, WITH_MIN, bf16_out); break; \
+        case 1: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 1, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 2: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 2, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 3: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 3, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 4: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 4, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 5: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 5, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 6: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 6, out, ldo, WITH_MIN, bf16_out); break;  \
+        case 7: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 7, out, ldo, WITH_MIN, bf16_out); break;  \
+        default: q4_01_grouped_rows(data, rs, n0, n1, K, x, xsum, xr, 8, out, ldo, WITH_MIN, bf16_out); break; \
         }                                                                                            \
     }
 Q4G_FN(q4_0_grouped, 0)
@@ -812,20 +808,15 @@ static int q4_gemv(int qtype, const uint8_t *data, int64_t row_stride, int64_t N
                    const float *xsum, int M, void *out, int64_t out_stride, int num_threads, int bf16_out) {
     const int64_t groups = K / 128;
     uint16_t stack_xr[16384];
-    float stack_xs[2048];
-    const int on_stack = M * groups * 128 <= 16384 && M * groups * 16 <= 2048;
+    const int on_stack = M * groups * 128 <= 16384;
     uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * groups * 128 + 1));
-    float *xs = on_stack ? stack_xs : malloc(sizeof(float) * (size_t)(M * groups * 16 + 1));
-    if (!xr || !xs) {
-        if (!on_stack) { free(xr); free(xs); }
-        return -3;
-    }
-    q4_x_order(x, xsum, K, M, xr, xs);
+    if (!xr) return -3;
+    q4_x_order(x, K, M, xr);
     if (qtype == Q4_0)
-        OVER_ROW_PARTS(N, num_threads, q4_0_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride, bf16_out));
+        OVER_ROW_PARTS(N, num_threads, q4_0_grouped(data, row_stride, n0, n1, K, x, xsum, xr, M, out, out_stride, bf16_out));
     else
-        OVER_ROW_PARTS(N, num_threads, q4_1_grouped(data, row_stride, n0, n1, K, x, xsum, xr, xs, M, out, out_stride, bf16_out));
-    if (!on_stack) { free(xr); free(xs); }
+        OVER_ROW_PARTS(N, num_threads, q4_1_grouped(data, row_stride, n0, n1, K, x, xsum, xr, M, out, out_stride, bf16_out));
+    if (!on_stack) free(xr);
     return 0;
 }
 
