@@ -148,9 +148,10 @@ class GGUFInt4LinearMethod(LinearMethod):
 # Marseillaise,"). With the dense copy, prefill multiplies the exactly dequantized weights, as before.
 DROP_DENSE_COPY = False
 # With the file's blocks kept (AVX-512 BF16), decode-sized steps of up to gguf_cpu_native.MAX_ROWS rows run
-# the exact C kernel and larger ones the dense copy. Measured on the bundled SmolLM2 (120 linears, 1 thread,
-# CPU ms per pass, load 2.3-2.9): exact 6.4-6.9 / int4 kernel 6.7-7.3 at 1 row, 22.8 / 18.6 at 5; dense bf16
-# 20.9 at 1, 23.5 at 5, 23.6 at 8 (exact 35.2). Prefill on tiles of the blocks instead of the dense copy
+# the exact C kernel and larger ones the dense copy. Measured on the bundled SmolLM2 (its 120 linears, 1
+# thread, CPU ms per pass, the three interleaved so each runs cold as in a decode step, load 0.8): exact /
+# int4 kernel / dense bf16 9.23 / 9.06 / 23.97 at 1 row, 11.34 / 11.39 / 24.40 at 2, 21.81 / 21.56 / 25.18
+# at 5, 32.15 / 31.21 / 25.88 at 8. Prefill on tiles of the blocks instead of the dense copy
 # (layer 0's 7 matrices, ms): 2.33 vs 1.09 at 9 rows, 2.04 vs 1.51 at 64, 6.09 vs 4.83 at 512: the copy stays.
 
 
