@@ -166,6 +166,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _rms_norm_inputs(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checked ``(x, residual, summed, weight)`` of an RMSNorm-prologue GEMV: without a residual,
+    ``residual`` and ``summed`` are ``x`` itself (HAS_RESIDUAL is False when residual is x)."""
+    x = _rows(x)
+    reduction = x.shape[1]
+    if norm_weight.shape != (reduction,):
+        raise ValueError(f"norm_weight must be ({reduction},), got {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    weight = _check_weight(weight, reduction, "weight")
+    if residual is None:
+        return x, x, x, weight
+    return x, _rows(residual), torch.empty_like(x), weight
+
+
 # Programmatic dependent launch (Hopper and newer): each GEMV lets the kernel after it start early and
 # loads its first weight tile before waiting for the one before it, so the launch and the ramp-up of
 # one matmul overlap the tail of the previous one. Off: plain launches (benchmarks A/B it).
@@ -213,20 +229,9 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
 
     >>> out, summed = rms_norm_linear(hidden[:1], residual[:1], norm.weight, norm.eps, qkv_proj.weight)
     """
-    x = _rows(x)
+    x, residual, summed, weight = _rms_norm_inputs(x, residual, norm_weight, weight)
     reduction = x.shape[1]
-    if norm_weight.shape != (reduction,):
-        raise ValueError(f"norm_weight must be ({reduction},), got {tuple(norm_weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    weight = _check_weight(weight, reduction, "weight")
     out = x.new_empty(x.shape[0], weight.shape[0])
-    if residual is None:
-        summed = x
-        residual = x  # HAS_RESIDUAL is False when residual is x
-    else:
-        residual = _rows(residual)
-        summed = torch.empty_like(x)
     _launch(out, summed, x, residual, norm_weight.contiguous(), weight, reduction, eps, RMS_NORM, launch)
     return out, summed
 
@@ -250,20 +255,10 @@ def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None,
                                  launch: GemvLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(silu_and_mul(RMSNorm(x + residual) @ weight.T), x + residual)`` in one launch, ``weight``
     ``[2 * I, K]`` (gate rows, then up rows); see ``reference.rms_norm_linear_silu_and_mul``."""
-    x = _rows(x)
+    x, residual, summed, weight = _rms_norm_inputs(x, residual, norm_weight, weight)
     reduction = x.shape[1]
-    if norm_weight.shape != (reduction,):
-        raise ValueError(f"norm_weight must be ({reduction},), got {tuple(norm_weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    weight = _check_weight(weight, reduction, "weight")
     if weight.shape[0] % 2:
         raise ValueError(f"weight must stack gate and up rows ([2 * I, {reduction}]), got {tuple(weight.shape)}")
     out = x.new_empty(x.shape[0], weight.shape[0] // 2)
-    if residual is None:
-        summed, residual = x, x
-    else:
-        residual = _rows(residual)
-        summed = torch.empty_like(x)
     _launch(out, summed, x, residual, norm_weight.contiguous(), weight, reduction, eps, RMS_NORM, launch, gated_out=True)
     return out, summed
