@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import split_k_buffers
 from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 # Single-row steps of layers up to this many weights take the GEMV. Measured on the H200 (CUDA
@@ -190,22 +191,6 @@ def _fp8_dot_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, strid
         tl.store(out_ptr + t[None, :] * stride_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-_SPLIT_BUFFERS: dict = {}
-
-
-def _split_buffers(device: torch.device, block_t: int, num_rows: int, num_tiles: int):
-    """The zeroed float32 workspace ``[block_t, num_rows]`` and int32 tile counters of the split-K
-    GEMV, one pair per (device, shape), kept: each call leaves them zero. ``(None, None)`` when
-    first asked for inside a CUDA graph capture (the caller then runs unsplit)."""
-    key = (device, block_t, num_rows, num_tiles)
-    if key not in _SPLIT_BUFFERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None, None
-        _SPLIT_BUFFERS[key] = (torch.zeros(block_t, num_rows, dtype=torch.float32, device=device),
-                               torch.zeros(num_tiles, dtype=torch.int32, device=device))
-    return _SPLIT_BUFFERS[key]
-
-
 def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int | None = None, recip: bool | None = None,
@@ -227,7 +212,7 @@ def dot_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
         split_k = DOT_SPLIT_K if num_rows <= DOT_SPLIT_MAX_N else 1
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x.device, block_t, num_rows, num_tiles)
+    workspace, counts = (out, out) if split_k == 1 else split_k_buffers(x.device, block_t, num_rows, num_tiles)
     if workspace is None:  # first met inside a CUDA graph capture: no persistent buffers there
         split_k, k_per_split, workspace, counts = 1, k, out, out
     _fp8_dot_gemv_kernel[(num_tiles, split_k)](
@@ -458,7 +443,7 @@ def row_gemv(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tens
     num_tiles = triton.cdiv(num_rows, launch.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, launch.split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x.device, 1, num_rows, num_tiles)
+    workspace, counts = (out, out) if split_k == 1 else split_k_buffers(x.device, 1, num_rows, num_tiles)
     if workspace is None:  # first met inside a CUDA graph capture: no persistent buffers there
         split_k, k_per_split, workspace, counts = 1, k, out, out
     _fp8_row_gemv_kernel[(num_tiles, split_k)](
@@ -572,7 +557,7 @@ def codes_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight_fp8: torch.Ten
         split_k = max(1, min(8, 264 // num_tiles, k // 1024))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x_fp8.device, block_t, num_rows, num_tiles)
+    workspace, counts = (out, out) if split_k == 1 else split_k_buffers(x_fp8.device, block_t, num_rows, num_tiles)
     if workspace is None:
         split_k, k_per_split, workspace, counts = 1, k, out, out
     _fp8_codes_gemm_kernel[(num_tiles, split_k)](

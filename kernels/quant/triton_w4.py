@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import split_k_buffers
 from .w4_layout import W4Weight
 
 GEMV_MAX_ROWS = 1   # rows the CUDA-core GEMV takes (0: the tensor-core one takes single rows too)
@@ -331,23 +332,6 @@ def dequantize(weight: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-_SPLIT_BUFFERS: dict = {}
-
-
-def _split_buffers(device: torch.device, block_t: int, num_rows: int, num_tiles: int):
-    """The zeroed float32 workspace ``[block_t, num_rows]`` and int32 tile counters of a split-K
-    GEMV, one pair per (device, shape), kept: each call leaves them zero. ``(None, None)`` when
-    first asked for inside a CUDA graph capture (the caller then runs unsplit). As
-    ``triton_fp8``'s for its GEMV."""
-    key = (device, block_t, num_rows, num_tiles)
-    if key not in _SPLIT_BUFFERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None, None
-        _SPLIT_BUFFERS[key] = (torch.zeros(block_t, num_rows, dtype=torch.float32, device=device),
-                               torch.zeros(num_tiles, dtype=torch.int32, device=device))
-    return _SPLIT_BUFFERS[key]
-
-
 def split_for(num_tiles: int, num_groups: int, target_programs: int) -> int:
     """Parts to split the groups in: enough programs for ``target_programs``, each part at least
     ``MIN_GROUPS_PER_SPLIT`` groups."""
@@ -370,7 +354,7 @@ def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split
     split_k = split_k or split_for(num_tiles, num_groups, config["target_programs"])
     groups_per_split = triton.cdiv(triton.cdiv(num_groups, split_k), groups_per_iter) * groups_per_iter
     split_k = triton.cdiv(num_groups, groups_per_split)
-    workspace, counts = (out, out) if split_k == 1 else _split_buffers(x.device, block_t, num_rows, num_tiles)
+    workspace, counts = (out, out) if split_k == 1 else split_k_buffers(x.device, block_t, num_rows, num_tiles)
     if workspace is None:  # first met inside a CUDA graph capture: no persistent buffers there
         split_k, groups_per_split, workspace, counts = 1, num_groups, out, out
     kernel[(num_tiles, split_k)](
