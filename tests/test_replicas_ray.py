@@ -130,9 +130,10 @@ async def test_an_overloaded_replica_spills_its_prefix_to_the_other(engine):
     ids = [f"spill-{index}" for index in range(3)]
     streams = engine.core.add_requests(prompts, [LONG] * 3, request_ids=ids)
     try:
-        for stream in streams:  # each has started: all three are outstanding on their replicas
+        replicas = []
+        for stream, request_id in zip(streams, ids):  # each has started: read its replica while it is in flight
             await stream.__aiter__().__anext__()
-        replicas = [engine.core.replica_of(request_id) for request_id in ids]
+            replicas.append(engine.core.replica_of(request_id))
         # max_load_gap=2: the first two share a replica, the third finds it 2 ahead and goes to the other
         assert replicas[0] == replicas[1] != replicas[2]
         assert replica_stats(engine)[replicas[2]]["num_fallback_routed"] >= 1
