@@ -33,17 +33,26 @@ def _dot(block_n, num_warps, num_stages, asm_decode, target, groups_per_iter=1):
                         asm_decode=asm_decode), target)
 
 
+def _row(block_n, num_warps, groups_per_iter, target, pdl=True):
+    return ("row", dict(block_n=block_n, num_warps=num_warps, num_stages=1, groups_per_iter=groups_per_iter,
+                        pdl=pdl), target)
+
+
 CONFIGS = [
     _gemv(64, 4, 2, True, 528), _gemv(64, 4, 1, True, 528), _gemv(64, 4, 2, True, 1056), _gemv(32, 4, 2, True, 1056),
     _gemv(128, 8, 2, True, 528), _gemv(128, 4, 2, False, 264), _gemv(64, 4, 2, True, 264),
     _dot(128, 4, 3, False, 264), _dot(128, 4, 3, True, 264), _dot(64, 4, 4, True, 264), _dot(128, 4, 4, True, 528),
     _dot(128, 4, 3, False, 528), _dot(64, 4, 3, True, 528, groups_per_iter=2),
+    # 13..: the whole-K one-row kernel (triton_w4.row_gemv), PDL unless marked
+    _row(8, 4, 16, 0), _row(8, 4, 8, 0), _row(4, 4, 16, 0), _row(16, 4, 8, 0), _row(8, 4, 16, 264),
+    _row(8, 2, 16, 0), _row(8, 4, 16, 0, pdl=False), _row(4, 2, 16, 0), _row(16, 8, 16, 0),
 ]
 
 
 def label(kind: str, config: dict, target: int) -> str:
     return (f"{kind} BN{config['block_n']}/W{config['num_warps']}/st{config['num_stages']}/G{config['groups_per_iter']}"
-            f"/P{target}" + ("/asm" if config.get("asm_decode") else "") + ("/pf" if config.get("prefetch") else ""))
+            f"/P{target}" + ("/asm" if config.get("asm_decode") else "") + ("/pf" if config.get("prefetch") else "")
+            + ("/pdl" if config.get("pdl") else ""))
 
 
 def random_w4(n: int, k: int, device="cuda"):
@@ -70,7 +79,7 @@ def call_for(kind: str, config: dict, target: int, x, bias=None):
     def call(weight):
         tiles = -(-weight.out_features // config["block_n"])
         split = 1 if target == 0 else triton_w4.split_for(tiles, weight.in_features // 128, target)
-        fn = triton_w4.gemv if kind == "gemv" else triton_w4.dot_gemv
+        fn = {"gemv": triton_w4.gemv, "row": triton_w4.row_gemv}.get(kind, triton_w4.dot_gemv)
         return fn(x, weight, bias, split_k=split, **config)
     return call
 
@@ -145,7 +154,7 @@ def part_kernels(rows, config_ids, json_path=None, tuned_path=None) -> dict:
                     [lambda d=d: triton_w4g128.w4g128_linear(x, d) for d in old_rows.pop(name)], num_warmup=2)
             for index in config_ids:
                 kind, config, target = CONFIGS[index]
-                if kind == "gemv" and m > 1:
+                if kind in ("gemv", "row") and m > 1:
                     continue
                 try:
                     call = call_for(kind, config, target, x)
@@ -243,7 +252,7 @@ def part_compile(config_ids) -> None:
     weight = random_w4(512, 1024)
     for index in config_ids:
         kind, config, target = CONFIGS[index]
-        for m in (1, 4) if index == 0 else (1,) if kind == "gemv" else (4,):
+        for m in (1, 4) if index == 0 else (1,) if kind in ("gemv", "row") else (4,):
             x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
             for split_target in (0, 10**6):
                 try:

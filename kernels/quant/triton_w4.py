@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gemv.triton_gemv import uses_pdl
 from ..triton_utils import split_k_buffers
 from .w4_layout import W4Weight
 
@@ -52,6 +53,13 @@ GEMV_CONFIGS = {
 DOT_CONFIGS = {
     "narrow": dict(block_n=128, num_warps=4, num_stages=3, groups_per_iter=1, asm_decode=False, target_programs=264),
     "wide": dict(block_n=128, num_warps=4, num_stages=3, groups_per_iter=1, asm_decode=False, target_programs=264),
+}
+# The one-row kernel with whole-K programs (target_programs 0: never split) and programmatic
+# dependent launch; not yet the default (ROW_GEMV False): its H200 sweep picks the configs.
+ROW_GEMV = False
+ROW_CONFIGS = {
+    "narrow": dict(block_n=8, num_warps=4, groups_per_iter=8, target_programs=0, pdl=True),
+    "wide": dict(block_n=8, num_warps=4, groups_per_iter=8, target_programs=0, pdl=True),
 }
 MIN_GROUPS_PER_SPLIT = 4
 
@@ -305,6 +313,62 @@ def _w4_gemv1_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, c
 
 
 @triton.jit
+def _row_step(words, header, x_ptr, g, c, m0, m1, m2, m3):
+    """``scale * sum_i (code_i - zero) * x_i`` of one row's groups ``g`` (``[BG]``), per row and
+    word: ``words`` ``[BN, BG, 16]``, ``header`` ``[BN, BG]``; ``[BN, BG, 16]`` float32."""
+    z0, z1, z2, z3 = _zero_offsets(header[:, :, None])
+    hi = words >> 16
+    x_group = x_ptr + g[:, None] * 128 + c[None, :]                                      # [BG, 16]
+    d = tl.zeros(words.shape, dtype=tl.float32)
+    for i in tl.static_range(8):
+        q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i)
+        d += q * tl.load(x_group + 16 * i).to(tl.float32)[None, :, :]
+    return d * _scale(header)[:, :, None]
+
+
+@triton.jit(do_not_specialize=["groups_per_split", "num_splits", "nibble"])
+def _w4_row_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
+                   stride_x, stride_c, stride_out, groups_per_split, num_splits, nibble, HAS_BIAS: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
+                   IS_SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row, ``BLOCK_N`` outputs a program, ``GROUPS_PER_ITER`` groups a step as one
+    ``[BN, BG, 16]`` word tile (each thread holds its words of every row, so the ``x`` it loads
+    serves all of them), the next step's tile loaded before this step's math. Unsplit, a program
+    walks all of K (no workspace). ``USE_PDL``: the next kernel may start at once, the first tile
+    is loaded before waiting for the previous kernel's ``x`` (as ``kernels/gemv/triton_gemv.py``)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = tl.minimum(n, N - 1)
+    t = tl.arange(0, BLOCK_T)
+    c = tl.arange(0, 16)
+    gi = tl.arange(0, GROUPS_PER_ITER)
+    num_groups = K // 128
+    m0, m1, m2, m3 = _nibble_masks(nibble)
+    g_start = tl.program_id(1) * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    code_rows = codes_ptr + n_in[:, None, None].to(tl.int64) * stride_c + c[None, None, :]   # [BN, 1, 16]
+    header_rows = headers_ptr + n_in[:, None]                                                # [BN, 1]
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    g = g_start + gi
+    in_split = g < g_end
+    words = tl.load(code_rows + g[None, :, None] * 16, mask=in_split[None, :, None], other=0)
+    header = tl.load(header_rows + g[None, :] * N, mask=in_split[None, :], other=0)        # scale 0 past the end
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+    acc = tl.zeros((BLOCK_N, GROUPS_PER_ITER, 16), dtype=tl.float32)
+    for g0 in range(g_start, g_end, GROUPS_PER_ITER):
+        g_next = g0 + GROUPS_PER_ITER + gi
+        next_in = g_next < g_end
+        words_next = tl.load(code_rows + g_next[None, :, None] * 16, mask=next_in[None, :, None], other=0)
+        header_next = tl.load(header_rows + g_next[None, :] * N, mask=next_in[None, :], other=0)
+        acc += _row_step(words, header, x_ptr, tl.minimum(g0 + gi, num_groups - 1), c, m0, m1, m2, m3)
+        words = words_next
+        header = header_next
+    result = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]                                   # [BN, 1]
+    _finish(result, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS, IS_SPLIT)
+
+
+@triton.jit
 def _w4_dequant_kernel(codes_ptr, headers_ptr, out_ptr, N, K, nibble, BLOCK_N: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = tl.minimum(n, N - 1)
@@ -341,7 +405,8 @@ def split_for(num_tiles: int, num_groups: int, target_programs: int) -> int:
     return max(1, min(wanted, num_groups // MIN_GROUPS_PER_SPLIT))
 
 
-def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split_k: int | None) -> torch.Tensor:
+def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split_k: int | None,
+            **extra) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
     num_rows = weight.out_features
@@ -362,7 +427,7 @@ def _launch(kernel, x, weight: W4Weight, bias, block_t: int, config: dict, split
         x.stride(0), weight.codes.stride(0), out.stride(0), groups_per_split, split_k, 0xF, HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, GROUPS_PER_ITER=groups_per_iter, IS_SPLIT=split_k > 1,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
-        **({"ASM_DECODE": True} if config.get("asm_decode") else {}))
+        **({"ASM_DECODE": True} if config.get("asm_decode") else {}), **extra)
     return out
 
 
@@ -397,6 +462,19 @@ def gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
     return _launch(_w4_gemv_kernel, x, weight, bias, triton.next_power_of_2(max(x.shape[0], 1)), config, split_k)
 
 
+def row_gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
+             split_k: int | None = None, **config) -> torch.Tensor:
+    """One row of ``x`` on the CUDA cores (``_w4_row_kernel``); ``config`` overrides
+    ``ROW_CONFIGS`` (block_n, num_warps, groups_per_iter, target_programs, pdl)."""
+    _check(x, weight)
+    if x.shape[0] > 1:
+        raise ValueError(f"row_gemv takes one row of x, got {x.shape[0]}")
+    config = {"num_stages": 1, **ROW_CONFIGS[width_class(weight.out_features)], **config}
+    use_pdl = bool(config.get("pdl")) and uses_pdl(x)
+    return _launch(_w4_row_kernel, x, weight, bias, 1, config, split_k, USE_PDL=use_pdl,
+                   **({"launch_pdl": True} if use_pdl else {}))
+
+
 def w4_linear(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
               gemv_max_rows: int | None = None, dot_max_rows: int | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]``, the result in ``x``'s dtype: up to ``gemv_max_rows``
@@ -406,6 +484,8 @@ def w4_linear(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = Non
     m = x.shape[0]
     gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
     dot_max_rows = DOT_MAX_ROWS if dot_max_rows is None else dot_max_rows
+    if m == 1 and ROW_GEMV and gemv_max_rows >= 1:
+        return row_gemv(x, weight, bias)
     if m <= gemv_max_rows:
         return gemv(x, weight, bias)
     if m <= min(dot_max_rows, 16) and x.dtype in (torch.bfloat16, torch.float16):
