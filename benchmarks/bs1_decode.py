@@ -207,41 +207,46 @@ def build_engine(shape: str):
 # "unfused" or "fused" plus options: "+pdl" programmatic dependent launch, "+all" every weight by the
 # GEMV (else those over 2^25 elements stay on cuBLAS), "+head" the LM head by the GEMV, "+epi"
 # SwiGLU as gate_up's epilogue, "+pf" every default launch prefetching the next K tile, "+n16" the
-# RMSNorm GEMV at 16 outputs a program (the default before the norm took one pass).
+# RMSNorm GEMV at 16 outputs a program (the default before the norm took one pass), "+n8" at 8 (the
+# default since), "+apdl" decode attention with programmatic dependent launch (DecodeLaunch.use_pdl).
 VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
             "fused+pdl+all+head+epi", "fused+pdl+head+epi", "fused+pdl+all+head+pf", "fused+pdl+head+pf",
             "fused+pdl+all+head+epi+pf", "fused+pdl+all+head+n16", "fused+pdl+all+head+epi+n8",
-            "fused+pdl+all+head+epi+targ"]
+            "fused+pdl+all+head+epi+targ", "fused+pdl+all+head+epi+apdl", "fused+pdl+all+head+epi+apdl+n16"]
 _DEFAULT_LAUNCH = None
+_ATTENTION_LAUNCH = None
 _SPLIT_ARGMAX_MAX_ROWS = 16  # kernels/sampling/triton_sampling's
 
 
 def variant_options(label: str) -> dict:
     base, *options = label.split("+")
-    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ"}
+    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ", "apdl"}
     if base not in ("fused", "unfused") or unknown:
         raise ValueError(f"variant {label!r}: unknown parts {sorted(unknown) or base!r}")
     return dict(fused=base == "fused", pdl="pdl" in options, all="all" in options, head="head" in options,
                 epi="epi" in options, pf="pf" in options, n16="n16" in options, n8="n8" in options,
-                targ="targ" in options)
+                targ="targ" in options, apdl="apdl" in options)
 
 
 def apply_variant(label: str) -> None:
     import dataclasses
 
     from hearth_llm.engine.models import fused_decode
+    from hearth_llm.kernels.attention import triton_attention
     from hearth_llm.kernels.gemv import triton_gemv
     from hearth_llm.kernels.sampling import triton_sampling
 
-    global _DEFAULT_LAUNCH
+    global _DEFAULT_LAUNCH, _ATTENTION_LAUNCH
     if _DEFAULT_LAUNCH is None:
         _DEFAULT_LAUNCH = triton_gemv.default_launch
+        _ATTENTION_LAUNCH = triton_attention.DEFAULT_LAUNCH
     options = variant_options(label)
     fused_decode.ENABLED = options["fused"]
     fused_decode.MAX_WEIGHT_NUMEL = float("inf") if options["all"] else 1 << 25
     fused_decode.LM_HEAD_GEMV = options["head"]
     fused_decode.SWIGLU_EPILOGUE = options["epi"]
     triton_gemv.USE_PDL = options["pdl"]
+    triton_attention.DEFAULT_LAUNCH = dataclasses.replace(_ATTENTION_LAUNCH, use_pdl=options["apdl"])
     triton_sampling.SPLIT_ARGMAX_MAX_ROWS = 0 if options["targ"] else _SPLIT_ARGMAX_MAX_ROWS
     def launch(num_outputs, reduction, prologue=triton_gemv.PLAIN, gated_out=False):
         chosen = _DEFAULT_LAUNCH(num_outputs, reduction, prologue, gated_out)
@@ -468,6 +473,42 @@ def compare_fused(engine, shape: str, label: str, results: dict) -> None:
         f"argmax {top_fused[0]} vs {top_unfused[0]}, max|diff| {diff:.3g} (logit std {spread:.3g})")
 
 
+def greedy_tokens(engine, num_tokens: int = 48) -> list[int]:
+    """One sequence's greedy tokens from the engine as it stands (graphs or eager)."""
+    from hearth_llm.engine.sampling_params import SamplingParams
+
+    request_id = engine.add_request(list(range(100, 132)), SamplingParams(
+        temperature=0, max_tokens=num_tokens, ignore_eos=True, detokenize=False))
+    while engine.has_unfinished_requests():
+        engine.step()
+    tokens = list(engine.groups[request_id][0].output_token_ids)
+    engine.release(request_id)
+    return tokens
+
+
+def token_check(engine, shape: str, label: str, results: dict) -> None:
+    """Greedy tokens under ``label`` (graphs) against: the same eagerly, and graphs without the
+    programmatic dependent launches (same kernels, so bitwise the same tokens are expected);
+    against the unfused path the count of equal leading tokens (bf16 rounding may part them)."""
+    reference = None
+    for name, variant, eager in ((label, label, False), ("eager", label, True),
+                                 ("no-pdl", label.replace("+apdl", "").replace("+pdl", ""), False),
+                                 ("unfused", "unfused", False)):
+        recapture(engine, variant)
+        if eager:
+            engine.runner.decode_graphs = None
+        tokens = greedy_tokens(engine)
+        if reference is None:
+            reference = tokens
+            continue
+        same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(reference))
+        exact = name != "unfused"
+        results[f"{shape}.{label}.tokens_equal_{name}"] = same
+        verdict = ("PASS" if same == len(reference) else "FAIL") if exact else "INFO"
+        say(f"{verdict} tokens {shape} {label} vs {name}: first {same}/{len(reference)} greedy tokens equal")
+    recapture(engine, label)
+
+
 def engine_part(shapes: list[str], variants: list[str], budget_end: float, results: dict) -> None:
     from .throughput import decode_graph_bs1_ms, ours_bs1_ms_per_token
 
@@ -532,7 +573,7 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
             label = best[1]
             say(f"engine {shape}: fastest {label} ({best[0]:.3f} ms/token); its accounting:")
             recapture(engine, label)
-            for part in (compare_fused, host_split, head_and_argmax, layer_timeline):
+            for part in (compare_fused, token_check, host_split, head_and_argmax, layer_timeline):
                 if time.perf_counter() > shape_end + 6:
                     break
                 try:

@@ -393,6 +393,10 @@ class DecodeLaunch:
     use_dot: bool = True
     fp8_dot_in_fp16: bool = True
     fused_reduce: bool = True
+    # Programmatic dependent launch where the batch-1 GEMVs use it (``kernels/gemv``): the kernel
+    # starts while the one before it (the attention inputs) finishes and lets ``o_proj``'s GEMV
+    # start early in turn; every program waits for the previous kernel before it reads anything.
+    use_pdl: bool = True
 
 
 DEFAULT_LAUNCH = DecodeLaunch()
@@ -462,11 +466,16 @@ def _split_decode_kernel(
     HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_KV_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, USE_DOT: tl.constexpr, FP8_DOT_IN_FP16: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """One program: one piece of one sequence's keys, for the query heads of one KV head. With
     FUSED_REDUCE the last piece of a (sequence, KV head) to finish merges all of them (see
-    ``_merge_pieces``), so no reduce kernel runs."""
+    ``_merge_pieces``), so no reduce kernel runs. ``USE_PDL``: every program waits for the kernel
+    before it first (none returns before that, so the kernel after it, waiting on this one, waits
+    on that one too)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -663,7 +672,8 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         BLOCK_N=block_n, USE_DOT=launch.use_dot,
         FP8_DOT_IN_FP16=launch.fp8_dot_in_fp16 and fp8_dot_in_fp16(query, key_cache),
         FUSED_REDUCE=fused_reduce, BLOCK_S=next_power_of_2(launch.max_splits),
-        num_warps=launch.num_warps, num_stages=launch.num_stages if key_cache.element_size() <= 2 else 2, **common,
+        num_warps=launch.num_warps, num_stages=launch.num_stages if key_cache.element_size() <= 2 else 2,
+        **_pdl_launch(query, launch.use_pdl), **common,
     )
     if num_splits > 1 and not fused_reduce:
         _split_decode_reduce_kernel[(num_seqs, num_heads)](
@@ -673,3 +683,10 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
             BLOCK_S=next_power_of_2(launch.max_splits),
             BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
         )
+
+
+def _pdl_launch(query: torch.Tensor, wanted: bool) -> dict:
+    """Programmatic dependent launch where the batch-1 GEMVs use it (``kernels/gemv``), when wanted."""
+    from ..gemv.triton_gemv import uses_pdl
+
+    return {"USE_PDL": True, "launch_pdl": True} if wanted and uses_pdl(query) else {}

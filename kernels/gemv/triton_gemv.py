@@ -44,13 +44,14 @@ def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN, gate
     4096x4096 10.8 with 2 outputs); SwiGLU sits between (down 1024x3072 4.9 with 4 outputs, K 2048).
     The RMSNorm prologue took 16 outputs when it read the row twice (Qwen3-0.6B qkv 5.4 / gate_up
     6.3, Llama-3-8B qkv 16.3, against 6.1 / 9.7 / 28.1 with 8). In one pass (H200 round 1,
-    2026-12-02) 8 outputs run Qwen3-0.6B's qkv in 4.97 µs but Llama-3-8B's (K 4096) in 19.7: each
-    program re-reads its row chunks (x, residual, norm weight) from L2 for 8 outputs' worth of
-    weight, so a long row takes 16 outputs (255 registers, 2 programs an SM, as the two-pass 16 had).
-    A SwiGLU epilogue dots two weight rows per output: 4 outputs are 8 rows (gate_up, round 1)."""
+    2026-12-02) 8 outputs run Qwen3-0.6B's qkv in 4.97 µs; Llama-3-8B's (K 4096) took 19.7 alone
+    against 16.3 with 16 outputs, yet in the whole step 8 outputs win (4.364 against 4.399 ms/token,
+    bs1_decode's +n8 variant, round 2; why is not measured: 16 outputs take 255 registers, 2
+    programs an SM). A SwiGLU epilogue dots two weight rows per output: 4 outputs are 8 rows
+    (gate_up, round 1)."""
     block_k = triton.next_power_of_2(reduction)
     if prologue == RMS_NORM:
-        block_n = 4 if gated_out else (16 if reduction >= 4096 else 8)
+        block_n = 4 if gated_out else 8
         return GemvLaunch(block_n=block_n, block_k=min(1024, block_k), num_warps=4)
     if prologue == SILU_AND_MUL:
         return GemvLaunch(block_n=4, block_k=min(2048, block_k), num_warps=4)
