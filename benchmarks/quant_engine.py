@@ -231,9 +231,15 @@ def main(argv=None) -> None:
                         help="skip our own bs1 figures after the workloads")
     parser.add_argument("--bs1-ab", action="store_true",
                         help="fp8: bs1 with the one-row GEMV and with the old several-row GEMV")
+    parser.add_argument("--kernel-profile",
+                        help="only the throughput workload through throughput.run_ours, with a torch.profiler table "
+                             "of 20 mid-run steps written here (kernel time by name)")
     add_workload_options(parser)
     args = parser.parse_args(argv)
     args.max_model_len = args.max_model_len or 4096
+    if args.kernel_profile:
+        profile_throughput(args)
+        return
     if args.quality:
         if args.device == "cuda":  # the kernels' exactness first (PASS/FAIL lines), in this process
             from .quant_kernels import check_codes_gemm, check_row
@@ -257,6 +263,20 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as sink:
             json.dump(results, sink, indent=2)
+
+
+def profile_throughput(args) -> dict:
+    """The throughput workload by ``throughput.run_ours`` (steps 300-320 profiled into
+    ``args.kernel_profile``); its tok/s printed (a little low: the profiled steps run slower)."""
+    from . import workloads
+    from .throughput import run_ours
+
+    engine = build_engine(args)
+    requests = workloads.workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
+    result = run_ours(engine, requests, args.kernel_profile, tuple(args.lengths))
+    print(f"{args.method} {args.shape} kv {args.kv_cache_dtype} profiled throughput: "
+          f"{json.dumps(result)}", flush=True)
+    return result
 
 
 def run(args) -> dict:
