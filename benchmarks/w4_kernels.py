@@ -44,7 +44,7 @@ CONFIGS = [
     _dot(128, 4, 3, False, 264), _dot(128, 4, 3, True, 264), _dot(64, 4, 4, True, 264), _dot(128, 4, 4, True, 528),
     _dot(128, 4, 3, False, 528), _dot(64, 4, 3, True, 528, groups_per_iter=2),
     # 13..: the whole-K one-row kernel (triton_w4.row_gemv), PDL unless marked
-    _row(8, 4, 16, 0), _row(8, 4, 8, 0), _row(4, 4, 16, 0), _row(16, 4, 8, 0), _row(8, 4, 16, 264),
+    _row(8, 4, 16, 0), _row(8, 4, 8, 0), _row(4, 4, 16, 0), _row(16, 4, 8, 0), _row(8, 4, 16, 1056),
     _row(8, 2, 16, 0), _row(8, 4, 16, 0, pdl=False), _row(4, 2, 16, 0), _row(16, 8, 16, 0),
 ]
 
