@@ -61,6 +61,13 @@ ROW_CONFIGS = {
     "narrow": dict(block_n=8, num_warps=4, groups_per_iter=8, target_programs=0, pdl=True),
     "wide": dict(block_n=8, num_warps=4, groups_per_iter=8, target_programs=0, pdl=True),
 }
+# The fused one-row kernels (prologue RMSNorm or SwiGLU, or RMSNorm with the SwiGLU epilogue: "gated").
+FUSED_ROW_CONFIGS = {
+    "narrow": dict(block_n=16, num_warps=4, groups_per_iter=8, pdl=True),
+    "wide": dict(block_n=16, num_warps=4, groups_per_iter=8, pdl=True),
+    "gated": dict(block_n=8, num_warps=4, groups_per_iter=8, pdl=True),
+}
+PLAIN, RMS_NORM, SILU_AND_MUL = 0, 1, 2  # the row kernel's PROLOGUE values
 MIN_GROUPS_PER_SPLIT = 4
 
 
@@ -313,31 +320,79 @@ def _w4_gemv1_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, c
 
 
 @triton.jit
-def _row_step(words, header, x_ptr, g, c, m0, m1, m2, m3):
-    """``scale * sum_i (code_i - zero) * x_i`` of one row's groups ``g`` (``[BG]``), per row and
-    word: ``words`` ``[BN, BG, 16]``, ``header`` ``[BN, BG]``; ``[BN, BG, 16]`` float32."""
+def _row_inputs(x_ptr, residual_ptr, norm_ptr, summed_ptr, idx, valid, K, is_writer,
+                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Inputs ``idx`` of the row the weight multiplies, float32, and their squares' part of the
+    RMS (0 unless RMS_NORM, and where not ``valid``): ``x``; RMSNorm's ``s * norm_weight`` with
+    ``s = x + residual`` rounded to x's dtype (stored by the ``is_writer`` program as the next
+    residual stream; the inverse RMS scales the finished dot); or ``silu(gate) * up`` rounded."""
+    storage = x_ptr.dtype.element_ty
+    first = tl.load(x_ptr + idx).to(tl.float32)
+    squares = tl.zeros_like(first)
+    if PROLOGUE == 2:
+        up = tl.load(x_ptr + K + idx).to(tl.float32)
+        row = (first * tl.sigmoid(first) * up).to(storage).to(tl.float32)
+    elif PROLOGUE == 1:
+        summed = first
+        if HAS_RESIDUAL:
+            summed = (first + tl.load(residual_ptr + idx).to(tl.float32)).to(storage)
+            tl.store(summed_ptr + idx, summed, mask=valid & ((tl.zeros_like(idx) + is_writer) != 0))
+            summed = summed.to(tl.float32)
+        squares = tl.where(valid, summed * summed, 0.0)
+        row = summed * tl.load(norm_ptr + idx).to(tl.float32)
+    else:
+        row = first
+    return row, squares
+
+
+@triton.jit
+def _row_step(words, header, x_ptr, residual_ptr, norm_ptr, summed_ptr, g, valid, c, K, is_writer,
+              m0, m1, m2, m3, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """``scale * sum_i (code_i - zero) * row_i`` of one row's groups ``g`` (``[BG]``), per row and
+    word (``words`` ``[BN, BG, 16]``, ``header`` ``[BN, BG]``; ``[BN, BG, 16]`` float32), and the
+    ``[BG, 16]`` squares of the row's inputs met (:func:`_row_inputs`)."""
     z0, z1, z2, z3 = _zero_offsets(header[:, :, None])
     hi = words >> 16
-    x_group = x_ptr + g[:, None] * 128 + c[None, :]                                      # [BG, 16]
+    idx = g[:, None] * 128 + c[None, :]                                                  # [BG, 16]
+    group_valid = valid[:, None] & (c[None, :] < 16)
     d = tl.zeros(words.shape, dtype=tl.float32)
+    squares = tl.zeros(idx.shape, dtype=tl.float32)
     for i in tl.static_range(8):
         q = _codes_minus_zero(words, hi, z0, z1, z2, z3, m0, m1, m2, m3, i)
-        d += q * tl.load(x_group + 16 * i).to(tl.float32)[None, :, :]
-    return d * _scale(header)[:, :, None]
+        row, sq = _row_inputs(x_ptr, residual_ptr, norm_ptr, summed_ptr, idx + 16 * i, group_valid, K, is_writer,
+                              PROLOGUE, HAS_RESIDUAL)
+        d += q * row[None, :, :]
+        if PROLOGUE == 1:
+            squares += sq
+    return d * _scale(header)[:, :, None], squares
 
 
 @triton.jit(do_not_specialize=["groups_per_split", "num_splits", "nibble"])
 def _w4_row_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
                    stride_x, stride_c, stride_out, groups_per_split, num_splits, nibble, HAS_BIAS: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
-                   IS_SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+                   IS_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, residual_ptr=None, norm_ptr=None,
+                   summed_ptr=None, eps=0.0, PROLOGUE: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False,
+                   GATED_OUT: tl.constexpr = False):
     """One row, ``BLOCK_N`` outputs a program, ``GROUPS_PER_ITER`` groups a step as one
-    ``[BN, BG, 16]`` word tile (each thread holds its words of every row, so the ``x`` it loads
+    ``[BN, BG, 16]`` word tile (each thread holds its words of every row, so the input it loads
     serves all of them), the next step's tile loaded before this step's math. Unsplit, a program
     walks all of K (no workspace). ``USE_PDL``: the next kernel may start at once, the first tile
-    is loaded before waiting for the previous kernel's ``x`` (as ``kernels/gemv/triton_gemv.py``)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = tl.minimum(n, N - 1)
+    is loaded before waiting for the previous kernel's ``x`` (as ``kernels/gemv/triton_gemv.py``).
+
+    ``PROLOGUE`` (unsplit only): the row is RMSNorm(x + residual) (1; one pass, the inverse RMS
+    applied to the finished dot) or ``silu(x[:K]) * x[K:]`` (2). ``GATED_OUT``: the weight is
+    ``[2 N, K]`` (gate rows, then up rows) and output ``n`` is ``silu(gate_n) * up_n`` of the
+    products rounded to x's dtype (tile row ``2 j`` is output ``j``'s gate row, ``2 j + 1`` its up row)."""
+    if GATED_OUT:
+        tile_rows = tl.arange(0, 2 * BLOCK_N)
+        n = tl.program_id(0) * BLOCK_N + tile_rows // 2
+        weight_rows = tl.minimum(n, N - 1) + (tile_rows % 2) * N
+        num_weight_rows = 2 * N
+    else:
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        weight_rows = tl.minimum(n, N - 1)
+        num_weight_rows = N
     t = tl.arange(0, BLOCK_T)
     c = tl.arange(0, 16)
     gi = tl.arange(0, GROUPS_PER_ITER)
@@ -345,27 +400,43 @@ def _w4_row_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, cou
     m0, m1, m2, m3 = _nibble_masks(nibble)
     g_start = tl.program_id(1) * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, num_groups)
-    code_rows = codes_ptr + n_in[:, None, None].to(tl.int64) * stride_c + c[None, None, :]   # [BN, 1, 16]
-    header_rows = headers_ptr + n_in[:, None]                                                # [BN, 1]
+    is_writer = ((tl.program_id(0) == 0) & (tl.program_id(1) == 0)).to(tl.int32)
+    code_rows = codes_ptr + weight_rows[:, None, None].to(tl.int64) * stride_c + c[None, None, :]   # [BN, 1, 16]
+    header_rows = headers_ptr + weight_rows[:, None]                                                 # [BN, 1]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     g = g_start + gi
     in_split = g < g_end
     words = tl.load(code_rows + g[None, :, None] * 16, mask=in_split[None, :, None], other=0)
-    header = tl.load(header_rows + g[None, :] * N, mask=in_split[None, :], other=0)        # scale 0 past the end
+    header = tl.load(header_rows + g[None, :] * num_weight_rows, mask=in_split[None, :], other=0)  # scale 0 past the end
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
-    acc = tl.zeros((BLOCK_N, GROUPS_PER_ITER, 16), dtype=tl.float32)
+        tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernel's outputs
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    squares = tl.zeros((GROUPS_PER_ITER, 16), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS_PER_ITER):
         g_next = g0 + GROUPS_PER_ITER + gi
         next_in = g_next < g_end
         words_next = tl.load(code_rows + g_next[None, :, None] * 16, mask=next_in[None, :, None], other=0)
-        header_next = tl.load(header_rows + g_next[None, :] * N, mask=next_in[None, :], other=0)
-        acc += _row_step(words, header, x_ptr, tl.minimum(g0 + gi, num_groups - 1), c, m0, m1, m2, m3)
+        header_next = tl.load(header_rows + g_next[None, :] * num_weight_rows, mask=next_in[None, :], other=0)
+        part, sq = _row_step(words, header, x_ptr, residual_ptr, norm_ptr, summed_ptr,
+                             tl.minimum(g0 + gi, num_groups - 1), g0 + gi < g_end, c, K, is_writer,
+                             m0, m1, m2, m3, PROLOGUE, HAS_RESIDUAL)
+        acc += part
+        if PROLOGUE == 1:
+            squares += sq
         words = words_next
         header = header_next
-    result = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]                                   # [BN, 1]
-    _finish(result, n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS, IS_SPLIT)
+    result = tl.sum(tl.sum(acc, axis=2), axis=1)                                             # [BN] or [2 BN]
+    if PROLOGUE == 1:
+        result = result * tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
+    if GATED_OUT:
+        storage = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(result, [BLOCK_N, 2]))
+        gate, up = gate.to(storage).to(tl.float32), up.to(storage).to(tl.float32)
+        result = gate * tl.sigmoid(gate) * up
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _finish(result[:, None], n, t, M, N, bias_ptr, out_ptr, stride_out, ws_ptr, count_ptr, num_splits, HAS_BIAS,
+            IS_SPLIT)
 
 
 @triton.jit
@@ -472,7 +543,61 @@ def row_gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None
     config = {"num_stages": 1, **ROW_CONFIGS[width_class(weight.out_features)], **config}
     use_pdl = bool(config.get("pdl")) and uses_pdl(x)
     return _launch(_w4_row_kernel, x, weight, bias, 1, config, split_k, USE_PDL=use_pdl,
-                   **({"launch_pdl": True} if use_pdl else {}))
+                   residual_ptr=x, norm_ptr=x, summed_ptr=x, **({"launch_pdl": True} if use_pdl else {}))
+
+
+def _fused_row(x, weight: W4Weight, prologue: int, residual=None, norm_weight=None, eps: float = 0.0,
+               gated_out: bool = False, **config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_w4_row_kernel`` with a prologue (RMS_NORM, SILU_AND_MUL) and/or the SwiGLU epilogue, unsplit."""
+    k = weight.in_features
+    width = 2 * k if prologue == SILU_AND_MUL else k
+    if x.dim() != 2 or x.shape != (1, width):
+        raise ValueError(f"x must be one row [1, {width}] for this W4 weight, got {tuple(x.shape)}")
+    if gated_out and weight.out_features % 2:
+        raise ValueError(f"a gated weight stacks gate and up rows ([2 * I, K]), got {weight.out_features} rows")
+    x = x.contiguous()
+    has_residual = prologue == RMS_NORM and residual is not None
+    summed = x
+    if prologue == RMS_NORM:
+        if norm_weight is None or norm_weight.shape != (k,):
+            raise ValueError(f"norm_weight must be ({k},), got {None if norm_weight is None else tuple(norm_weight.shape)}")
+        if has_residual:
+            if residual.shape != x.shape:
+                raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+            residual = residual.contiguous()
+            summed = torch.empty_like(x)
+    config = {**FUSED_ROW_CONFIGS["gated" if gated_out else width_class(weight.out_features)], **config}
+    num_outputs = weight.out_features // 2 if gated_out else weight.out_features
+    out = torch.empty(1, num_outputs, dtype=x.dtype, device=x.device)
+    use_pdl = bool(config.get("pdl")) and uses_pdl(x)
+    num_groups = k // 128
+    _w4_row_kernel[(triton.cdiv(num_outputs, config["block_n"]), 1)](
+        x, weight.codes, weight.headers, out, out, out, out, 1, num_outputs, k, x.stride(0), weight.codes.stride(0),
+        out.stride(0), num_groups, 1, 0xF, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=config["block_n"],
+        GROUPS_PER_ITER=config["groups_per_iter"], IS_SPLIT=False, USE_PDL=use_pdl,
+        residual_ptr=residual if has_residual else x, norm_ptr=norm_weight.contiguous() if norm_weight is not None else x,
+        summed_ptr=summed, eps=eps, PROLOGUE=prologue, HAS_RESIDUAL=has_residual, GATED_OUT=gated_out,
+        num_warps=config["num_warps"], num_stages=1, **({"launch_pdl": True} if use_pdl else {}))
+    return out, summed
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: W4Weight, **config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(x + residual) @ W.T, x + residual)`` for one row in one launch; what
+    ``kernels/gemv/reference.rms_norm_linear`` computes (the normed row not rounded: one pass)."""
+    return _fused_row(x, weight, RMS_NORM, residual, norm_weight, eps, **config)
+
+
+def rms_norm_linear_silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, weight: W4Weight, **config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(silu(g) * u, x + residual)`` where ``[g, u] = RMSNorm(x + residual) @ W.T`` (``W``
+    ``[2 I, K]``, gate rows first) for one row in one launch."""
+    return _fused_row(x, weight, RMS_NORM, residual, norm_weight, eps, gated_out=True, **config)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: W4Weight, **config) -> torch.Tensor:
+    """``(silu(x[:, :K]) * x[:, K:]) @ W.T`` for one row ``[1, 2 K]`` in one launch."""
+    return _fused_row(x, weight, SILU_AND_MUL, **config)[0]
 
 
 def w4_linear(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
