@@ -8,6 +8,7 @@ copies to exceed the L2 cache, divided by the number of calls. GB/s counts the w
     python -m hearth_llm.benchmarks.w4_kernels --part kernels --rows 1 4 8
     python -m hearth_llm.benchmarks.w4_kernels --part engine --methods awq bf16   # bs1 ms/token, same run
     python -m hearth_llm.benchmarks.w4_kernels --part compile --configs 0-3     # Triton cache warm-up only
+    python -m hearth_llm.benchmarks.w4_kernels --part fused      # RMSNorm / SwiGLU fused into the one-row kernel
 """
 from __future__ import annotations
 
@@ -191,6 +192,52 @@ def part_kernels(rows, config_ids, json_path=None, tuned_path=None) -> dict:
     return results
 
 
+def part_fused(json_path=None) -> dict:
+    """One row, µs per call in CUDA graphs (weights cycling past L2): the unfused ops (``kernels``'
+    RMSNorm / SwiGLU, then the one-row GEMV) against the fused one-row kernels, and the fused
+    result's max relative error against the unfused one (bf16: the fused norm is one pass)."""
+    from hearth_llm import kernels
+    from hearth_llm.benchmarks import timing
+    from hearth_llm.kernels.quant import triton_w4
+
+    results = {}
+    eps = 1e-5
+    for name in ("qkv", "gate_up", "down"):
+        n, k = SHAPES[name]
+        copies = copies_of(random_w4(n, k), n * k // 2)
+        x = torch.randn(1, 2 * k if name == "down" else k, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        if name == "down":
+            pairs = {"silu prologue": (lambda w: triton_w4.row_gemv(kernels.silu_and_mul(x), w),
+                                       lambda w: triton_w4.silu_and_mul_linear(x, w))}
+        else:
+            def unfused(w):
+                return triton_w4.row_gemv(kernels.rms_norm(x, norm_weight, eps, residual)[0], w)
+            pairs = {"rms prologue": (unfused, lambda w: triton_w4.rms_norm_linear(x, residual, norm_weight, eps, w)[0])}
+            if name == "gate_up":
+                pairs["rms + swiglu epilogue"] = (
+                    lambda w: kernels.silu_and_mul(unfused(w)),
+                    lambda w: triton_w4.rms_norm_linear_silu_and_mul(x, residual, norm_weight, eps, w)[0])
+        for label_, (plain, fused) in pairs.items():
+            try:
+                expected, got = plain(copies[0]).float(), fused(copies[0]).float()
+                err = ((got - expected).abs().max() / expected.abs().max()).item()
+                cells = {"unfused": timing.graphed_us([lambda w=w: plain(w) for w in copies], num_warmup=2),
+                         "fused": timing.graphed_us([lambda w=w: fused(w) for w in copies], num_warmup=2),
+                         "max_rel_err": err}
+            except Exception as error:  # noqa: BLE001 - the other shapes still run
+                print(f"W4 fused {name} {label_}: {type(error).__name__}: {error}"[:400], flush=True)
+                continue
+            results[f"{name} {label_}"] = cells
+            print(f"W4 fused {name} {label_}: unfused {cells['unfused']:.1f} us | fused {cells['fused']:.1f} us | "
+                  f"max rel err {err:.2e}", flush=True)
+            if json_path:
+                with open(json_path, "w") as sink:
+                    json.dump(results, sink, indent=2)
+    return results
+
+
 def tuned_settings(results: dict, config_ids) -> dict:
     """``triton_w4`` settings from the timings so far: at one row the GEMV or the tensor-core kernel
     (whichever kind's best configs sum lower over the layers), each width class's fastest config of
@@ -325,7 +372,7 @@ def part_engine(methods, num_layers, max_num_seqs: int, tuned_path=None) -> dict
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("check", "kernels", "engine", "compile"), required=True)
+    parser.add_argument("--part", choices=("check", "kernels", "engine", "compile", "fused"), required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--configs", default=f"0-{len(CONFIGS) - 1}", help="indices into CONFIGS, e.g. 0-3,6")
     parser.add_argument("--methods", nargs="+", default=["awq"], choices=("awq", "bf16", "fp8"))
@@ -342,6 +389,8 @@ def main(argv=None) -> None:
         results = {"ok": part_check()}
     elif args.part == "kernels":
         results = part_kernels(args.rows, config_ids, args.json, args.tuned)
+    elif args.part == "fused":
+        results = part_fused(args.json)
     elif args.part == "compile":
         part_compile(config_ids)
         return
