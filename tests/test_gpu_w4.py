@@ -44,7 +44,8 @@ def test_w4_linear_matches_the_dequantized_reference(shape, num_rows):
 
 
 @pytest.mark.parametrize("kernel, options", [("gemv", {}), ("gemv", {"prefetch": False}), ("gemv", {"groups_per_iter": 1}),
-                                             ("dot_gemv", {}), ("dot_gemv", {"asm_decode": True})])
+                                             ("dot_gemv", {}), ("dot_gemv", {"asm_decode": True}), ("row_gemv", {}),
+                                             ("row_gemv", {"pdl": False})])
 @pytest.mark.parametrize("split_k", [1, 3, 8])
 def test_w4_gemvs_match_the_reference_with_any_split(kernel, options, split_k):
     """Each GEMV (the tensor-core one with either decode) at 1 and 5 rows, split in 1, 3 or 8 parts."""
@@ -53,6 +54,29 @@ def test_w4_gemvs_match_the_reference_with_any_split(kernel, options, split_k):
         x = torch.randn(num_rows, 4096, device="cuda", dtype=torch.bfloat16)
         expected = F.linear(x.float(), w4_layout.dequantize(weight))
         _close(getattr(triton_w4, kernel)(x, weight, split_k=split_k, **options), expected)
+
+
+def test_w4_fused_row_kernels_match_the_unfused_ops_on_gpu():
+    """bf16, 8B widths: RMSNorm(x + residual) before the one-row kernel (x + residual exact),
+    RMSNorm with SwiGLU after it, SwiGLU before it, against kernels/gemv/reference on the
+    dequantized weight (the fused norm is one pass: not rounded to bf16 before the matmul)."""
+    from hearth_llm.kernels.gemv import reference
+
+    x, residual = (torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    norm_weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    weight = _weight(6144, 4096)
+    dense = w4_layout.dequantize(weight)
+    out, summed = triton_w4.rms_norm_linear(x, residual, norm_weight, 1e-5, weight)
+    expected, expected_summed = reference.rms_norm_linear(x.float(), residual.float(), norm_weight.float(), 1e-5, dense)
+    _close(out, expected)
+    assert torch.equal(summed, x + residual)
+    act, _ = triton_w4.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-5, weight)
+    _close(act, reference.rms_norm_linear_silu_and_mul(x.float(), residual.float(), norm_weight.float(), 1e-5, dense)[0],
+           tolerance=2e-2)
+    down = _weight(4096, 14336)
+    gate_up = torch.randn(1, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    _close(triton_w4.silu_and_mul_linear(gate_up, down),
+           reference.silu_and_mul_linear(gate_up, w4_layout.dequantize(down).bfloat16()).float())
 
 
 def test_w4_float32_gemv_is_close_to_exact():

@@ -284,6 +284,49 @@ def test_w4_tensor_core_gemv_matches_the_reference(num_rows, split_k, groups_per
     torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("split_k, groups_per_iter", [(1, 2), (2, 2), (1, 4)])
+def test_w4_row_gemv_matches_the_reference(split_k, groups_per_iter):
+    """triton_w4.row_gemv (the whole-K one-row kernel; TRITON_INTERPRET here): a bias, 3 groups in
+    steps of 2 (a tail step) or 4, unsplit or in 2 parts, called twice (the split workspace)."""
+    from hearth_llm.kernels.quant import triton_w4, w4_layout
+
+    weight = w4_layout.from_rows(random_w4_rows(40, 384, seed=6))
+    generator = torch.Generator().manual_seed(13)
+    x, bias = torch.randn(1, 384, generator=generator), torch.randn(40, generator=generator)
+    expected = w4_layout.reference_linear(x, weight, bias)
+    for _ in range(2):
+        out = triton_w4.row_gemv(x, weight, bias, split_k=split_k, block_n=16, groups_per_iter=groups_per_iter)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_w4_fused_row_kernels_match_the_unfused_ops():
+    """The one-row kernel with RMSNorm(x + residual) before it (x + residual returned exactly),
+    with SwiGLU after it (gate rows then up rows), and with SwiGLU before it, against
+    kernels/gemv/reference on the dequantized weight (float32)."""
+    from hearth_llm.kernels.gemv import reference
+    from hearth_llm.kernels.quant import triton_w4, w4_layout
+
+    weight = w4_layout.from_rows(random_w4_rows(24, 384, seed=7))
+    dense = w4_layout.dequantize(weight)
+    generator = torch.Generator().manual_seed(14)
+    x, residual = torch.randn(1, 384, generator=generator), torch.randn(1, 384, generator=generator)
+    norm_weight = torch.rand(384, generator=generator) + 0.5
+    config = dict(block_n=8, groups_per_iter=2)
+
+    def close(out, expected):
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+    out, summed = triton_w4.rms_norm_linear(x, residual, norm_weight, 1e-6, weight, **config)
+    expected, expected_summed = reference.rms_norm_linear(x, residual, norm_weight, 1e-6, dense)
+    close(out, expected)
+    assert torch.equal(summed, expected_summed)
+    act, summed = triton_w4.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-6, weight, **config)
+    close(act, reference.rms_norm_linear_silu_and_mul(x, residual, norm_weight, 1e-6, dense)[0])
+    assert act.shape == (1, 12) and torch.equal(summed, expected_summed)
+    gate_up = torch.randn(1, 768, generator=generator)
+    close(triton_w4.silu_and_mul_linear(gate_up, weight, **config), reference.silu_and_mul_linear(gate_up, dense))
+
+
 def test_w4_dequantize_kernel_is_exact():
     from hearth_llm.kernels.quant import triton_w4, w4_layout
 

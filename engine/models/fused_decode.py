@@ -136,6 +136,10 @@ def norm_and_mlp(norm, mlp, x: torch.Tensor, residual: torch.Tensor | None):
     from .norms import RMSNorm
 
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if SWIGLU_EPILOGUE and type(norm) is RMSNorm and mlp.act_and_mul is kernels.silu_and_mul and _takes_gemv(x):
+        fused = _method_fusion(gate_up, "fused_rms_norm_linear_silu_and_mul", x, residual, norm.weight, norm.eps)
+        if fused is not None:  # a quantized method's own kernel (AWQ/GPTQ on CUDA)
+            return linear(down, fused[0]), fused[1]
     if (SWIGLU_EPILOGUE and type(norm) is RMSNorm and mlp.act_and_mul is kernels.silu_and_mul
             and gate_up.method is DENSE and down.method is DENSE):  # not a wrapper's stacked weight (LoRA)
         gate_up_weight, down_weight = _plain_dense_weight(gate_up, x), _plain_dense_weight(down, x)

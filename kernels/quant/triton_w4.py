@@ -68,6 +68,10 @@ FUSED_ROW_CONFIGS = {
     "gated": dict(block_n=8, num_warps=4, groups_per_iter=8, pdl=True),
 }
 PLAIN, RMS_NORM, SILU_AND_MUL = 0, 1, 2  # the row kernel's PROLOGUE values
+# Whether AWQ/GPTQ layers offer the fused one-row kernels to batch-size-1 decode (the RMSNorm
+# prologue, SwiGLU as gate_up's epilogue or down's prologue); benchmarks A/B them.
+FUSED_ROW = False
+SWIGLU_EPILOGUE = True
 MIN_GROUPS_PER_SPLIT = 4
 
 

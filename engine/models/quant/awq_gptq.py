@@ -205,6 +205,38 @@ class W4G128LinearMethod(GGUFBlockLinearMethod):
     def forward_routine(self, layer):
         return None if self.w4_weight(layer) is not None else super().forward_routine(layer)
 
+    # Batch-size-1 decode (engine/models/fused_decode.py): RMSNorm / SwiGLU inside the one-row kernel.
+    def _fused_kernels(self, layer, x):
+        """``triton_w4`` and the layer's weight where a fused one-row kernel may replace it: a
+        repacked weight, no bias, no act-order gather, one process, one CUDA row; else None."""
+        weight = self.w4_weight(layer)
+        if (weight is None or layer.bias is not None or getattr(layer, "gguf_input_order", None) is not None
+                or layer.parallel.size != 1 or x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cuda"):
+            return None
+        try:
+            from hearth_llm.kernels.quant import triton_w4
+        except ImportError:
+            return None
+        return (triton_w4, weight) if triton_w4.FUSED_ROW else None
+
+    def fused_rms_norm_linear(self, layer, x, residual, norm_weight, eps):
+        """``(layer(RMSNorm(x + residual)), x + residual)`` in one launch, or None."""
+        found = self._fused_kernels(layer, x)
+        return None if found is None else found[0].rms_norm_linear(x, residual, norm_weight, eps, found[1])
+
+    def fused_silu_and_mul_linear(self, layer, x):
+        """``layer(silu(x[:, :K]) * x[:, K:])`` in one launch, or None."""
+        found = self._fused_kernels(layer, x)
+        return None if found is None else found[0].silu_and_mul_linear(x, found[1])
+
+    def fused_rms_norm_linear_silu_and_mul(self, layer, x, residual, norm_weight, eps):
+        """``(silu_and_mul(layer(RMSNorm(x + residual))), x + residual)`` for a stacked gate/up layer
+        in one launch, or None."""
+        found = self._fused_kernels(layer, x)
+        if found is None or not found[0].SWIGLU_EPILOGUE:
+            return None
+        return found[0].rms_norm_linear_silu_and_mul(x, residual, norm_weight, eps, found[1])
+
     def resident_bytes(self, layer) -> int:
         weight = self.w4_weight(layer)
         if weight is None:
