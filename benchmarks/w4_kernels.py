@@ -329,7 +329,24 @@ def _bs1(engine) -> dict:
             "graph_replays": None if graphs is None else graphs.num_replays}
 
 
-def part_engine(methods, num_layers, max_num_seqs: int, tuned_path=None) -> dict:
+# --part engine --variants: triton_w4 module flags set before the AWQ engine's graphs are captured again.
+VARIANTS = {
+    "gemv": {"ROW_GEMV": False, "FUSED_ROW": False},
+    "row": {"ROW_GEMV": True, "FUSED_ROW": False},
+    "row+fused": {"ROW_GEMV": True, "FUSED_ROW": True},
+    "row+fused-noepi": {"ROW_GEMV": True, "FUSED_ROW": True, "SWIGLU_EPILOGUE": False},
+}
+
+
+def _recapture(engine, max_num_seqs: int) -> None:
+    import gc
+
+    engine.runner.decode_graphs = None
+    gc.collect()
+    engine.runner.enable_cuda_graphs(min(max_num_seqs, 512), engine.max_model_len)
+
+
+def part_engine(methods, num_layers, max_num_seqs: int, tuned_path=None, variants=()) -> dict:
     """bs1 ms/token of the engine on the Llama-3-8B shape with random weights (``quant_engine``'s
     checkpoints: AWQ GEMM parts for ``awq``), one engine at a time, with the decode graphs' replays.
     ``tuned_path`` (``--part kernels --tuned``): the AWQ engine is measured again with those
@@ -347,6 +364,21 @@ def part_engine(methods, num_layers, max_num_seqs: int, tuned_path=None) -> dict
         engine = quant_engine.build_engine(args)
         results[method] = {**_bs1(engine), "init_s": time.perf_counter() - started}
         print(f"W4 engine {method} 8B ({num_layers or 32} layers): {json.dumps(results[method])}", flush=True)
+        if method == "awq" and variants:
+            from hearth_llm.kernels.quant import triton_w4
+
+            saved = {name: getattr(triton_w4, name) for name in ("ROW_GEMV", "FUSED_ROW", "SWIGLU_EPILOGUE")}
+            for variant in variants:
+                try:
+                    for name, value in {**saved, **VARIANTS[variant]}.items():
+                        setattr(triton_w4, name, value)
+                    _recapture(engine, max_num_seqs)
+                    results[f"awq {variant}"] = _bs1(engine)
+                    print(f"W4 engine awq {variant} 8B: {json.dumps(results[f'awq {variant}'])}", flush=True)
+                except Exception as error:  # noqa: BLE001 - the other variants still run
+                    print(f"W4 engine awq {variant}: {type(error).__name__}: {error}"[:600], flush=True)
+            for name, value in saved.items():
+                setattr(triton_w4, name, value)
         if method == "awq" and tuned_path:
             try:
                 with open(tuned_path) as source:
@@ -362,7 +394,7 @@ def part_engine(methods, num_layers, max_num_seqs: int, tuned_path=None) -> dict
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    for name in ("awq", "awq tuned"):
+    for name in ["awq", "awq tuned"] + [f"awq {v}" for v in variants]:
         if name in results and "bf16" in results:
             ratio = results[name]["bs1_ms_per_token"] / results["bf16"]["bs1_ms_per_token"]
             results[f"{name} / bf16"] = ratio
@@ -379,6 +411,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="engine: AWQ bs1 again with these triton_w4 settings (graphs captured anew)")
     parser.add_argument("--tuned", help="kernels: write the best settings here; engine: measure AWQ again with them")
     args = parser.parse_args(argv)
     config_ids = []
@@ -395,7 +429,7 @@ def main(argv=None) -> None:
         part_compile(config_ids)
         return
     else:
-        results = part_engine(args.methods, args.num_layers, args.max_num_seqs, args.tuned)
+        results = part_engine(args.methods, args.num_layers, args.max_num_seqs, args.tuned, args.variants)
     if args.json:
         with open(args.json, "w") as sink:
             json.dump(results, sink, indent=2)
