@@ -118,25 +118,98 @@ def run(engine, requests, loras: list, shift: int, profile: str | None = None) -
             "preemptions": engine.scheduler.num_preemptions - preemptions_before}
 
 
-def bs1_ms_per_token(engine, lora, repeats: int = 1, num_tokens: int = 128) -> float:
-    """Batch-1 decode ms/token (the prefill and first token left out), the best of ``repeats`` requests."""
-    return min(_bs1_once(engine, lora, num_tokens) for _ in range(repeats))
+def bs1_ms_per_token(engine, lora, repeats: int = 1, num_tokens: int = 128, tokens: list | None = None) -> float:
+    """Batch-1 decode ms/token (the prefill and first token left out), the best of ``repeats`` requests.
+    ``tokens``: a list that gets the generated token ids of the first request."""
+    return min(_bs1_once(engine, lora, num_tokens, tokens if index == 0 else None) for index in range(repeats))
 
 
-def _bs1_once(engine, lora, num_tokens: int) -> float:
+def _bs1_once(engine, lora, num_tokens: int, tokens: list | None = None) -> float:
     from hearth_llm.engine.sampling_params import SamplingParams
 
     engine.add_request(list(range(100, 132)), SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True,
                                                              detokenize=False), lora_request=lora)
-    engine.step()  # prefill + first token: not timed
+    generated = [t for d in engine.step() for t in d.new_token_ids]  # prefill + first token: not timed
     synchronize(engine.runner.device)
     started = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        generated += [t for d in engine.step() for t in d.new_token_ids]
     synchronize(engine.runner.device)
+    seconds = time.perf_counter() - started
     for request_id in list(engine.groups):
         engine.release(request_id)
-    return round((time.perf_counter() - started) * 1000 / num_tokens, 3)
+    if tokens is not None:
+        tokens.extend(generated)
+    return round(seconds * 1000 / num_tokens, 3)
+
+
+def bs1_only(args, shapes: dict, results: dict, save) -> None:
+    """``--bs1-only``: batch-1 decode ms/token, the engine without LoRA, then LoRA engines serving base and
+    one adapter: as set, or with ``--pdl-ab`` one per variant (graphs capture the settings): ``plain``
+    (no PDL, no head block), ``pdl_head`` (the expands' PDL and the one-row head block,
+    ``LoRAStep.one_row_head``), ``pdl`` (PDL alone); ``--profile``: the first variant's kernels; the adapter's extra µs per decoder layer, and whether the variants'
+    greedy tokens equal the first's (PDL must not change them; the head block's GEMV may round apart)."""
+    from hearth_llm.engine.lora import LoRARequest
+    from hearth_llm.engine.models.lora_linear import LoRAStep
+    from hearth_llm.kernels.lora import triton_lora
+
+    num_layers = hf_config(args.shape, args.num_layers).num_hidden_layers
+    results["num_layers"] = num_layers
+    if not args.no_base_engine:
+        engine, shapes = make_engine(args.shape, args.device, False, 1, args.kv_cache_memory, args.num_layers)
+        results["base_bs1_ms"] = bs1_ms_per_token(engine, None, args.bs1_repeats)
+        print(json.dumps({"base_bs1_ms": results["base_bs1_ms"]}), flush=True)
+        save()
+        del engine
+        _free(args.device)
+    with tempfile.TemporaryDirectory() as directory:
+        directory = args.adapters_dir or directory
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        [path] = write_random_adapters(shapes, Path(directory), 1, args.rank, args.device)
+        lora = LoRARequest("adapter0", str(path))
+        tokens_of = {}
+        variants = ((("plain", False, False), ("pdl_head", True, True), ("pdl", True, False)) if args.pdl_ab
+                    else (("lora", bool(args.pdl), LoRAStep.one_row_head),))
+        for key, pdl, head in variants:
+            triton_lora.USE_PDL, LoRAStep.one_row_head = pdl, head
+            engine, _ = make_engine(args.shape, args.device, True, 1, args.kv_cache_memory, args.num_layers)
+            base_ms = bs1_ms_per_token(engine, None, args.bs1_repeats)
+            tokens_of[key] = []
+            adapter_ms = bs1_ms_per_token(engine, lora, args.bs1_repeats, tokens=tokens_of[key])
+            denominator = results.get("base_bs1_ms", base_ms)
+            results[key] = {"base_bs1_ms_on_lora_engine": base_ms, "adapter_bs1_ms": adapter_ms,
+                            "bs1_ratio": round(adapter_ms / denominator, 3),
+                            "adapter_us_per_layer": round((adapter_ms - denominator) * 1000 / num_layers, 2)}
+            print(json.dumps({key: results[key]}), flush=True)
+            save()
+            if args.profile and key == variants[0][0]:  # the kernels of 16 decode steps, with and without the adapter
+                for name, request in (("adapter", lora), ("base", None)):
+                    _profiled_bs1(engine, request, f"{args.profile}.{key}.{name}")
+            del engine
+            _free(args.device)
+        first = next(iter(tokens_of.values()))
+        for key, tokens in list(tokens_of.items())[1:]:
+            same = [a == b for a, b in zip(first, tokens)] + [False]
+            results[f"{key}_tokens_equal"] = tokens == first
+            results[f"{key}_first_token_apart"] = None if tokens == first else same.index(False)
+            print(json.dumps({f"{key}_tokens_equal": tokens == first, "apart_at": results[f"{key}_first_token_apart"],
+                              "num_tokens": len(tokens)}), flush=True)
+
+
+def _profiled_bs1(engine, lora, path: str, num_tokens: int = 16) -> None:
+    """A torch.profiler table (by CUDA time, with call counts) of a batch-1 request's decode steps."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        _bs1_once(engine, lora, num_tokens)
+    with open(path, "w") as sink:
+        sink.write(f"{num_tokens} decode steps (+ the prefill step)\n")
+        sink.write(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> None:
@@ -167,6 +240,8 @@ def main(argv=None) -> None:
                         help="layers (by name end: o_proj, down_proj, ...) that keep the separate shrink kernel")
     parser.add_argument("--pdl", action="store_true",
                         help="programmatic dependent launch of the LoRA expands (kernels.lora.triton_lora.USE_PDL)")
+    parser.add_argument("--no-one-row-head", action="store_true",
+                        help="one-row steps read every slot's A in their GEMV (no head block: LoRAStep.one_row_head)")
     parser.add_argument("--no-fused-swiglu", action="store_true",
                         help="gate_up_proj expands in place (the SwiGLU does not add its update)")
     parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
@@ -175,6 +250,10 @@ def main(argv=None) -> None:
                         help="no engine without LoRA: ratios are to the LoRA engine serving base requests")
     parser.add_argument("--base-bs1-only", action="store_true",
                         help="the engine without LoRA times batch-1 decode only (throughput ratios as --no-base-engine)")
+    parser.add_argument("--bs1-only", action="store_true",
+                        help="only batch-1 decode: without LoRA, then with one adapter (and the base on the LoRA engine)")
+    parser.add_argument("--pdl-ab", action="store_true",
+                        help="with --bs1-only: a LoRA engine with plain expand launches, then one with PDL")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     process_started = time.perf_counter()
@@ -187,6 +266,7 @@ def main(argv=None) -> None:
     LoRAStep.stacks_shrink = not args.no_stack
     LoRAStep.unstacked_layers = tuple(args.unstacked)
     LoRAStep.defers_gate_up_expand = not args.no_fused_swiglu
+    LoRAStep.one_row_head = not args.no_one_row_head
     if args.pdl:
         from hearth_llm.kernels.lora import triton_lora
 
@@ -195,6 +275,17 @@ def main(argv=None) -> None:
     results = {"shape": args.shape, "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
 
     shapes = checkpoint_shapes(hf_config(args.shape, args.num_layers), torch.bfloat16)  # (names and dims only)
+    if args.bs1_only:
+        def save_bs1() -> None:
+            if args.json:
+                with open(args.json, "w") as sink:
+                    json.dump(results, sink, indent=2)
+
+        bs1_only(args, shapes, results, save_bs1)
+        results["seconds_in_all"] = round(time.perf_counter() - process_started, 1)
+        print(json.dumps(results, indent=2))
+        save_bs1()
+        return
     if not args.no_base_engine:
         engine, shapes = make_engine(args.shape, args.device, False, args.num_seqs, args.kv_cache_memory,
                                      args.num_layers)

@@ -136,13 +136,18 @@ def _rank_block(part_ptr, slice_starts_ptr, tokens, is_row, r_start, R, stride_p
 
 
 @triton.jit
-def _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col, col_start,
-               BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """``acc += s @ B[ranks, cols]``, reading only the ranks whose slice overlaps these columns (B is zero
-    elsewhere, so the others would add exactly nothing)."""
-    is_needed = (piece_start < col_start + BLOCK_N) & (piece_end > col_start)
-    b = tl.load(b_base + ranks[:, None] * stride_br + cols[None, :], mask=is_needed[:, None] & is_col[None, :],
-                other=0.0)
+def _b_block(b_base, stride_br, ranks, is_rank, piece_start, piece_end, cols, is_col, col_start,
+             BLOCK_N: tl.constexpr):
+    """``B[ranks, cols]``, only the ranks whose slice overlaps these columns (B is zero elsewhere, so the
+    others would add exactly nothing)."""
+    is_needed = is_rank & (piece_start < col_start + BLOCK_N) & (piece_end > col_start)
+    return tl.load(b_base + ranks[:, None] * stride_br + cols[None, :], mask=is_needed[:, None] & is_col[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _dot_b(acc, s, b, DOT_IN_FP32: tl.constexpr):
+    """``acc + s @ b``: float32 ranks by a block of B."""
     if DOT_IN_FP32:
         return tl.dot(s, b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(s.to(b.dtype), b, acc)
@@ -157,32 +162,51 @@ def _expand_kernel(part_ptr, b_ptr, tiles_ptr, tokens_ptr, y_ptr, slice_starts_p
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M, ONE_TOKEN)  # the plan: not a kernel's output
+    b_base = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    num_col_programs = tl.num_programs(1)
+    if ONE_RANK_BLOCK:
+        # Before the wait (with PDL: while the kernel before still runs) what no kernel of the step writes:
+        # the slice bounds and the first column block of B. Every program waits, even one with nothing to
+        # do, so this kernel never ends before the one it follows (the kernel after it relies on that).
+        ranks = tl.arange(0, BLOCK_R)
+        is_rank = ranks < R * (slot >= 0).to(tl.int32)  # (no ranks: nothing to load for an unused tile)
+        piece = ranks // SLICE_RANK
+        piece_start = tl.load(slice_starts_ptr + piece, mask=is_rank, other=0)
+        piece_end = tl.load(slice_starts_ptr + piece + 1, mask=is_rank, other=0)
+        col_start = tl.program_id(1) * BLOCK_N
+        cols = col_start + tl.arange(0, BLOCK_N)
+        b = _b_block(b_base, stride_br, ranks, is_rank, piece_start, piece_end, cols, cols < N, col_start, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the rank-space rows and y are the previous kernel's outputs
     if slot >= 0:
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs
         slot_part_ptr = part_ptr + slot * stride_pslot  # 0, or where this slot's ranks sit in a row of every slot's
         if ONE_RANK_BLOCK:  # the usual case: the tile's ranks summed once, for every column block
-            ranks, s, piece_start, piece_end = _rank_block(slot_part_ptr, slice_starts_ptr, tokens, is_row, 0, R,
-                                                           stride_ps, stride_pt, NUM_SPLITS, SLICE_RANK, BLOCK_M,
-                                                           BLOCK_R)
+            s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for split in tl.static_range(NUM_SPLITS):  # unrolled: the loads are all in flight at once
+                s += tl.load(slot_part_ptr + split * stride_ps + tokens[:, None] * stride_pt + ranks[None, :],
+                             mask=is_row[:, None] & is_rank[None, :], other=0.0)
         # Each program takes every num_programs(1)-th column block: decode steps have few tiles, and
         # the rank-space rows are loaded once for all of them.
-        for col_block in range(tl.program_id(1), tl.cdiv(N, BLOCK_N), tl.num_programs(1)):
+        for col_block in range(tl.program_id(1), tl.cdiv(N, BLOCK_N), num_col_programs):
             col_start = col_block * BLOCK_N
             cols = col_start + tl.arange(0, BLOCK_N)
             is_col = cols < N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if ONE_RANK_BLOCK:
-                acc = _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col, col_start,
-                                 BLOCK_N, DOT_IN_FP32)
+                next_start = col_start + num_col_programs * BLOCK_N  # (past N, as usual at decode: loads nothing)
+                next_cols = next_start + tl.arange(0, BLOCK_N)
+                next_b = _b_block(b_base, stride_br, ranks, is_rank, piece_start, piece_end, next_cols,
+                                  next_cols < N, next_start, BLOCK_N)
+                acc = _dot_b(acc, s, b, DOT_IN_FP32)
+                b = next_b
             else:
                 for r_start in range(0, R, BLOCK_R):
-                    ranks, s, piece_start, piece_end = _rank_block(slot_part_ptr, slice_starts_ptr, tokens, is_row,
-                                                                   r_start, R, stride_ps, stride_pt, NUM_SPLITS,
-                                                                   SLICE_RANK, BLOCK_M, BLOCK_R)
-                    acc = _add_block(acc, b_base, stride_br, ranks, s, piece_start, piece_end, cols, is_col,
-                                     col_start, BLOCK_N, DOT_IN_FP32)
+                    block_ranks, block_s, block_start, block_end = _rank_block(
+                        slot_part_ptr, slice_starts_ptr, tokens, is_row, r_start, R, stride_ps, stride_pt,
+                        NUM_SPLITS, SLICE_RANK, BLOCK_M, BLOCK_R)
+                    block_b = _b_block(b_base, stride_br, block_ranks, block_ranks < R, block_start, block_end,
+                                       cols, is_col, col_start, BLOCK_N)
+                    acc = _dot_b(acc, block_s, block_b, DOT_IN_FP32)
             mask = is_row[:, None] & is_col[None, :]
             y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :]
             y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -198,14 +222,23 @@ def _expand_silu_and_mul_kernel(y_ptr, shrunk_ptr, b_ptr, tiles_ptr, tokens_ptr,
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     slot, tokens, is_row = _tile_tokens(tiles_ptr, tokens_ptr, BLOCK_M, ONE_TOKEN)
+    # Base tiles (slot -2) run the same code with every rank masked off: the dots add exact zeros,
+    # so their rows are the plain activation's, bit for bit.
+    own_slot = tl.maximum(slot, 0).to(tl.int64)
+    ranks = tl.arange(0, BLOCK_R)
+    is_rank = ranks < RANK * (slot >= 0).to(tl.int32)
+    b_gate_rows = b_ptr + own_slot * stride_bs + ranks[:, None] * stride_br
+    b_up_rows = b_gate_rows + RANK * stride_br + I
+    num_col_programs = tl.num_programs(1)
+    # Before the wait (PDL): the first column block of B, which no kernel of the step writes; every program
+    # waits (see _expand_kernel).
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_mask = is_rank[:, None] & (cols < I)[None, :]
+    b_gate = tl.load(b_gate_rows + cols[None, :], mask=b_mask, other=0.0)
+    b_up = tl.load(b_up_rows + cols[None, :], mask=b_mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if slot != -1:
-        # Base tiles (slot -2) run the same code with every rank masked off: the dots add exact zeros,
-        # so their rows are the plain activation's, bit for bit.
-        own_slot = tl.maximum(slot, 0).to(tl.int64)
-        ranks = tl.arange(0, BLOCK_R)
-        is_rank = ranks < RANK * (slot >= 0).to(tl.int32)
         s_rows = shrunk_ptr + own_slot * stride_pslot + tokens[:, None] * stride_st
         s_mask = is_row[:, None] & is_rank[None, :]
         s_gate = tl.load(s_rows + ranks[None, :], mask=s_mask, other=0.0)
@@ -214,25 +247,25 @@ def _expand_silu_and_mul_kernel(y_ptr, shrunk_ptr, b_ptr, tiles_ptr, tokens_ptr,
             s_gate, s_up = s_gate.to(tl.float32), s_up.to(tl.float32)
         else:
             s_gate, s_up = s_gate.to(b_ptr.dtype.element_ty), s_up.to(b_ptr.dtype.element_ty)
-        b_gate_rows = b_ptr + own_slot * stride_bs + ranks[:, None] * stride_br
-        b_up_rows = b_gate_rows + RANK * stride_br + I
         y_rows = y_ptr + tokens[:, None] * stride_yt
         out_rows = out_ptr + tokens[:, None] * stride_ot
-        for col_block in range(tl.program_id(1), tl.cdiv(I, BLOCK_N), tl.num_programs(1)):
+        for col_block in range(tl.program_id(1), tl.cdiv(I, BLOCK_N), num_col_programs):
             cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
             is_col = cols < I
             mask = is_row[:, None] & is_col[None, :]
-            b_mask = is_rank[:, None] & is_col[None, :]
             gate = tl.load(y_rows + cols[None, :], mask=mask, other=0.0)
             up = tl.load(y_rows + I + cols[None, :], mask=mask, other=0.0)
-            b_gate = tl.load(b_gate_rows + cols[None, :], mask=b_mask, other=0.0)
-            b_up = tl.load(b_up_rows + cols[None, :], mask=b_mask, other=0.0)
+            next_cols = cols + num_col_programs * BLOCK_N  # (past I, as usual at decode: loads nothing)
+            next_mask = is_rank[:, None] & (next_cols < I)[None, :]
+            next_b_gate = tl.load(b_gate_rows + next_cols[None, :], mask=next_mask, other=0.0)
+            next_b_up = tl.load(b_up_rows + next_cols[None, :], mask=next_mask, other=0.0)
             if DOT_IN_FP32:
                 gate = tl.dot(s_gate, b_gate.to(tl.float32), gate.to(tl.float32), input_precision="ieee")
                 up = tl.dot(s_up, b_up.to(tl.float32), up.to(tl.float32), input_precision="ieee")
             else:  # rounded to y's dtype as the in-place expand stores it, then the activation as silu_and_mul's
                 gate = tl.dot(s_gate, b_gate, gate.to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
                 up = tl.dot(s_up, b_up, up.to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
+            b_gate, b_up = next_b_gate, next_b_up
             out = gate * tl.sigmoid(gate) * up
             tl.store(out_rows + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
