@@ -186,7 +186,7 @@ def test_a_refusing_op_turns_the_routing_off_with_a_warning(monkeypatch):
 
     monkeypatch.setattr(flash_prefill, "supports", lambda *args: True)
     monkeypatch.setattr(flash_prefill, "flash_varlen_attention", refuse)
-    monkeypatch.setattr(flash_prefill.paged_attention, "__defaults__", (refuse,))
+    monkeypatch.setattr(flash_prefill.paged_attention, "__defaults__", (refuse, refuse))
     monkeypatch.setattr(flash_prefill, "ENABLED", True)
     with pytest.warns(RuntimeWarning, match="FlashAttention-2 prefill disabled"):
         out = paged_attention(step["query"], step["key_cache"], step["value_cache"], meta, step["scale"], None, None,
@@ -208,3 +208,103 @@ def test_engine_with_long_prefills_on_flash_keeps_the_top5_rule_against_triton(m
     lines = []
     top5_check(engine, lines.append, prompt_lens=(5, 40, 130, 300, 1500), num_tokens=16)
     assert lines[0].startswith("PASS"), lines[0]
+
+
+def top_left_causal_stand_in(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len, max_context_len, scale,
+                             sliding_window):
+    """What cuDNN's varlen forward computes: causal top-left (right only when queries == keys), GQA."""
+    outs = []
+    for seq in range(len(cu_seqlens_q) - 1):
+        q = query[cu_seqlens_q[seq]:cu_seqlens_q[seq + 1]].transpose(0, 1)
+        k = key[cu_seqlens_k[seq]:cu_seqlens_k[seq + 1]].transpose(0, 1)
+        v = value[cu_seqlens_k[seq]:cu_seqlens_k[seq + 1]].transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+                    .transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def cudnn_on(monkeypatch):
+    """The cuDNN route on (CUDNN_FRESH), whatever its default."""
+    monkeypatch.setattr(flash_prefill, "CUDNN_FRESH", True)
+
+
+def routed_fresh(step, table, fresh=top_left_causal_stand_in, min_query_len=10, min_context_len=0):
+    query_lens = torch.diff(step["query_start_loc"]).tolist()
+    plan = flash_prefill.plan_flash_prefill(query_lens, step["context_lens"].tolist(), table, BLOCK_SIZE,
+                                            to_device_of(step["query"].device), min_query_len=min_query_len,
+                                            min_context_len=min_context_len, use_cudnn=True)
+    out = flash_prefill.paged_attention(step["query"], step["key_cache"], step["value_cache"], plan, step["scale"],
+                                        None, attend_rest=reference.paged_attention,
+                                        varlen_attention=varlen_stand_in, fresh_varlen_attention=fresh)
+    return plan, out
+
+
+def test_a_cudnn_plan_runs_short_continuations_as_decode_rows_and_marks_fresh_steps(cudnn_on):
+    table = np.arange(16).reshape(4, 4)
+    step = flash_prefill.plan_flash_prefill([1, 40, 5, 1], [30, 40, 60, 12], table, BLOCK_SIZE, to_device_of("cpu"),
+                                            min_query_len=8, min_context_len=30, use_cudnn=True)
+    assert step.is_fresh and step.query_rows == slice(1, 41) and step.cu_seqlens_k.tolist() == [0, 40]
+    (decode,) = step.rest  # seq 0, the 5 tokens of seq 2 (each a row seeing one more key), seq 3
+    assert decode.token_rows.tolist() == [0, 41, 42, 43, 44, 45, 46]
+    assert decode.context_lens.tolist() == [30, 56, 57, 58, 59, 60, 12]
+    assert decode.block_tables.tolist() == [[0, 1, 2, 3]] + [[8, 9, 10, 11]] * 5 + [[12, 13, 14, 15]]
+    assert decode.query_start_loc.tolist() == list(range(8)) and decode.max_query_len == 1
+    # the same step without cuDNN: the continuation joins FlashAttention-2, nothing is fresh
+    old = plan([1, 40, 5, 1], [30, 40, 60, 12], table, min_context_len=30)
+    assert not old.is_fresh and old.query_rows == slice(1, 46)
+    longer = flash_prefill.plan_flash_prefill([40, 70], [40, 120], np.arange(16).reshape(2, 8), BLOCK_SIZE,
+                                              to_device_of("cpu"), min_query_len=8, min_context_len=30,
+                                              use_cudnn=True)
+    assert not longer.is_fresh and longer.rest == ()  # 70 > CONTINUATION_AS_DECODE_ROWS: it stays routed
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([40, 33], [40, 33]),                       # fresh prompts only
+    ([1, 1, 50, 1], [70, 3, 50, 41]),           # a fresh prompt among decode rows
+    ([20, 1, 9, 2, 64], [20, 30, 100, 2, 64]),  # 9 over 100 keys becomes rows; the rest is fresh
+    ([1, 70, 12, 40], [9, 120, 40, 40]),        # a long continuation: not fresh, the varlen op runs all
+])
+def test_cudnn_routed_attention_equals_the_reference(query_lens, context_lens, cudnn_on):
+    step, table = paged_step(query_lens, context_lens)
+    calls = []
+
+    def fresh(*args):
+        calls.append(args[3].tolist())
+        return top_left_causal_stand_in(*args)
+
+    plan, out = routed_fresh(step, table, fresh)
+    assert plan is not None and bool(calls) == plan.is_fresh
+    assert plan.is_fresh == (70 not in query_lens)
+    torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)
+
+
+def test_a_refusing_cudnn_falls_back_to_flash_with_a_warning(cudnn_on):
+    step, table = paged_step([1, 40], [30, 40])
+
+    def refuse(*args):
+        raise RuntimeError("cuDNN Frontend error: ...")
+
+    with pytest.warns(RuntimeWarning, match="cuDNN attention for fresh prefills disabled"):
+        plan, out = routed_fresh(step, table, refuse)
+    assert plan.is_fresh and flash_prefill.CUDNN_FRESH is False
+    torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)
+    assert not flash_prefill.plan_flash_prefill([1, 40], [30, 40], table, BLOCK_SIZE, to_device_of("cpu"),
+                                                min_query_len=8, min_context_len=0, use_cudnn=True).is_fresh
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and flash_prefill.is_cudnn_usable(torch.device("cuda"))),
+                    reason="cuDNN attention on Hopper or newer only")
+def test_cudnn_attention_on_cuda_is_close_to_the_reference_in_bf16(cudnn_on):
+    step, table = paged_step([1, 300, 1, 200, 7, 250], [900, 300, 5, 200, 40, 900], num_heads=32, num_kv_heads=8,
+                             head_dim=128, dtype=torch.bfloat16, device="cuda")
+    calls = []
+
+    def fresh(*args):
+        calls.append(1)
+        return flash_prefill.cudnn_varlen_attention(*args)
+
+    plan, out = routed_fresh(step, table, fresh, min_query_len=128, min_context_len=250)
+    assert plan.is_fresh and calls  # 300 and 200 fresh; 7 over 40 as rows; 250 over 900 is not short
+    want = expected(step)
+    assert (out.float() - want.float()).abs().max().item() < 2e-2

@@ -42,6 +42,13 @@ FLASH_MIN_CONTEXT_LEN = 4096
 FLASH_MAX_GATHERED_KEYS = 1 << 18
 # Off: every step runs the paged Triton kernels as before (benchmarks flip it for an A/B).
 ENABLED = True
+# cuDNN's attention (FlashAttention-3-class on Hopper) for steps whose routed sequences are all fresh
+# (as many new tokens as keys: causal top-left is then bottom-right): see ``cudnn_varlen_attention``.
+# A chunk continuation of at most CONTINUATION_AS_DECODE_ROWS tokens over its cached keys then runs
+# as that many single-token rows on the split-K decode kernel (row j sees start + j + 1 keys), so the
+# long mix's steps (fresh 8k prompts beside a few-token continuation) stay fresh. Off: FA2 as before.
+CUDNN_FRESH = False  # on once the H200 A/B (throughput helper, r1 microbench) says it pays
+CONTINUATION_AS_DECODE_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -67,6 +74,9 @@ class FlashPrefillPlan:
     max_query_len: int
     max_context_len: int
     num_tokens: int                   # tokens in the whole step
+    # Every routed sequence has as many new tokens as keys (no cached prefix) and the plan was made
+    # for cuDNN (``use_cudnn``): paged_attention runs them on ``fresh_varlen_attention``.
+    is_fresh: bool = False
     # The other sequences: single-token ones (decode: the split-K kernel) and any the gather cap
     # left out (the paged prefill kernel), each group a batch of its own; empty when FlashAttention
     # runs them all.
@@ -75,14 +85,16 @@ class FlashPrefillPlan:
 
 def plan_flash_prefill(num_new_tokens: Sequence[int], context_lens: Sequence[int], block_table: np.ndarray,
                        block_size: int, to_device: Callable[[list], list[torch.Tensor]],
-                       min_query_len: int | None = None, min_context_len: int | None = None
-                       ) -> FlashPrefillPlan | None:
+                       min_query_len: int | None = None, min_context_len: int | None = None,
+                       use_cudnn: bool | None = None) -> FlashPrefillPlan | None:
     """The plan for one step, or None when no sequence brings ``min_query_len`` new tokens over
     ``min_context_len`` keys (defaults :data:`FLASH_MIN_QUERY_LEN`, :data:`FLASH_MIN_CONTEXT_LEN`).
     With one, every sequence of more than one new token is routed, as long as the routed contexts
     add up to :data:`FLASH_MAX_GATHERED_KEYS` (anchors counted first). ``block_table`` ``[B, W]`` holds
     each sequence's block ids; ``to_device`` copies int64 host arrays to the device (the runner's
-    pinned transfer)."""
+    pinned transfer). ``use_cudnn`` (with :data:`CUDNN_FRESH`; None: whether the current CUDA device
+    :func:`is_cudnn_usable`): short continuations become decode rows (see
+    :data:`CONTINUATION_AS_DECODE_ROWS`) and ``is_fresh`` says whether the routed rest has no cached keys."""
     min_query_len = FLASH_MIN_QUERY_LEN if min_query_len is None else min_query_len
     min_context_len = FLASH_MIN_CONTEXT_LEN if min_context_len is None else min_context_len
     query_lens = np.asarray(num_new_tokens, dtype=np.int64)
@@ -96,7 +108,11 @@ def plan_flash_prefill(num_new_tokens: Sequence[int], context_lens: Sequence[int
     is_joining = (query_lens > 1) & ~is_anchor
     room = FLASH_MAX_GATHERED_KEYS - int(contexts[is_anchor].sum())
     is_joining &= np.cumsum(np.where(is_joining, contexts, 0)) <= room
-    is_routed = is_anchor | is_joining
+    use_cudnn = CUDNN_FRESH and (_cudnn_on_current_device() if use_cudnn is None else use_cudnn)
+    # Short continuations over cached keys, as single-token rows of the decode group (cuDNN plans only).
+    is_row_split = (is_joining & (query_lens <= CONTINUATION_AS_DECODE_ROWS) & (contexts > query_lens)
+                    if use_cudnn else np.zeros_like(is_joining))
+    is_routed = (is_anchor | is_joining) & ~is_row_split
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=starts[1:])
     routed = np.flatnonzero(is_routed)
@@ -109,28 +125,40 @@ def plan_flash_prefill(num_new_tokens: Sequence[int], context_lens: Sequence[int
     arrays = [key_slots, _starts_of(query_lens[routed]), key_starts]
     if not is_one_range:
         arrays.append(_rows_of(starts, routed))
-    groups = [seqs for seqs in (np.flatnonzero(~is_routed & (query_lens == 1)),
-                                np.flatnonzero(~is_routed & (query_lens != 1))) if len(seqs)]
+    # Each group: its sequences, and for each of its tokens the sequence and the keys it sees (a decode
+    # group's tokens are single-token rows: its own decodes and the row-split continuations, in order).
+    decode_seqs = np.flatnonzero(~is_routed & ((query_lens == 1) | is_row_split))
+    other_seqs = np.flatnonzero(~is_routed & (query_lens != 1) & ~is_row_split)
+    groups = []
+    if len(decode_seqs):
+        row_seqs = np.repeat(decode_seqs, query_lens[decode_seqs])
+        row_lens = (np.repeat(contexts[decode_seqs] - query_lens[decode_seqs], query_lens[decode_seqs])
+                    + np.arange(len(row_seqs)) - np.repeat(_starts_of(query_lens[decode_seqs])[:-1],
+                                                           query_lens[decode_seqs]) + 1)
+        groups.append((decode_seqs, row_seqs, row_lens, np.ones(len(row_seqs), dtype=np.int64)))
+    if len(other_seqs):
+        groups.append((other_seqs, other_seqs, contexts[other_seqs], query_lens[other_seqs]))
     widths = []
-    for seqs in groups:
+    for seqs, row_seqs, row_lens, row_query_lens in groups:
         # Table rows as wide as the group's longest context, in multiples of 16 blocks (as the runner's:
         # the kernels specialize on the row stride).
-        widths.append(min(block_table.shape[1], -(-int(contexts[seqs].max()) // (16 * block_size)) * 16))
-        arrays += [_rows_of(starts, seqs), block_table[seqs, :widths[-1]].reshape(-1), contexts[seqs],
-                   _starts_of(query_lens[seqs])]
+        widths.append(min(block_table.shape[1], -(-int(row_lens.max()) // (16 * block_size)) * 16))
+        arrays += [_rows_of(starts, seqs), block_table[row_seqs, :widths[-1]].reshape(-1), row_lens,
+                   _starts_of(row_query_lens)]
     on_device = to_device(arrays)
     rest = []
     first = len(on_device) - 4 * len(groups)
-    for index, (seqs, width) in enumerate(zip(groups, widths)):
+    for index, ((_, row_seqs, row_lens, row_query_lens), width) in enumerate(zip(groups, widths)):
         rows, tables, lens, query_starts = on_device[first + 4 * index:first + 4 * index + 4]
-        rest.append(RestOfBatch(token_rows=rows, block_tables=tables.view(len(seqs), width), context_lens=lens,
-                                query_start_loc=query_starts, max_query_len=int(query_lens[seqs].max()),
-                                max_context_len=int(contexts[seqs].max())))
+        rest.append(RestOfBatch(token_rows=rows, block_tables=tables.view(len(row_seqs), width), context_lens=lens,
+                                query_start_loc=query_starts, max_query_len=int(row_query_lens.max()),
+                                max_context_len=int(row_lens.max())))
     query_rows = (slice(int(starts[routed[0]]), int(starts[routed[-1] + 1])) if is_one_range else on_device[3])
     return FlashPrefillPlan(query_rows=query_rows, cu_seqlens_q=on_device[1].to(torch.int32),
                             cu_seqlens_k=on_device[2].to(torch.int32), key_slots=on_device[0],
                             max_query_len=int(query_lens[routed].max()), max_context_len=int(routed_contexts.max()),
-                            num_tokens=int(starts[-1]), rest=tuple(rest))
+                            num_tokens=int(starts[-1]), rest=tuple(rest),
+                            is_fresh=use_cudnn and bool((query_lens[routed] == routed_contexts).all()))
 
 
 def _starts_of(lens: np.ndarray) -> np.ndarray:
@@ -153,6 +181,34 @@ def disable(reason: str) -> None:
     global ENABLED
     ENABLED = False
     warnings.warn(f"FlashAttention-2 prefill disabled, long prefills run on the Triton kernels: {reason}",
+                  RuntimeWarning, stacklevel=2)
+
+
+def is_cudnn_usable(device: torch.device) -> bool:
+    """Whether fresh routed prompts may run on cuDNN's attention: a Hopper or newer GPU (measured there
+    only), cuDNN present and torch's op for it."""
+    if device.type != "cuda" or not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        return False
+    return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+_CUDNN_USABLE: dict[int, bool] = {}
+
+
+def _cudnn_on_current_device() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device()
+    if index not in _CUDNN_USABLE:
+        _CUDNN_USABLE[index] = is_cudnn_usable(torch.device("cuda", index))
+    return _CUDNN_USABLE[index]
+
+
+def disable_cudnn(reason: str) -> None:
+    """Fresh prompts go back to FlashAttention-2 for the rest of the process, with a warning."""
+    global CUDNN_FRESH
+    CUDNN_FRESH = False
+    warnings.warn(f"cuDNN attention for fresh prefills disabled, they run on FlashAttention-2: {reason}",
                   RuntimeWarning, stacklevel=2)
 
 
@@ -207,21 +263,42 @@ def flash_varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_qu
         scale=scale, **window)[0]
 
 
+def cudnn_varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len, max_context_len, scale,
+                           sliding_window):
+    """cuDNN's varlen attention forward (GQA when key heads are fewer), causal top-left: right only for
+    sequences with as many queries as keys (a plan's ``is_fresh``), and without a sliding window."""
+    if sliding_window is not None:
+        raise ValueError("cudnn_varlen_attention has no sliding window")
+    return torch.ops.aten._cudnn_attention_forward(
+        query, key, value, None, cu_seqlens_q, cu_seqlens_k, max_query_len, max_context_len, False, 0.0, True, False,
+        scale=scale)[0]
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     plan: FlashPrefillPlan, scale: float, sliding_window: int | None, attend_rest: Callable,
-                    varlen_attention: Callable = flash_varlen_attention) -> torch.Tensor:
+                    varlen_attention: Callable = flash_varlen_attention,
+                    fresh_varlen_attention: Callable = cudnn_varlen_attention) -> torch.Tensor:
     """Causal attention of a step's queries ``[T, Hq, D]`` as ``reference.paged_attention`` computes
-    it: the plan's sequences by ``varlen_attention`` over their gathered keys, the others by
-    ``attend_rest`` (``paged_attention``'s signature) on each group of :attr:`FlashPrefillPlan.rest`.
-    Returns ``[T, Hq, D]``."""
+    it: the plan's sequences by ``varlen_attention`` over their gathered keys (``fresh_varlen_attention``
+    when the plan ``is_fresh``, no sliding window and :data:`CUDNN_FRESH`; it falls back to
+    ``varlen_attention`` for good if it raises), the others by ``attend_rest`` (``paged_attention``'s
+    signature) on each group of :attr:`FlashPrefillPlan.rest`. Returns ``[T, Hq, D]``."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     _warm_paged_prefill(query, key_cache, value_cache, scale, sliding_window, attend_rest)
     keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
     values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
     rows = plan.query_rows
     routed_query = query[rows] if isinstance(rows, slice) else query.index_select(0, rows)
-    routed_out = varlen_attention(routed_query, keys, values, plan.cu_seqlens_q, plan.cu_seqlens_k,
-                                  plan.max_query_len, plan.max_context_len, scale, sliding_window)
+    args = (routed_query, keys, values, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_query_len,
+            plan.max_context_len, scale, sliding_window)
+    routed_out = None
+    if plan.is_fresh and sliding_window is None and CUDNN_FRESH:
+        try:
+            routed_out = fresh_varlen_attention(*args)
+        except RuntimeError as error:  # a cuDNN that refuses these inputs: FA2 from now on
+            disable_cudnn(f"{type(error).__name__}: {error}")
+    if routed_out is None:
+        routed_out = varlen_attention(*args)
     if not plan.rest:
         return routed_out
     out = query.new_empty(plan.num_tokens, query.shape[1], head_dim)
