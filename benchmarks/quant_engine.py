@@ -231,12 +231,18 @@ def main(argv=None) -> None:
                         help="skip our own bs1 figures after the workloads")
     parser.add_argument("--bs1-ab", action="store_true",
                         help="fp8: bs1 with the one-row GEMV and with the old several-row GEMV")
+    parser.add_argument("--fast-accum", action="store_true",
+                        help="fp8: torch._scaled_mm with use_fast_accum (triton_fp8.SCALED_MM_FAST_ACCUM)")
     parser.add_argument("--kernel-profile",
                         help="only the throughput workload through throughput.run_ours, with a torch.profiler table "
                              "of 20 mid-run steps written here (kernel time by name)")
     add_workload_options(parser)
     args = parser.parse_args(argv)
     args.max_model_len = args.max_model_len or 4096
+    if args.fast_accum:
+        from hearth_llm.kernels.quant import triton_fp8
+
+        triton_fp8.SCALED_MM_FAST_ACCUM = True
     if args.kernel_profile:
         profile_throughput(args)
         return

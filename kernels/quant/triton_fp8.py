@@ -476,6 +476,10 @@ def silu_and_mul_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale:
     return row_gemv(x, weight_fp8, weight_scale, bias, prologue=SILU_AND_MUL)[0]
 
 
+# torch._scaled_mm's fast accumulation (the partial sums kept in the tensor cores' reduced precision
+# between promotions), as vLLM's sm90 CUTLASS FP8 GEMMs run (their FP8FastAccum schedules).
+SCALED_MM_FAST_ACCUM = False
+
 # Steps of DOT_MAX_ROWS < M <= CODES_GEMM_MAX_ROWS rows: the quantizer, then the swapped-operand
 # tensor-core GEMM of the codes (``codes_gemm``) instead of ``_scaled_mm``; 0 keeps _scaled_mm.
 # H200 round 1, 32 rows, Llama-3-8B layers (quantizer included, us): qkv 16.8 vs 18.1, o 14.2 vs
@@ -601,7 +605,8 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
         return codes_gemm(x_fp8, x_scale, weight_fp8, weight_scale, bias, x.dtype)
     if m > gemv_max_rows or weight_fp8.numel() > GEMV_MAX_WEIGHTS:
         out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale[:, None],
-                               scale_b=weight_scale.float()[None, :], out_dtype=torch.bfloat16)
+                               scale_b=weight_scale.float()[None, :], out_dtype=torch.bfloat16,
+                               use_fast_accum=SCALED_MM_FAST_ACCUM)
         if bias is not None:
             out = out + bias
         return out if out.dtype == x.dtype else out.to(x.dtype)
