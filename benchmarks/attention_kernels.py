@@ -262,9 +262,10 @@ def routed_prefill_comparison(report, budget_s: float = 60.0) -> None:
         torch.cuda.empty_cache()
 
 
-def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | None = None) -> None:
+def long_mix(shape: str, report, flash_modes: list, num_requests: int | None = None) -> None:
     """The long-context mix (32 x 8,192-token prompts, 512 new tokens) through our engine once per
-    entry of ``flash_modes`` (long prefills on FlashAttention-2 or not), with each step's forward timed
+    entry of ``flash_modes`` (long prefills on FlashAttention-2 or not: True/"on", False/"off"; "cudnn":
+    steps of fresh prompts on cuDNN, ``flash_prefill.CUDNN_FRESH``), with each step's forward timed
     on the device (CUDA events around ``runner.run``) and split by kind: steps with prefill tokens, and
     decode-only steps. The first run takes the workload's own ids (as ``bench throughput`` and vLLM's
     side), later ones the same ids shifted (no prefix hits); the same warm-up and timing as the bench's."""
@@ -296,10 +297,11 @@ def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | No
         return output
 
     runner.run = timed_run
-    saved = flash_prefill.ENABLED
+    saved, saved_cudnn = flash_prefill.ENABLED, flash_prefill.CUDNN_FRESH
     try:
-        for run, use_flash in enumerate(flash_modes):
-            flash_prefill.ENABLED = use_flash
+        for run, mode in enumerate(flash_modes):
+            use_flash = mode not in (False, "off")
+            flash_prefill.ENABLED, flash_prefill.CUDNN_FRESH = use_flash, mode == "cudnn"
             prompts = [[(token + run) % 10000 for token in prompt] for prompt, _ in workload]
             steps.clear()
             seconds, num_output = generate(prompts, [new_tokens] * len(prompts))
@@ -309,15 +311,23 @@ def long_mix(shape: str, report, flash_modes: list[bool], num_requests: int | No
             prefill_ms, decode_ms = sum(ms for _, ms in prefill), sum(decode)
             if use_flash and not flash_prefill.ENABLED:
                 report("long mix: FlashAttention-2 turned itself off during the run (see the warning above)")
-            report(f"long mix {shape} flash={'on' if use_flash else 'off'}: {seconds:.2f}s, {num_output} tokens, "
+            if mode == "cudnn" and not flash_prefill.CUDNN_FRESH:
+                report("long mix: the cuDNN route turned itself off during the run (see the warning above)")
+            label = mode if isinstance(mode, str) else ("on" if mode else "off")
+            report(f"long mix {shape} flash={label}: {seconds:.2f}s, {num_output} tokens, "
                    f"{len(steps)} steps | device time of forwards: steps with prefill {len(prefill)} x "
                    f"{prefill_ms / max(len(prefill), 1):.1f}ms = {prefill_ms / 1000:.2f}s, decode-only {len(decode)} x "
                    f"{decode_ms / max(len(decode), 1):.2f}ms = {decode_ms / 1000:.2f}s, the rest of the wall time "
                    f"{seconds - (prefill_ms + decode_ms) / 1000:.2f}s")
     finally:
-        flash_prefill.ENABLED = saved
+        flash_prefill.ENABLED, flash_prefill.CUDNN_FRESH = saved, saved_cudnn
         runner.run = original_run
-    top5_check(engine, report)
+    if "cudnn" in flash_modes:  # the flash side's fresh steps on cuDNN
+        flash_prefill.CUDNN_FRESH = True
+    try:
+        top5_check(engine, report)
+    finally:
+        flash_prefill.CUDNN_FRESH = saved_cudnn
 
 
 def top5_check(engine, report, prompt_lens=(5, 40, 130, 300, 1000, 3000, 8000, 8000),
@@ -537,9 +547,9 @@ def main(argv=None) -> None:
     parser.add_argument("--routed", action="store_true",
                         help="instead of the sweep: the engine's prefill attention, Triton vs long prefills on "
                              "FlashAttention-2, on long-context and workload steps")
-    parser.add_argument("--long-mix", nargs="+", metavar="on|off",
+    parser.add_argument("--long-mix", nargs="+", metavar="on|off|cudnn", choices=("on", "off", "cudnn"),
                         help="instead of the sweep: the long-context mix through the engine (--shape), once per "
-                             "mode (flash on / off), with prefill and decode steps' device time")
+                             "mode (flash on / off / fresh prompts on cuDNN), with prefill and decode steps' device time")
     parser.add_argument("--long-mix-requests", type=int, default=None, help="with --long-mix: fewer requests")
     parser.add_argument("--quick", action="store_true",
                         help="a few decode launches, the fp8 dot A/B and two prefill tiles (round-2 confirmation)")
@@ -558,7 +568,7 @@ def main(argv=None) -> None:
         routed_prefill_comparison(report, args.budget_s)
         return
     if args.long_mix:
-        long_mix(args.shape, report, [mode == "on" for mode in args.long_mix], args.long_mix_requests)
+        long_mix(args.shape, report, args.long_mix, args.long_mix_requests)
         return
 
     def out_of_time(fraction=1.0):
