@@ -53,3 +53,5 @@ class ForwardOutput:
     logits: torch.Tensor                          # [num_sampling_rows, vocab], the model's dtype
     sampling_rows: list[int]                      # batch index of each sampled request, in logits order
     prompt_logits: dict[int, torch.Tensor]        # batch index → [num_new_tokens, vocab] for prompt logprobs
+    # Each row's greedy argmax, when a CUDA graph computed it with the logits (cuda_graphs.HEAD_SIZES).
+    greedy_token_ids: torch.Tensor | None = None

@@ -13,9 +13,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hearth_llm import kernels
+
 from .models.layers import AttentionMetadata
 
 MAX_GRAPH_ROWS = 512
+# Row counts whose graphs end in the LM head and a greedy argmax too (``with_head``): batch-size-1
+# decode, where the head's launch and the argmax's two are a third of a Qwen3-0.6B step's host time
+# and the head's GEMV overlaps the last layer's kernels (programmatic dependent launch). One row has
+# no padding, so the head computes exactly what the eager head would.
+HEAD_SIZES = frozenset({1})
 
 
 def capture_sizes(max_rows: int) -> list[int]:
@@ -49,13 +56,16 @@ class DecodeGraphs:
     """Captured forwards of single-token rows, for row counts up to ``max_rows``.
 
     Padded rows write nowhere (slot -1) and attend to one cached token, so they cost little and
-    touch no live block.
+    touch no live block. With ``with_head``, the graphs of :data:`HEAD_SIZES` rows also compute the
+    logits and their greedy argmax (:meth:`head_outputs`).
     """
 
-    def __init__(self, model, kv_caches, max_rows: int, max_model_len: int, block_size: int, device) -> None:
+    def __init__(self, model, kv_caches, max_rows: int, max_model_len: int, block_size: int, device,
+                 with_head: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
+        self.head_sizes = HEAD_SIZES if with_head else frozenset()  # as captured
         self.sizes = self._capture_sizes(max_rows)
         max_rows = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
@@ -68,6 +78,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_rows + 1, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._head_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (logits, argmax)
         self.num_replays = 0
         self.num_replayed_rows = 0
         self._capture_all()
@@ -88,6 +99,22 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size))
 
+    def _has_head(self, size: int) -> bool:
+        return size in self.head_sizes
+
+    def _forward_and_head(self, size: int) -> torch.Tensor:
+        """The forward's hidden states; for a head size, its logits and greedy ids kept too."""
+        hidden = self._forward(size)
+        if self._has_head(size):
+            logits = self.model.compute_logits(hidden)
+            self._head_outputs[size] = (logits, kernels.argmax(logits))
+        return hidden
+
+    def head_outputs(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(logits, greedy token ids)`` of the last replay of ``num_rows`` rows, when its graph
+        computed them (a head size, unpadded); else None. Valid until the next replay."""
+        return self._head_outputs.get(num_rows) if self._has_head(num_rows) else None
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -95,13 +122,13 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
-                self._forward(size)  # warm up: compiles the Triton kernels for this shape
+                self._forward_and_head(size)  # warm up: compiles the Triton kernels for this shape
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other engines of the process keep running (allocating, syncing) on
                 # their threads while this one captures, e.g. when it wakes from sleep or is shrunk.
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self.outputs[size] = self._forward(size)
+                    self.outputs[size] = self._forward_and_head(size)
                 graph.replay()  # the first replay uploads the graph: keep that out of serving
                 self.graphs[size] = graph
         torch.cuda.current_stream().wait_stream(stream)

@@ -182,7 +182,10 @@ class LLMEngine:
         launched = None
         if not batch.is_empty:
             with self._cpu_threads_for(batch):
+                clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+                started = clock()
                 launched, failures = self._execute_and_sample(batch, previous)
+                self._observe_step_cost(batch, clock() - started)
             deltas += failures
         if previous is not None:
             deltas += self._update(previous)  # the device ran it while this step was prepared
@@ -220,6 +223,16 @@ class LLMEngine:
         proposals = self.proposer.propose(requests, room)
         return {r.request_id: p for r, p in zip(requests, proposals) if p}
 
+    def _observe_step_cost(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Tell the proposer's measured step costs (CPU n-gram) how long a one-request decode or
+        verify step took (prefill chunks are left out: their rows cost otherwise)."""
+        observe = getattr(getattr(self.proposer, "step_cost", None), "observe", None)
+        if observe is None or len(batch.requests) != 1:
+            return
+        num_rows = batch.num_new_tokens[0]
+        if num_rows == 1 + len(batch.proposals_of(0)) and batch.requests[0].num_output_tokens > 0:
+            observe(num_rows, seconds)
+
     @staticmethod
     def _may_speculate(request: Request) -> bool:
         """Decoding (not prefilling, nothing in flight), asked for, and drawn from logits that do not
@@ -255,7 +268,7 @@ class LLMEngine:
         rows = [request for request, spec in zip(to_sample, proposals) for _ in range(1 + len(spec))]
         try:
             self.output_processor.record_prompt_logprobs(batch.requests, output.prompt_logits)
-            sampled = self.sampler(output.logits, rows, self.guided_decoder.apply_masks)
+            sampled = self.sampler(output.logits, rows, self.guided_decoder.apply_masks, output.greedy_token_ids)
         except Exception as error:  # e.g. a grammar mask that raises: fail this step's requests, keep serving
             logger.exception("sampling failed; aborting the %d requests of this step", len(batch.requests))
             return None, self._fail_requests(batch.requests, error)

@@ -18,6 +18,9 @@ from .models.layers import AttentionMetadata
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 GPU_MEMORY_UTILIZATION = 0.9
+# Decode steps of up to this many sequences build their inputs in plain Python (_prepare_few_decodes):
+# on a few rows the general builder's numpy calls cost more than they save (batch-size-1 decode).
+MAX_FEW_DECODE_SEQS = 8
 
 
 class ModelRunner:
@@ -37,6 +40,7 @@ class ModelRunner:
         # Config and weight names/shapes checked before anything is read; weights streamed in.
         # ``parallel`` (a TensorParallel): this rank's slice only, KV heads included.
         self.model, self.arch = load_model(checkpoint, device, dtype, parallel=parallel)
+        self.is_single_process = parallel is None or parallel.size == 1
         self.num_kv_heads = _kv_heads_per_rank(self.arch.num_key_value_heads, parallel)
         # LoRA wraps the loaded layers' methods (before CUDA graphs are captured, so they include it).
         self.lora = None if lora_config is None else LoRAManager(self.model, lora_config, device,
@@ -77,8 +81,12 @@ class ModelRunner:
 
         max_rows = graph_rows(max_batch, self.num_speculative_tokens)
 
+        # The LM head and argmax join the one-row graph where nothing else wraps them (no LoRA, one process).
+        with_head = self.lora is None and self.is_single_process
+
         def capture():
-            return DecodeGraphs(self.model, self.kv_caches, max_rows, max_model_len, self.block_size, self.device)
+            return DecodeGraphs(self.model, self.kv_caches, max_rows, max_model_len, self.block_size, self.device,
+                                with_head=with_head)
 
         # With LoRA, a second set holds the LoRA kernels; base-only steps replay the plain one.
         self.decode_graphs = capture() if self.lora is None else LoRADecodeGraphs(capture, self.lora)
@@ -97,10 +105,13 @@ class ModelRunner:
         if inputs.num_pending:
             inputs.input_ids[inputs.pending_positions] = pending_token_ids[inputs.pending_rows]
         graphs = self.decode_graphs
+        head = None  # (logits, greedy ids) when the graph computed them
         # Graphs replay single-token rows: a decode step's, or a verification step's as rows (see cuda_graphs).
         if graphs is not None and inputs.row_tables is not None and graphs.supports(inputs.input_ids.shape[0]):
             hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, inputs.row_tables,
                                 inputs.row_context_lens)
+            if self.lora is None:
+                head = graphs.head_outputs(hidden.shape[0])
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         prompt_logits = {}
@@ -110,14 +121,23 @@ class ModelRunner:
         # In the model's dtype: the sampler widens them to float32 unless every row is plain greedy.
         # Single-token rows (decode, verification) are all logits rows, in order: nothing to gather.
         is_every_row = inputs.row_tables is not None and inputs.logits_indices.shape[0] == hidden.shape[0]
-        logits = self.model.compute_logits(hidden if is_every_row else hidden.index_select(0, inputs.logits_indices))
+        if head is not None and is_every_row:
+            logits, greedy_token_ids = head
+        else:
+            greedy_token_ids = None
+            logits = self.model.compute_logits(hidden if is_every_row else hidden.index_select(0, inputs.logits_indices))
         if self.lora is not None:
             self.lora.end_step()
-        return ForwardOutput(logits=logits, sampling_rows=inputs.sampling_rows, prompt_logits=prompt_logits)
+        return ForwardOutput(logits=logits, sampling_rows=inputs.sampling_rows, prompt_logits=prompt_logits,
+                             greedy_token_ids=greedy_token_ids)
 
     def _prepare_inputs(self, batch: ScheduledBatch) -> "StepInputs":
         """Build every index the step needs in one host array, copied to the device in one
         non-blocking transfer from pinned memory."""
+        if len(batch.requests) <= MAX_FEW_DECODE_SEQS:
+            inputs = self._prepare_few_decodes(batch)
+            if inputs is not None:
+                return inputs
         block_size = self.block_size
         requests, num_new_tokens = batch.requests, batch.num_new_tokens
         num_seqs = len(requests)
@@ -192,6 +212,56 @@ class ModelRunner:
                           prompt_logprob_rows=prompt_logprob_rows,
                           query_bounds=query_start_loc.tolist() if prompt_logprob_rows else [],
                           row_tables=row_tables, row_context_lens=row_context_lens)
+
+    def _prepare_few_decodes(self, batch: ScheduledBatch) -> "StepInputs | None":
+        """:meth:`_prepare_inputs`' arrays, in the same order and values, for a step in which every
+        request computes one token, its last (known or pending), and samples it: no proposals, no
+        prompt logprobs. Built with Python lists (a handful of rows); None for any other step."""
+        block_size = self.block_size
+        token_ids, positions, slots, context_lens, seq_lens, tables = [], [], [], [], [], []
+        pending_positions, pending_rows = [], []
+        for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start, num_known = request.num_computed_tokens, request.num_tokens
+            if (num_new != 1 or start + 1 != num_known + request.num_pending_tokens or batch.proposals_of(index)
+                    or (request.wants_prompt_logprobs and start < request.num_prompt_tokens)):
+                return None
+            if start < num_known:
+                token_ids.append(request.token_ids[start])
+            else:  # pending: the device fills it in
+                token_ids.append(0)
+                pending_positions.append(index)
+                pending_rows.append(request.pending_row)
+            block_ids = request.block_ids
+            positions.append(start)
+            slots.append(block_ids[start // block_size] * block_size + start % block_size)
+            context_lens.append(start + 1)
+            seq_lens.append(num_known + request.num_pending_tokens)
+            tables.append(block_ids)
+        num_seqs = len(tables)
+        width = -(-max(map(len, tables)) // 16) * 16  # as _block_table pads it
+        flat_table = []
+        for block_ids in tables:
+            flat_table += block_ids
+            flat_table += [0] * (width - len(block_ids))
+        rows = list(range(num_seqs))
+        on_device = self._copy_to_device([token_ids, positions, slots, context_lens, list(range(num_seqs + 1)), rows,
+                                          pending_positions, pending_rows, flat_table, seq_lens])
+        meta = AttentionMetadata(
+            slot_mapping=on_device[2],
+            block_tables=on_device[8].view(num_seqs, width),
+            context_lens=on_device[3],
+            query_start_loc=on_device[4],
+            max_query_len=1,  # (so never a FlashAttention prefill)
+            max_context_len=max(context_lens),
+            seq_lens=on_device[9],
+        )
+        is_single_token_rows = self.decode_graphs is not None
+        return StepInputs(input_ids=on_device[0], positions=on_device[1], meta=meta, logits_indices=on_device[5],
+                          sampling_rows=rows, num_pending=len(pending_rows),
+                          pending_positions=on_device[6], pending_rows=on_device[7],
+                          prompt_logprob_rows=[], query_bounds=[],
+                          row_tables=meta.block_tables if is_single_token_rows else None,
+                          row_context_lens=meta.context_lens if is_single_token_rows else None)
 
     def _copy_to_device(self, arrays: list) -> list[torch.Tensor]:
         """Int64 copies of ``arrays`` on the device, from one pinned host buffer in one non-blocking

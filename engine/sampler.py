@@ -87,7 +87,14 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self._cuda_generator: torch.Generator | None = None
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request], apply_grammar_masks=None) -> SampledTokens:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], apply_grammar_masks=None,
+                 greedy_token_ids: torch.Tensor | None = None) -> SampledTokens:
+        """``greedy_token_ids``: the argmax of ``logits``' rows, computed already (a CUDA graph's
+        static output, which the next replay overwrites: :meth:`SampledTokens.start_copy` copies it
+        out first, in stream order); taken as the draws when every row is plain greedy with nothing
+        to mask."""
+        if greedy_token_ids is not None and all(_is_plain_greedy(r) and not _blocks_early_stop(r) for r in requests):
+            return SampledTokens(token_ids=greedy_token_ids, num_logprobs=[None] * len(requests))
         if not all(_is_plain_greedy(r) for r in requests):
             logits = logits.float()  # a greedy argmax is the same in bf16; everything else wants float32
         num_logprobs = [r.sampling_params.logprobs for r in requests]
@@ -211,7 +218,7 @@ def _top_k_of(params, vocab_size: int) -> int | None:
 
 def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Until min_tokens are out, EOS and stop tokens can't be chosen."""
-    rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
+    rows = [i for i, r in enumerate(requests) if _blocks_early_stop(r)]
     if not rows:
         return logits
     logits = logits.clone()
@@ -224,6 +231,10 @@ def _block_early_stop(logits: torch.Tensor, requests: list[Request]) -> torch.Te
         if banned_ids:
             logits[row, banned_ids] = float("-inf")
     return logits
+
+
+def _blocks_early_stop(request: Request) -> bool:
+    return request.num_output_tokens < request.sampling_params.min_tokens
 
 
 def _is_plain_greedy(request: Request) -> bool:
