@@ -59,10 +59,12 @@ TOKEN_ID_RANGE = (0, 10000)  # as bench throughput's workload; every shape's voc
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None  # sent instead of the ids when set (a server that takes only text)
 
     def body(self, model: str = SERVED_NAME) -> dict:
         """The ``/v1/completions`` body, the same for every server."""
-        return {"model": model, "prompt": self.prompt_token_ids, "max_tokens": self.max_tokens, "temperature": 0,
+        prompt = self.prompt_token_ids if self.prompt_text is None else self.prompt_text
+        return {"model": model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -121,6 +123,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     ended: float = 0.0
     num_output_tokens: int = 0
+    finish_reason: str | None = None
     error: str | None = None
 
     @property
@@ -155,7 +158,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize(records: list[RequestRecord], expected_tokens: list[int]) -> dict:
     """Throughput and latency percentiles (ms) of one run; a request that failed or came back with
-    other than its ``max_tokens`` counts as failed."""
+    other than its ``max_tokens`` counts as failed. A stream without ``usage`` (llama-cpp-python's
+    server sends none) that ended with ``finish_reason: "length"`` generated its ``max_tokens``."""
+    for record, num_expected in zip(records, expected_tokens):
+        if not record.num_output_tokens and record.finish_reason == "length" and record.error is None:
+            record.num_output_tokens = num_expected
     done = [r for r, n in zip(records, expected_tokens)
             if r.error is None and r.num_output_tokens == n and r.token_times]
     failed = [r.error or f"{r.num_output_tokens} tokens, expected {n}" for r, n in zip(records, expected_tokens)
@@ -196,6 +203,8 @@ async def stream_completion(host: str, port: int, body: dict, record: RequestRec
         async for chunk in chunks:
             now = time.perf_counter()
             buffer += chunk
+            if b"\r" in buffer:  # events separated by CRLF (sse-starlette's, llama-cpp-python's server)
+                buffer = buffer.replace(b"\r\n", b"\n")
             *events, buffer = buffer.split(b"\n\n")
             for event in events:
                 if _read_event(event, now, record):
@@ -240,8 +249,11 @@ def _read_event(event: bytes, now: float, record: RequestRecord) -> bool:
     chunk = json.loads(data)
     if "error" in chunk:
         record.error = str(chunk["error"].get("message"))[:300]
-    if any(choice.get("text") for choice in chunk.get("choices") or ()):
+    choices = chunk.get("choices") or ()
+    if any(choice.get("text") for choice in choices):
         record.token_times.append(now)
+    for choice in choices:
+        record.finish_reason = choice.get("finish_reason") or record.finish_reason
     if chunk.get("usage"):
         record.num_output_tokens = chunk["usage"]["completion_tokens"]
     return False
@@ -267,9 +279,10 @@ async def run_requests(send, requests: list[BenchRequest], offsets: list[float])
     return records
 
 
-def http_sender(host: str, port: int):
+def http_sender(host: str, port: int, body=BenchRequest.body):
+    """Sends each request as ``body(request)`` (default: :meth:`BenchRequest.body`)."""
     async def send(request: BenchRequest, record: RequestRecord) -> None:
-        await stream_completion(host, port, request.body(), record)
+        await stream_completion(host, port, body(request), record)
     return send
 
 
@@ -279,7 +292,8 @@ def in_process_sender(core):
 
     async def send(request: BenchRequest, record: RequestRecord) -> None:
         params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
-        stream = core.add_request(request.prompt_token_ids, params)
+        prompt = request.prompt_token_ids if request.prompt_text is None else request.prompt_text
+        stream = core.add_request(prompt, params)
         try:
             async for output in stream:
                 if output.delta_token_ids:
@@ -291,11 +305,12 @@ def in_process_sender(core):
     return send
 
 
-async def warm_up(send, input_lengths: tuple[int, int], token_ids: tuple[int, int] = TOKEN_ID_RANGE) -> None:
+async def warm_up(send, input_lengths: tuple[int, int], token_ids: tuple[int, int] = TOKEN_ID_RANGE,
+                  to_text=None) -> None:
     """Batches of 1, 16 and 17 requests of 4 tokens (as bench throughput's warm-up: every kernel
     specialization the runs meet is compiled before them) on other prompts of the runs' lengths."""
     for count in (1, 16, 17):
-        requests = workload(count, input_lengths, (4, 4), seed=1000 + count, token_ids=token_ids)
+        requests = as_text(workload(count, input_lengths, (4, 4), seed=1000 + count, token_ids=token_ids), to_text)
         records = await run_requests(send, requests, [0.0] * count)
         errors = [r.error for r in records if r.error]
         if errors:
@@ -303,24 +318,69 @@ async def warm_up(send, input_lengths: tuple[int, int], token_ids: tuple[int, in
 
 
 def measure(send, requests: list[BenchRequest], rates: list[float], seed: int,
-            token_ids: tuple[int, int] = TOKEN_ID_RANGE) -> dict[str, dict]:
-    """Warm up, then ``requests`` at each rate (Poisson arrivals from ``seed``); a summary per rate."""
+            token_ids: tuple[int, int] = TOKEN_ID_RANGE, cpu_seconds=None, to_text=None) -> dict[str, dict]:
+    """Warm up, then ``requests`` at each rate (Poisson arrivals from ``seed``); a summary per rate.
+    ``cpu_seconds()``, if given, says the CPU seconds each of the server's processes has used so
+    far (``{name: seconds}``): each rate's summary then has the run's share as ``cpu_s``, with the
+    client's own as ``client``. ``to_text(ids)``, if given, turns every prompt into text first."""
     async def run() -> dict[str, dict]:
         low, high = min(len(r.prompt_token_ids) for r in requests), max(len(r.prompt_token_ids) for r in requests)
-        await warm_up(send, (low, high), token_ids)
+        await warm_up(send, (low, high), token_ids, to_text)
         results = {}
         for index, rate in enumerate(rates):
             # other token ids per rate: no run reads the prefix cache an earlier one filled
-            run = shifted(requests, index, token_ids) if index else requests
+            run = as_text(shifted(requests, index, token_ids) if index else requests, to_text)
+            before = _cpu_snapshot(cpu_seconds)
             records = await run_requests(send, run, arrival_offsets(len(requests), rate, seed))
             results[_rate_name(rate)] = summarize(records, [r.max_tokens for r in requests])
+            if cpu_seconds is not None:
+                after = _cpu_snapshot(cpu_seconds)
+                results[_rate_name(rate)]["cpu_s"] = {name: round(after[name] - before.get(name, 0.0), 3)
+                                                      for name in after}
             print(json.dumps({"rate": _rate_name(rate), **results[_rate_name(rate)]}), flush=True)
         return results
     return asyncio.run(run())
 
 
+def as_text(requests: list[BenchRequest], to_text) -> list[BenchRequest]:
+    """``requests`` with ``prompt_text = to_text(prompt_token_ids)`` (unchanged without ``to_text``)."""
+    if to_text is None:
+        return requests
+    return [BenchRequest(r.prompt_token_ids, r.max_tokens, to_text(r.prompt_token_ids)) for r in requests]
+
+
 def _rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _cpu_snapshot(cpu_seconds) -> dict[str, float]:
+    if cpu_seconds is None:
+        return {}
+    return {**cpu_seconds(), "client": time.process_time()}
+
+
+def process_group_cpu_seconds(group_id: int) -> dict[str, float]:
+    """CPU seconds (user + system) of every live process in process group ``group_id``, from
+    /proc: the group's leader as ``server``, the others summed by their command name (vLLM's
+    ``VLLM::EngineCore``, our engine child's ``python``...); empty where /proc is not there. A
+    process that ended is missing (its seconds with it)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                text = stat.read()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()  # from field 3 (state) on
+        if int(fields[2]) != group_id:  # field 5: the process group
+            continue
+        role = "server" if int(entry.name) == group_id else f"child:{name}"
+        seconds[role] = seconds.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks  # fields 14, 15
+    return seconds
 
 
 # ---- server processes -----------------------------------------------------------------------------
@@ -329,9 +389,11 @@ class ServerProcess:
     """A server in its own process group (vLLM starts children), logging to a file, stopped with
     SIGINT then SIGKILL."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path):
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_dir: Path,
+                 ready_path: str = "/health"):
         self.name = name
         self.port = port
+        self.ready_path = ready_path  # answers 200 once the server can take requests
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         started = time.perf_counter()
@@ -347,7 +409,7 @@ class ServerProcess:
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            if _health_ok(self.port):
+            if _health_ok(self.port, self.ready_path):
                 return time.perf_counter() - self.started
             if time.perf_counter() >= next_report:  # a slow start (vLLM's compile) shows where it is
                 last = (self.log_tail(1) or "").strip()[:160]
@@ -385,10 +447,10 @@ class ServerProcess:
         self._log.close()
 
 
-def _health_ok(port: int) -> bool:
+def _health_ok(port: int, path: str = "/health") -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
             return sock.recv(64).split(b" ", 2)[1] == b"200"
     except (OSError, IndexError):
         return False
@@ -434,13 +496,16 @@ def vllm_command(model_dir: str, port: int, args: argparse.Namespace) -> list[st
             "--uvicorn-log-level", "warning"]
 
 
-def measure_server(server: ServerProcess, args, requests) -> dict:
-    """Wait for ``server`` to answer, run the requests at every rate against it, stop it."""
+def measure_server(server: ServerProcess, args, requests, body=BenchRequest.body, to_text=None) -> dict:
+    """Wait for ``server`` to answer, run the requests at every rate against it (each sent as
+    ``body(request)``), stop it."""
     try:
         startup_s = server.wait_ready(args.startup_timeout)
         print(f"{server.name}: ready after {startup_s:.1f} s", flush=True)
-        return {"startup_s": round(startup_s, 1), **measure(http_sender("127.0.0.1", server.port), requests,
-                                                            args.rates, args.seed)}
+        cpu_seconds = lambda: process_group_cpu_seconds(server.process.pid)  # noqa: E731 - its own group
+        return {"startup_s": round(startup_s, 1), **measure(http_sender("127.0.0.1", server.port, body), requests,
+                                                            args.rates, args.seed, cpu_seconds=cpu_seconds,
+                                                            to_text=to_text)}
     except Exception as error:  # noqa: BLE001 - the other servers still run; the table says what failed
         print(f"{server.name}: FAILED: {error}", flush=True)
         return {"error": str(error)[-2000:]}
@@ -448,16 +513,69 @@ def measure_server(server: ServerProcess, args, requests) -> dict:
         server.stop()
 
 
-def measure_in_process(model: str, engine_kwargs: dict, requests, args) -> dict:
+def measure_in_process(model: str, engine_kwargs: dict, requests, args, to_text=None) -> dict:
     from hearth_llm.engine import get_engine
 
     core = get_engine(model, show_progress=False, **engine_kwargs)
     core.attach()
     try:
         core.wait_until_started()
-        return measure(in_process_sender(core), requests, args.rates, args.seed)
+        return measure(in_process_sender(core), requests, args.rates, args.seed, to_text=to_text)
     finally:
         core.detach()
+
+
+# ---- llama.cpp's server (llama-cpp-python's), the CPU peer -------------------------------------------
+
+def llamacpp_command(gguf_path: str, port: int, args: argparse.Namespace) -> list[str]:
+    """``python -m llama_cpp.server`` from ``--llamacpp-python`` on the same GGUF file. Its lock
+    serves one request at a time (no batching); ``interrupt_requests`` off, so a request that
+    arrives waits instead of cutting the running one short (that server's default)."""
+    threads = str(args.num_threads)
+    return [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf_path, "--host", "127.0.0.1",
+            "--port", str(port), "--model_alias", SERVED_NAME, "--n_threads", threads, "--n_threads_batch", threads,
+            "--n_ctx", str(args.max_model_len or 2048), "--interrupt_requests", "false", "--verbose", "false"]
+
+
+def gguf_control_token_ids(gguf_path: str) -> list[int]:
+    """The GGUF vocabulary's control tokens (EOS, the chat markers): every token llama.cpp may end
+    a generation at."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    field = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[index][0]) for index in field.data]
+    return [token_id for token_id, kind in enumerate(types) if kind == gguf.TokenType.CONTROL]
+
+
+def llamacpp_body(gguf_path: str):
+    """The body for llama-cpp-python's server: no ``ignore_eos`` there, so every control token is
+    biased away instead (``logit_bias``, -100); it takes text prompts only (see ``text_prompts``)."""
+    bias = {str(token_id): -100.0 for token_id in gguf_control_token_ids(gguf_path)}
+
+    def body(request: BenchRequest) -> dict:
+        return {**request.body(), "logit_bias": bias}
+    return body
+
+
+def text_prompts(model: str):
+    """``ids -> text`` with the model's tokenizer (special tokens dropped: ours and llama.cpp's
+    would read those differently), for a run where every server gets the same text prompts."""
+    import torch
+
+    from hearth_llm.engine.loader import load_checkpoint
+
+    tokenizer = load_checkpoint(model, torch.float32, progress=False).tokenizer
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def resolved_model_path(model: str) -> str:
+    """``default`` as the bundled GGUF's path (what llama.cpp's server needs), else ``model``."""
+    if model == "default":
+        from hearth_llm.engine.loader import default_model_path
+
+        return str(default_model_path())
+    return model
 
 
 # ---- the checkpoint --------------------------------------------------------------------------------
@@ -523,6 +641,20 @@ def ratios(results: dict[str, dict], rates: list[float]) -> list[str]:
     return lines
 
 
+def cpu_lines(results: dict[str, dict]) -> list[str]:
+    """Per server and rate: each of its processes' CPU time per output token (us), and the client's."""
+    lines = []
+    for server, result in results.items():
+        for rate, row in result.items():
+            if not isinstance(row, dict) or not row.get("cpu_s"):
+                continue
+            num_tokens = row["output_tok_per_s"] * row["duration_s"]
+            if num_tokens:
+                shares = ", ".join(f"{name} {1e6 * seconds / num_tokens:.0f}" for name, seconds in row["cpu_s"].items())
+                lines.append(f"{server} rate {rate}: CPU us per output token: {shares}")
+    return lines
+
+
 # ---- main ------------------------------------------------------------------------------------------------
 
 def _rate(text: str) -> float:
@@ -571,7 +703,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="measure only the peers (our server's runs done in another call, e.g. another "
                              "device lease of the same machine kind)")
     parser.add_argument("--peers", default=None,
-                        help="comma-separated: in-process, vllm, or none (default: in-process on cpu, vllm on cuda)")
+                        help="comma-separated: in-process, vllm, llamacpp (llama-cpp-python's server, on the CPU, "
+                             "a GGUF model), or none (default: in-process on cpu, vllm on cuda)")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 128 on cuda, 16 on cpu")
     parser.add_argument("--input-lengths", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="prompt lengths uniform in [LOW, HIGH] (default 100 1024 on cuda, 32 128 on cpu)")
@@ -588,6 +721,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", default=None, help="ours; default 40GiB on cuda, the engine's on cpu")
     parser.add_argument("--startup-timeout", type=float, default=180.0, help="seconds each server may take to start")
     parser.add_argument("--vllm-pythonpath", default="/tmp/vsite", help="the vLLM server's only PYTHONPATH")
+    parser.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python",
+                        help="the interpreter with llama-cpp-python[server] installed (the llamacpp peer)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="CPU threads of every server's engine: ours (--num-threads) and llama.cpp's "
+                             "(--n_threads, --n_threads_batch); default: ours its engine's, llama.cpp's the cores "
+                             "this process may use")
     parser.add_argument("--server-pythonpath", default=None,
                         help="appended to our server's PYTHONPATH (on the H200: /tmp/vsite, for fastapi/uvicorn)")
     parser.add_argument("--start-together", action="store_true",
@@ -597,15 +736,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--compare", default=None, metavar="JSON",
                         help="also show (table, ratios) the servers of an earlier run's --json with the same workload")
+    parser.add_argument("--show", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: the table and ratios of these --json files (e.g. two calls of one lease)")
     args = parser.parse_args(argv)
     on_gpu = (args.device or ("cuda" if args.shape else "cpu")) == "cuda"
     args.device = "cuda" if on_gpu else "cpu"
     args.dtype = args.dtype or ("bfloat16" if on_gpu else None)
     peers = args.peers or ("vllm" if on_gpu else "in-process")
     args.peers = [] if peers == "none" else [p for p in peers.split(",") if p]
-    unknown = set(args.peers) - {"in-process", "vllm"}
+    unknown = set(args.peers) - {"in-process", "vllm", "llamacpp"}
     if unknown:
-        parser.error(f"--peers: unknown {sorted(unknown)}; known: in-process, vllm")
+        parser.error(f"--peers: unknown {sorted(unknown)}; known: in-process, vllm, llamacpp")
+    if "llamacpp" in args.peers and (on_gpu or not (args.model == "default" or args.model.endswith(".gguf"))):
+        parser.error("--peers llamacpp runs on the CPU on a GGUF file: --model default (the bundled SmolLM2 "
+                     "Q4_1) or --model FILE.gguf, without --shape")
     if "vllm" in args.peers and not (args.shape or os.path.isdir(args.model)):
         parser.error("--peers vllm needs --shape or --model DIR (vLLM serves a checkpoint directory, "
                      "with dummy weights)")
@@ -630,13 +774,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_options(args) -> tuple[dict, list[str]]:
     """Our engine's settings, as EngineConfig fields and as ``hearth-llm serve`` flags."""
     kwargs = {"device": args.device}
-    for name in ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
+    for name in ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "num_threads"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     flags = [item for name, value in kwargs.items() for item in (f"--{name.replace('_', '-')}", str(value))]
     if args.switch_interval is not None:  # a server option, not an engine one
         flags += ["--switch-interval", str(args.switch_interval)]
     return kwargs, flags
+
+
+def scheduler_settings(args) -> dict:
+    """The limits both sides ran under (None: that engine's default), for the report."""
+    return {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                                   "num_threads")}
 
 
 def _earlier_results(path: str | None, report: dict) -> dict[str, dict]:
@@ -653,21 +803,58 @@ def _earlier_results(path: str | None, report: dict) -> dict[str, dict]:
     return {name: result for name, result in earlier["results"].items() if name not in report["results"]}
 
 
+def show(paths: list[str]) -> None:
+    """The table and ratios of saved ``--json`` reports (the servers of each; a later file's server
+    of the same name wins), warning when their workloads differ."""
+    reports = []
+    for path in paths:
+        with open(path) as source:
+            reports.append(json.load(source))
+    same = ("model", "device", "num_prompts", "input_lengths", "output_lengths")
+    for path, report in zip(paths[1:], reports[1:]):
+        if any(report.get(key) != reports[0].get(key) for key in same):
+            print(f"WARNING: {path} ran another workload than {paths[0]}: "
+                  f"{ {key: (reports[0].get(key), report.get(key)) for key in same} }")
+    results = {name: result for report in reports for name, result in report["results"].items()}
+    rates = sorted({rate for result in results.values() if "error" not in result
+                    for rate, row in result.items() if isinstance(row, dict)}, key=float)
+    print(table(results, [float(rate) for rate in rates]))
+    for line in ratios(results, [float(rate) for rate in rates]) + cpu_lines(results):
+        print(line)
+    for path, report in zip(paths, reports):
+        print(f"{path}: {report.get('model')} on {report.get('device')}, {report.get('num_prompts')} requests per "
+              f"rate, load average {report.get('load_average')}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.show:
+        show(args.show)
+        return
     # `timeout` sends SIGTERM: leave through the finally blocks, which stop the servers (their own
     # process groups would outlive us and hold the device)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work_dir = Path(tempfile.mkdtemp(prefix="hearth-serving-"))
     results: dict[str, dict] = {}
+    started: dict[str, ServerProcess] = {}
+
+    def save() -> None:  # after every server: a run cut short by its time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as sink:
+                json.dump(report_of(args, results), sink, indent=2, default=str)
+
     try:
         model = args.model
         if args.shape:
-            started = time.perf_counter()
+            began = time.perf_counter()
             has_weights = not args.no_ours or "in-process" in args.peers  # vLLM's dummy load needs none
             model = str(write_random_model(args.shape, work_dir / args.shape, args.dtype or "float32", has_weights))
-            print(f"wrote a random {args.shape} checkpoint in {time.perf_counter() - started:.1f} s", flush=True)
+            print(f"wrote a random {args.shape} checkpoint in {time.perf_counter() - began:.1f} s", flush=True)
         requests = workload(args.num_prompts, args.input_lengths, args.output_lengths, args.seed)
+        # llama-cpp-python's server takes text prompts only: then every server gets the same text
+        to_text = text_prompts(model) if "llamacpp" in args.peers else None
+        if "llamacpp" in args.peers and args.num_threads is None:
+            args.num_threads = len(os.sched_getaffinity(0))  # both sides on the same cores
         engine_kwargs, engine_flags = engine_options(args)
         env = dict(os.environ)
         if args.server_pythonpath:
@@ -680,34 +867,48 @@ def main(argv=None) -> None:
             for core in args.engine_core or [None]:
                 port = free_port()
                 ours.append((ours_name(core), ours_command(model, port, engine_flags + ours_flags(core)), port))
-            started = {}
             if args.start_together:  # the starts overlap; the runs still come one after the other
                 started = {name: ServerProcess(name, command, env, port, log_dir) for name, command, port in ours}
             for name, command, port in ours:
                 server = started.get(name) or ServerProcess(name, command, env, port, log_dir)
-                results[name] = measure_server(server, args, requests)
+                results[name] = measure_server(server, args, requests, to_text=to_text)
+                save()
         if "vllm" in args.peers:
             vllm_env = {**os.environ, "PYTHONPATH": args.vllm_pythonpath, "VLLM_USE_FLASHINFER_SAMPLER": "0",
                         "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
             port = free_port()
             server = ServerProcess("vllm", vllm_command(model, port, args), vllm_env, port, log_dir)
             results["vllm"] = measure_server(server, args, requests)
+            save()
+        if "llamacpp" in args.peers:
+            port = free_port()
+            gguf_path = resolved_model_path(model)
+            server = ServerProcess("llamacpp", llamacpp_command(gguf_path, port, args), dict(os.environ), port,
+                                   log_dir, ready_path="/v1/models")
+            results["llamacpp"] = measure_server(server, args, requests, body=llamacpp_body(gguf_path),
+                                                 to_text=to_text)
+            save()
         if "in-process" in args.peers:  # last: its engine keeps this process's device memory to the end
             in_process_kwargs = {**engine_kwargs, "engine_core": (args.engine_core or ["thread"])[0].partition("@")[0]}
-            results["hearth-in-process"] = measure_in_process(model, in_process_kwargs, requests, args)
+            results["hearth-in-process"] = measure_in_process(model, in_process_kwargs, requests, args, to_text)
+            save()
     finally:
+        for server in started.values():  # (a server never reached, when the run was cut short)
+            server.stop()
         shutil.rmtree(work_dir, ignore_errors=True)
-    report = {"model": args.shape or args.model, "device": args.device, "num_prompts": args.num_prompts,
-              "input_lengths": args.input_lengths, "output_lengths": args.output_lengths,
-              "load_average": os.getloadavg(), "results": results}
+    report = report_of(args, results)
     shown = {**_earlier_results(args.compare, report), **results}
     print(table(shown, args.rates))
-    for line in ratios(shown, args.rates):
+    for line in ratios(shown, args.rates) + cpu_lines(shown):
         print(line)
     print(f"load average {os.getloadavg()[0]:.2f}; latencies in ms; {args.num_prompts} requests per rate", flush=True)
-    if args.json:
-        with open(args.json, "w") as sink:
-            json.dump(report, sink, indent=2, default=str)
+
+
+def report_of(args, results: dict[str, dict]) -> dict:
+    """What ``--json`` holds: the workload, the load and every server's results so far."""
+    return {"model": args.shape or args.model, "device": args.device, "num_prompts": args.num_prompts,
+            "input_lengths": args.input_lengths, "output_lengths": args.output_lengths,
+            "load_average": os.getloadavg(), "settings": scheduler_settings(args), "results": results}
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--kv-cache-memory", default=None, help="bytes or e.g. '2GiB'")
+    engine.add_argument("--num-threads", type=int, default=None,
+                        help="the CPU engine's torch threads (default: the cores this process may use)")
     engine.add_argument("--max-waiting-requests", type=int, default=None,
                         help="queue bound; past it requests get 503 with Retry-After")
     engine.add_argument("--engine-core", choices=("thread", "process"), default=None,
@@ -62,7 +64,7 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
 
 
 _ENGINE_OPTIONS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
-                   "max_waiting_requests", "engine_core")
+                   "num_threads", "max_waiting_requests", "engine_core")
 
 
 def serve_kwargs(args: argparse.Namespace) -> dict:
