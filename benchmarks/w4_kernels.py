@@ -24,9 +24,9 @@ WORKING_SET = 256 << 20
 
 # (kernel, config, programs split-K aims for) the kernel part times: GEMVs at one row, tensor-core
 # GEMVs at every row count. Index 0 and 7 are triton_w4's defaults (GEMV_CONFIGS, DOT_CONFIGS).
-def _gemv(block_n, num_warps, groups_per_iter, prefetch, target):
+def _gemv(block_n, num_warps, groups_per_iter, prefetch, target, pdl=False):
     return ("gemv", dict(block_n=block_n, num_warps=num_warps, num_stages=1, groups_per_iter=groups_per_iter,
-                         prefetch=prefetch), target)
+                         prefetch=prefetch, pdl=pdl), target)
 
 
 def _dot(block_n, num_warps, num_stages, asm_decode, target, groups_per_iter=1):
@@ -47,6 +47,9 @@ CONFIGS = [
     # 13..: the whole-K one-row kernel (triton_w4.row_gemv), PDL unless marked
     _row(8, 4, 16, 0), _row(8, 4, 8, 0), _row(4, 4, 16, 0), _row(16, 4, 8, 0), _row(8, 4, 16, 1056),
     _row(8, 2, 16, 0), _row(8, 4, 16, 0, pdl=False), _row(4, 2, 16, 0), _row(16, 8, 16, 0),
+    # 22..: the split GEMV (index 0's kernel) with programmatic dependent launch
+    _gemv(64, 4, 2, True, 528, pdl=True), _gemv(64, 4, 2, True, 1056, pdl=True), _gemv(32, 2, 2, True, 1056, pdl=True),
+    _gemv(64, 4, 2, True, 0, pdl=True),
 ]
 
 

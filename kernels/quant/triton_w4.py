@@ -281,7 +281,7 @@ def _gemv1_group(words, header, x_group, m0, m1, m2, m3, c):
 def _w4_gemv1_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
                      stride_x, stride_c, stride_out, groups_per_split, num_splits, nibble, HAS_BIAS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
-                     IS_SPLIT: tl.constexpr):
+                     IS_SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One row, as ``_w4_gemv_kernel``'s ``BLOCK_T == 1`` path, with the next step's words and
     headers loaded before this step's math (Triton pipelines only loads that feed ``tl.dot``; the
     H200 ran the unprefetched GEMV at 0.9-1.8 TB/s, a load-then-compute duty cycle). A step is one
@@ -299,11 +299,15 @@ def _w4_gemv1_kernel(x_ptr, codes_ptr, headers_ptr, bias_ptr, out_ptr, ws_ptr, c
     last = g_end - 1
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     # Steps past the split's end re-read its last group (unmasked loads) and are not added.
+    if USE_PDL:  # as in _w4_row_kernel: the next kernel may start; the first words before x is waited for
+        tl.extra.cuda.gdc_launch_dependents()
     words_a = tl.load(code_rows + g_start * 16)
     header_a = tl.load(header_rows + g_start * N)
     if GROUPS_PER_ITER == 2:
         words_b = tl.load(code_rows + tl.minimum(g_start + 1, last) * 16)
         header_b = tl.load(header_rows + tl.minimum(g_start + 1, last) * N)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     for g in range(g_start, g_end, GROUPS_PER_ITER):
         g_next = tl.minimum(g + GROUPS_PER_ITER, last)
         words_next_a = tl.load(code_rows + g_next * 16)
@@ -533,7 +537,9 @@ def gemv(x: torch.Tensor, weight: W4Weight, bias: torch.Tensor | None = None, *,
     if config["prefetch"] and x.shape[0] == 1:  # more rows: the kernel without prefetch
         if config["groups_per_iter"] not in (1, 2):
             raise ValueError(f"the prefetching GEMV takes 1 or 2 groups a step, got {config['groups_per_iter']}")
-        return _launch(_w4_gemv1_kernel, x, weight, bias, 1, config, split_k)
+        use_pdl = bool(config.get("pdl")) and uses_pdl(x)
+        return _launch(_w4_gemv1_kernel, x, weight, bias, 1, config, split_k, USE_PDL=use_pdl,
+                       **({"launch_pdl": True} if use_pdl else {}))
     return _launch(_w4_gemv_kernel, x, weight, bias, triton.next_power_of_2(max(x.shape[0], 1)), config, split_k)
 
 
