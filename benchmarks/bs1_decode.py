@@ -209,12 +209,14 @@ def build_engine(shape: str):
 # SwiGLU as gate_up's epilogue, "+pf" every default launch prefetching the next K tile, "+n16" the
 # RMSNorm GEMV at 16 outputs a program (the default before the norm took one pass), "+n8" at 8 (the
 # default since), "+apdl" decode attention with programmatic dependent launch (DecodeLaunch.use_pdl),
-# "+gh" the one-row graph ending in the LM head and the greedy argmax (cuda_graphs.HEAD_SIZES).
+# "+gh" the one-row graph ending in the LM head and the greedy argmax (cuda_graphs.HEAD_SIZES), "+few"
+# decode steps of a few sequences built in plain Python and staged into the graphs' buffers in one
+# copy (model_runner.MAX_FEW_DECODE_SEQS).
 VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
             "fused+pdl+all+head+epi", "fused+pdl+head+epi", "fused+pdl+all+head+pf", "fused+pdl+head+pf",
             "fused+pdl+all+head+epi+pf", "fused+pdl+all+head+n16", "fused+pdl+all+head+epi+n8",
             "fused+pdl+all+head+epi+targ", "fused+pdl+all+head+epi+apdl", "fused+pdl+all+head+epi+apdl+n16",
-            "fused+pdl+all+head+epi+apdl+gh"]
+            "fused+pdl+all+head+epi+apdl+gh", "fused+pdl+all+head+epi+apdl+gh+few"]
 _DEFAULT_LAUNCH = None
 _ATTENTION_LAUNCH = None
 _SPLIT_ARGMAX_MAX_ROWS = 16  # kernels/sampling/triton_sampling's
@@ -222,18 +224,19 @@ _SPLIT_ARGMAX_MAX_ROWS = 16  # kernels/sampling/triton_sampling's
 
 def variant_options(label: str) -> dict:
     base, *options = label.split("+")
-    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ", "apdl", "gh"}
+    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ", "apdl", "gh", "few"}
     if base not in ("fused", "unfused") or unknown:
         raise ValueError(f"variant {label!r}: unknown parts {sorted(unknown) or base!r}")
     return dict(fused=base == "fused", pdl="pdl" in options, all="all" in options, head="head" in options,
                 epi="epi" in options, pf="pf" in options, n16="n16" in options, n8="n8" in options,
-                targ="targ" in options, apdl="apdl" in options, gh="gh" in options)
+                targ="targ" in options, apdl="apdl" in options, gh="gh" in options,
+                few="few" in options)
 
 
 def apply_variant(label: str) -> None:
     import dataclasses
 
-    from hearth_llm.engine import cuda_graphs
+    from hearth_llm.engine import cuda_graphs, model_runner
     from hearth_llm.engine.models import fused_decode
     from hearth_llm.kernels.attention import triton_attention
     from hearth_llm.kernels.gemv import triton_gemv
@@ -250,6 +253,7 @@ def apply_variant(label: str) -> None:
     fused_decode.SWIGLU_EPILOGUE = options["epi"]
     triton_gemv.USE_PDL = options["pdl"]
     cuda_graphs.HEAD_SIZES = frozenset({1}) if options["gh"] else frozenset()
+    model_runner.MAX_FEW_DECODE_SEQS = 8 if options["few"] else 0
     triton_attention.DEFAULT_LAUNCH = dataclasses.replace(_ATTENTION_LAUNCH, use_pdl=options["apdl"])
     triton_sampling.SPLIT_ARGMAX_MAX_ROWS = 0 if options["targ"] else _SPLIT_ARGMAX_MAX_ROWS
     def launch(num_outputs, reduction, prologue=triton_gemv.PLAIN, gated_out=False):

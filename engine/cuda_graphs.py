@@ -68,14 +68,20 @@ class DecodeGraphs:
         self.head_sizes = HEAD_SIZES if with_head else frozenset()  # as captured
         self.sizes = self._capture_sizes(max_rows)
         max_rows = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = max_blocks = -(-max_model_len // block_size)
         long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(max_rows, **long)
-        self.positions = torch.zeros(max_rows, **long)
-        self.slot_mapping = torch.full((max_rows,), -1, **long)
-        self.block_tables = torch.zeros(max_rows, max_blocks, **long)
-        self.context_lens = torch.ones(max_rows, **long)
+        # The per-row inputs are views of one buffer, so a step can fill them in one copy (:meth:`stage`):
+        # input ids, positions, slots, context lengths, each padded to 16 entries (128-byte aligned,
+        # as Triton specializes on it), then the block table rows.
+        self._region = region = -(-max_rows // 16) * 16
+        self.staging = torch.zeros(4 * region + max_rows * max_blocks, **long)
+        self.input_ids = self.staging[:max_rows]
+        self.positions = self.staging[region:region + max_rows]
+        self.slot_mapping = self.staging[2 * region:2 * region + max_rows].fill_(-1)
+        self.context_lens = self.staging[3 * region:3 * region + max_rows].fill_(1)
+        self.block_tables = self.staging[4 * region:].view(max_rows, max_blocks)
         self.query_start_loc = torch.arange(max_rows + 1, **long)
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._head_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (logits, argmax)
@@ -133,6 +139,51 @@ class DecodeGraphs:
                 self.graphs[size] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+
+    def padded_size(self, num_rows: int) -> int:
+        """The captured row count that serves ``num_rows``."""
+        return next(s for s in self.sizes if s >= num_rows)
+
+    def stage(self, token_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
+              block_ids: list[list[int]]) -> None:
+        """Fill the static inputs of ``len(token_ids)`` rows from host lists in one non-blocking copy
+        from pinned memory (padding rows as :meth:`run` leaves them: slot -1, one cached token); then
+        :meth:`replay_staged`. Block table rows beyond ``max_model_len``'s blocks are cut, as :meth:`run` cuts them."""
+        num_rows, size, region, max_blocks = len(token_ids), self.padded_size(len(token_ids)), self._region, self.max_blocks
+        pinned = self.staging.device.type == "cuda"
+        host = torch.zeros(4 * region + size * max_blocks, dtype=torch.long, pin_memory=pinned)
+        values = host.numpy()
+        values[:num_rows] = token_ids
+        values[region:region + num_rows] = positions
+        values[2 * region:2 * region + size] = -1
+        values[2 * region:2 * region + num_rows] = slots
+        values[3 * region:3 * region + size] = 1
+        values[3 * region:3 * region + num_rows] = context_lens
+        for row, ids in enumerate(block_ids):
+            start = 4 * region + row * max_blocks
+            ids = ids[:max_blocks]
+            values[start:start + len(ids)] = ids
+        self.staging[:host.shape[0]].copy_(host, non_blocking=pinned)
+
+    def views(self, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """``(input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc, rows)``
+        of the first ``num_rows`` rows, views of the static inputs (``rows``: 0 .. num_rows - 1), made
+        once per row count (each slice costs the host a microsecond or two)."""
+        views = self._views.get(num_rows)
+        if views is None:
+            views = self._views[num_rows] = (
+                self.input_ids[:num_rows], self.positions[:num_rows], self.slot_mapping[:num_rows],
+                self.block_tables[:num_rows], self.context_lens[:num_rows], self.query_start_loc[:num_rows + 1],
+                self.query_start_loc[:num_rows])
+        return views
+
+    def replay_staged(self, num_rows: int) -> torch.Tensor:
+        """Replay the graph for ``num_rows`` rows over the static inputs as they stand (:meth:`stage`)."""
+        size = self.padded_size(num_rows)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        self.num_replayed_rows += num_rows
+        return self.outputs[size][:num_rows]
 
     def run(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> torch.Tensor:
         """Replay the smallest captured graph that fits; returns hidden states for the real rows.

@@ -102,12 +102,17 @@ class ModelRunner:
         meta = inputs.meta
         if self.lora is not None:
             self.lora.begin_step([request.lora for request in batch.requests], batch.num_new_tokens)
-        if inputs.num_pending:
+        if inputs.is_staged and inputs.num_pending:  # the pending rows come first, in the in-flight step's order
+            inputs.input_ids[:inputs.num_pending].copy_(pending_token_ids[:inputs.num_pending])
+        elif inputs.num_pending:
             inputs.input_ids[inputs.pending_positions] = pending_token_ids[inputs.pending_rows]
         graphs = self.decode_graphs
         head = None  # (logits, greedy ids) when the graph computed them
         # Graphs replay single-token rows: a decode step's, or a verification step's as rows (see cuda_graphs).
-        if graphs is not None and inputs.row_tables is not None and graphs.supports(inputs.input_ids.shape[0]):
+        if inputs.is_staged:  # the inputs are in the graphs' static buffers already
+            hidden = graphs.replay_staged(inputs.input_ids.shape[0])
+            head = graphs.head_outputs(hidden.shape[0])
+        elif graphs is not None and inputs.row_tables is not None and graphs.supports(inputs.input_ids.shape[0]):
             hidden = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, inputs.row_tables,
                                 inputs.row_context_lens)
             if self.lora is None:
@@ -238,6 +243,10 @@ class ModelRunner:
             seq_lens.append(num_known + request.num_pending_tokens)
             tables.append(block_ids)
         num_seqs = len(tables)
+        graphs = self.decode_graphs
+        if (self.lora is None and graphs is not None and graphs.supports(num_seqs)
+                and pending_positions == pending_rows == list(range(len(pending_rows)))):
+            return self._staged_decodes(graphs, token_ids, positions, slots, context_lens, tables, len(pending_rows))
         width = -(-max(map(len, tables)) // 16) * 16  # as _block_table pads it
         flat_table = []
         for block_ids in tables:
@@ -262,6 +271,24 @@ class ModelRunner:
                           prompt_logprob_rows=[], query_bounds=[],
                           row_tables=meta.block_tables if is_single_token_rows else None,
                           row_context_lens=meta.context_lens if is_single_token_rows else None)
+
+    @staticmethod
+    def _staged_decodes(graphs, token_ids, positions, slots, context_lens, tables, num_pending) -> "StepInputs":
+        """A few-decodes step whose inputs go straight into the decode graphs' static buffers (one
+        copy, :meth:`DecodeGraphs.stage`), its pending rows first and in the in-flight step's order
+        (one copy of their ids, in :meth:`run`). The graphs read only what they stage."""
+        graphs.stage(token_ids, positions, slots, context_lens, tables)
+        input_ids, positions, slot_mapping, block_tables, context_lens_on_device, query_start_loc, rows = \
+            graphs.views(len(token_ids))
+        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
+                                 context_lens=context_lens_on_device, query_start_loc=query_start_loc,
+                                 max_query_len=1, max_context_len=max(context_lens))
+        pending = graphs.views(num_pending)[6] if num_pending else rows[:0]
+        return StepInputs(input_ids=input_ids, positions=positions, meta=meta,
+                          logits_indices=rows, sampling_rows=list(range(len(token_ids))), num_pending=num_pending,
+                          pending_positions=pending, pending_rows=pending,
+                          prompt_logprob_rows=[], query_bounds=[], row_tables=meta.block_tables,
+                          row_context_lens=meta.context_lens, is_staged=True)
 
     def _copy_to_device(self, arrays: list) -> list[torch.Tensor]:
         """Int64 copies of ``arrays`` on the device, from one pinned host buffer in one non-blocking
@@ -307,6 +334,8 @@ class StepInputs:
     # rows (each token's block table row and context length); else None.
     row_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
+    # The inputs are views of the decode graphs' static buffers, filled already (_staged_decodes).
+    is_staged: bool = False
 
 
 def _kv_heads_per_rank(num_kv_heads: int, parallel) -> int:

@@ -133,14 +133,21 @@ def test_sampler_takes_the_given_argmax_for_plain_greedy_rows_only():
 
 
 def _same_inputs(fast, general) -> bool:
+    """Field by field; staged inputs (views of the graphs' buffers) hold each block table row at the
+    graphs' width, zero beyond the general builder's, and no seq_lens (the graphs read none)."""
     def same(a, b):
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                return False
+            if fast.is_staged and a.dim() == 2:
+                width = b.shape[1]
+                return torch.equal(a[:, :width], b) and not a[:, width:].any()
+            return torch.equal(a, b)
         return a == b
     fields = ("input_ids", "positions", "logits_indices", "sampling_rows", "num_pending", "pending_positions",
               "pending_rows", "prompt_logprob_rows", "query_bounds", "row_tables", "row_context_lens")
     meta_fields = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "max_query_len",
-                   "max_context_len", "seq_lens", "flash_prefill")
+                   "max_context_len", "flash_prefill") + (() if fast.is_staged else ("seq_lens",))
     return (all(same(getattr(fast, f), getattr(general, f)) for f in fields)
             and all(same(getattr(fast.meta, f), getattr(general.meta, f)) for f in meta_fields))
 
@@ -158,7 +165,7 @@ def test_few_decodes_build_the_general_builders_inputs(with_graphs, async_schedu
         _with_head_graphs(engine)
     runner = engine.runner
     original = runner._prepare_few_decodes
-    num_fast = []
+    num_fast, num_staged = [], []
 
     def checked(batch):
         fast = original(batch)
@@ -168,6 +175,7 @@ def test_few_decodes_build_the_general_builders_inputs(with_graphs, async_schedu
             monkeypatch.setattr(model_runner, "MAX_FEW_DECODE_SEQS", 8)
             assert _same_inputs(fast, general)
             num_fast.append(len(batch.requests))
+            num_staged.append(fast.is_staged)
         return fast
 
     monkeypatch.setattr(runner, "_prepare_few_decodes", checked)
@@ -184,3 +192,4 @@ def test_few_decodes_build_the_general_builders_inputs(with_graphs, async_schedu
     for request_id, prompt in zip(ids, prompts):
         assert tokens[request_id] == hf_greedy(path, prompt, len(tokens[request_id]))
     assert 3 in num_fast and 1 in num_fast  # steps of three sequences and of one took the fast builder
+    assert any(num_staged) == with_graphs  # and with graphs, their inputs went straight into the graphs' buffers
