@@ -145,12 +145,11 @@ def _bs1_once(engine, lora, num_tokens: int, tokens: list | None = None) -> floa
 
 def bs1_only(args, shapes: dict, results: dict, save) -> None:
     """``--bs1-only``: batch-1 decode ms/token, the engine without LoRA, then LoRA engines serving base and
-    one adapter: as set, or with ``--pdl-ab`` one per variant (graphs capture the settings): ``plain``
-    (no PDL, no head block), ``pdl_head`` (the expands' PDL and the one-row head block,
-    ``LoRAStep.one_row_head``), ``pdl`` (PDL alone); ``--profile``: the first variant's kernels; the adapter's extra µs per decoder layer, and whether the variants'
-    greedy tokens equal the first's (PDL must not change them; the head block's GEMV may round apart)."""
+    one adapter: as set, or with ``--pdl-ab`` one per variant (graphs capture the setting): ``plain``
+    (the expands without PDL), ``pdl`` (with); ``--profile``: the first variant's kernels. Reports the
+    adapter's extra µs per decoder layer, and whether the variants'
+    greedy tokens equal the first's (PDL must not change them)."""
     from hearth_llm.engine.lora import LoRARequest
-    from hearth_llm.engine.models.lora_linear import LoRAStep
     from hearth_llm.kernels.lora import triton_lora
 
     num_layers = hf_config(args.shape, args.num_layers).num_hidden_layers
@@ -168,10 +167,9 @@ def bs1_only(args, shapes: dict, results: dict, save) -> None:
         [path] = write_random_adapters(shapes, Path(directory), 1, args.rank, args.device)
         lora = LoRARequest("adapter0", str(path))
         tokens_of = {}
-        variants = ((("plain", False, False), ("pdl_head", True, True), ("pdl", True, False)) if args.pdl_ab
-                    else (("lora", bool(args.pdl), LoRAStep.one_row_head),))
-        for key, pdl, head in variants:
-            triton_lora.USE_PDL, LoRAStep.one_row_head = pdl, head
+        variants = (("plain", False), ("pdl", True)) if args.pdl_ab else (("lora", triton_lora.USE_PDL),)
+        for key, pdl in variants:
+            triton_lora.USE_PDL = pdl
             engine, _ = make_engine(args.shape, args.device, True, 1, args.kv_cache_memory, args.num_layers)
             base_ms = bs1_ms_per_token(engine, None, args.bs1_repeats)
             tokens_of[key] = []
@@ -238,10 +236,9 @@ def main(argv=None) -> None:
                         help="a separate shrink kernel, not every slot's A stacked under the dense base weight")
     parser.add_argument("--unstacked", nargs="+", default=(), metavar="NAME_END",
                         help="layers (by name end: o_proj, down_proj, ...) that keep the separate shrink kernel")
-    parser.add_argument("--pdl", action="store_true",
-                        help="programmatic dependent launch of the LoRA expands (kernels.lora.triton_lora.USE_PDL)")
-    parser.add_argument("--no-one-row-head", action="store_true",
-                        help="one-row steps read every slot's A in their GEMV (no head block: LoRAStep.one_row_head)")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="plain launches of the LoRA expands, not programmatic dependent launch "
+                             "(kernels.lora.triton_lora.USE_PDL, on by default)")
     parser.add_argument("--no-fused-swiglu", action="store_true",
                         help="gate_up_proj expands in place (the SwiGLU does not add its update)")
     parser.add_argument("--adapters-dir", help="write the adapters here and keep them (for a peer to load)")
@@ -266,11 +263,10 @@ def main(argv=None) -> None:
     LoRAStep.stacks_shrink = not args.no_stack
     LoRAStep.unstacked_layers = tuple(args.unstacked)
     LoRAStep.defers_gate_up_expand = not args.no_fused_swiglu
-    LoRAStep.one_row_head = not args.no_one_row_head
-    if args.pdl:
+    if args.no_pdl:
         from hearth_llm.kernels.lora import triton_lora
 
-        triton_lora.USE_PDL = True
+        triton_lora.USE_PDL = False
     requests = workload(args.num_seqs, low=args.lengths[0], high=args.lengths[1])
     results = {"shape": args.shape, "num_seqs": args.num_seqs, "lengths": list(args.lengths), "rank": args.rank}
 

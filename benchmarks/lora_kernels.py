@@ -179,13 +179,14 @@ def main(argv=None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--sweep", type=int, nargs="*", default=(), help="token counts to sweep launch shapes at")
     parser.add_argument("--no-separate", action="store_true", help="skip the separate shrink + expand (lora_ms)")
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch of the expands")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="plain launches of the expands (programmatic dependent launch is the default)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    if args.pdl:
+    if args.no_pdl:
         from hearth_llm.kernels.lora import triton_lora
 
-        triton_lora.USE_PDL = True
+        triton_lora.USE_PDL = False
     old = None
     if args.compare:
         spec = importlib.util.spec_from_file_location("old_triton_lora", args.compare)

@@ -397,16 +397,14 @@ def test_stacked_shrink_layer_path_matches_the_separate_update(kernel, monkeypat
                      for block, row_start, size in ((0, 0, 64), (2, 96, 32))] for slot, rank in ((0, 4), (2, 3))}
     for slot, slot_shards in shards.items():
         method.load_slot(slot, slot_shards)
-    head = method.head_rows
-    assert head == 12  # (LoRAStep.one_row_head: a block for one-row steps between the weight and the slots)
-    assert torch.equal(method.stacked_weight[128 + head + 2 * 12:128 + head + 2 * 12 + 3], shards[2][0].a.to(device))
+    assert torch.equal(method.stacked_weight[128 + 2 * 12:128 + 2 * 12 + 3], shards[2][0].a.to(device))
     x = torch.randn(9, 16, generator=generator).to(device)
     base = torch.nn.functional.linear(x, layer.weight, layer.bias).cpu()
     slot_of_seq, counts = [2, -1, 0, 2], [3, 2, 3, 1]
     step.begin_sequences(slot_of_seq, counts)
     out = layer(x).cpu()
     step.end()
-    assert out.stride(0) == 128 + head + 3 * 12  # a view of the GEMM's base columns
+    assert out.stride(0) == 128 + 3 * 12  # a view of the GEMM's base columns
     expected = base.clone()
     x = x.cpu()
     for row, slot in enumerate(np.repeat(slot_of_seq, counts)):
@@ -415,18 +413,6 @@ def test_stacked_shrink_layer_path_matches_the_separate_update(kernel, monkeypat
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(out[3:5], base[3:5], rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x.to(device)).cpu(), base)  # after end(): the weight alone
-    for row, slot in ((0, 2), (5, 0), (6, 0), (8, 2)):  # one-row steps: the GEMM reads the weight and the head block
-        step.begin_sequences([slot], [1])
-        assert step.head_slot == slot and torch.equal(method.head_a, method.lora_a[slot])
-        one_row = layer(x[row:row + 1].to(device)).cpu()
-        step.end()
-        assert one_row.stride(0) == 128 + head
-        torch.testing.assert_close(one_row, expected[row:row + 1], rtol=1e-4, atol=1e-3)
-    method.load_slot(2, shards[0])  # reloading the head's slot makes it stale: the next one-row step copies again
-    assert step.head_slot is None
-    step.begin_sequences([2], [1])
-    assert torch.equal(method.head_a, method.lora_a[2]) and torch.equal(method.lora_a[2], method.lora_a[0])
-    step.end()
 
 
 def test_stacked_weight_moves_with_the_model_as_one_storage():
@@ -557,6 +543,6 @@ def test_fused_decode_weight_and_finish_stand_in_for_the_layer():
         step.begin_sequences([slot], [1])
         expected = layer(x).clone()
         weight = method.fused_decode_weight(layer, x)
-        assert weight.shape[0] == (128 + 12 if slot >= 0 else 128)  # one row: the weight and the head block
+        assert weight.shape[0] == (128 + 2 * 12 if slot >= 0 else 128)
         torch.testing.assert_close(method.finish_fused_decode(x @ weight.T), expected, rtol=1e-5, atol=1e-5)
         step.end()

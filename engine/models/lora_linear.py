@@ -58,10 +58,6 @@ class LoRAStep:
     defers_gate_up_expand = True
     # Layers (by the end of their name, e.g. "o_proj") that keep the separate shrink even where stacking applies.
     unstacked_layers: tuple[str, ...] = ()
-    # With the shrink stacked: one more block of A rows right under the base weight, a copy of the slot a one-row
-    # step (batch-1 decode) uses, so that step's GEMV reads the base rows and that block only, not every slot's A
-    # (Llama-3-8B, 8 slots of rank 16: 10 MB a layer fewer); refreshed when a one-row step's slot changes.
-    one_row_head = True
 
     def __init__(self, capacity: int, device: torch.device, planned: bool | None = None) -> None:
         self.capacity = capacity
@@ -77,8 +73,6 @@ class LoRAStep:
         self.is_single_adapter = False
         self.side_stream = None  # CUDA: where the shrink runs beside the base projection
         self.deferring_methods: list["LoRALinearMethod"] = []  # gate_up_projs whose SwiGLU adds their update
-        self.head_methods: list["LoRALinearMethod"] = []  # layers with a one-row head block (see one_row_head)
-        self.head_slot: int | None = None  # the slot whose A the head blocks hold (None: none yet, or stale)
 
     def allocate(self, num_slots: int, max_ranks_per_layer: int) -> None:
         """The device plan and scratch (CUDA), once, before any graph is captured."""
@@ -97,9 +91,6 @@ class LoRAStep:
         if self.plan is not None:
             self.plan.set_sequences(slot_of_seq, num_tokens_of_seq)
             self.num_tokens, self.has_adapters = self.plan.num_tokens, self.plan.has_adapters
-            if self.has_adapters and self.num_tokens == 1 and self.head_methods:
-                counts = np.asarray(num_tokens_of_seq).reshape(-1)
-                self._set_head(int(np.asarray(slot_of_seq).reshape(-1)[int(np.flatnonzero(counts)[0])]))
             return
         self.begin(torch.from_numpy(np.repeat(np.asarray(slot_of_seq, dtype=np.int64),
                                               np.asarray(num_tokens_of_seq, dtype=np.int64))))
@@ -114,18 +105,8 @@ class LoRAStep:
             self.plan.set_token_slots(slots)
         self.num_tokens = len(slots)
         self.has_adapters = bool((slots >= 0).any())
-        if self.plan is not None and self.has_adapters and self.num_tokens == 1 and self.head_methods:
-            self._set_head(int(slots[0]))
         if self.plan is None and self.has_adapters:
             self._compact(slots)
-
-    def _set_head(self, slot: int) -> None:
-        """The head blocks hold ``slot``'s A (a one-row step's GEMV reads them): one batched copy, queued on the
-        current stream before the step's kernels, when the slot changes."""
-        if slot != self.head_slot:
-            torch._foreach_copy_([method.head_a for method in self.head_methods],
-                                 [method.lora_a[slot] for method in self.head_methods])
-            self.head_slot = slot
 
     def end(self) -> None:
         """After the forward pass: a forward the runner did not prepare (a pooling pass, a graph
@@ -209,11 +190,10 @@ class LoRALinearMethod(LinearMethod):
         self.step = step
         self.max_rank = max_rank
         self._stacked_layer = None  # the layer whose weight has every slot's A stacked under it (see below)
-        self.head_rows = 0  # rows of the one-row head block between the base weight and the slots' A (LoRAStep)
         # A gated MLP's gate_up_proj whose SwiGLU adds the update (LoRASiluAndMul): the stacked GEMM's output
         # waits here for it instead of being expanded in place.
         self.defers_expand = False
-        self.pending_expand: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.pending_expand: tuple[torch.Tensor, torch.Tensor] | None = None
         num_ranks = len(layer.shard_ids) * max_rank
         self.lora_a = torch.zeros(num_slots, num_ranks, layer.input_size_per_rank, dtype=dtype, device=device)
         self.lora_b = torch.zeros(num_slots, num_ranks, layer.output_size_per_rank, dtype=dtype, device=device)
@@ -243,21 +223,6 @@ class LoRALinearMethod(LinearMethod):
         num_slots, num_ranks, in_features = self._lora_a_shape
         return self.stacked_weight[-num_slots * num_ranks:].view(num_slots, num_ranks, in_features)
 
-    @property
-    def head_a(self) -> torch.Tensor:
-        """The one-row head block ``[ranks, in]`` (a copy of one slot's A; see ``LoRAStep.one_row_head``)."""
-        out_features = self.lora_b.shape[-1]
-        return self.stacked_weight[out_features:out_features + self.head_rows]
-
-    def _stacked_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The stacked weight and bias a step with adapters multiplies ``x`` by: for one row with a head block,
-        the base rows and the head only."""
-        weight, bias = self.stacked_weight, self.stacked_bias
-        if self.head_rows and x.shape[0] == 1:
-            rows = self.lora_b.shape[-1] + self.head_rows
-            return weight[:rows], None if bias is None else bias[:rows]
-        return weight, bias
-
     @lora_a.setter
     def lora_a(self, value: torch.Tensor) -> None:
         self._lora_a = value
@@ -278,21 +243,17 @@ class LoRALinearMethod(LinearMethod):
             return False
         num_slots, num_ranks, in_features = self.lora_a.shape
         out_features = weight.shape[0]
-        head_rows = num_ranks if self.step.one_row_head else 0
-        extra_rows = head_rows + num_slots * num_ranks
-        stacked = torch.zeros(out_features + extra_rows, in_features, dtype=weight.dtype, device=weight.device)
+        stacked = torch.empty(out_features + num_slots * num_ranks, in_features, dtype=weight.dtype,
+                              device=weight.device)
         stacked[:out_features].copy_(weight)
-        stacked[out_features + head_rows:].copy_(self.lora_a.reshape(-1, in_features))
+        stacked[out_features:].copy_(self.lora_a.reshape(-1, in_features))
         weight.data = stacked[:out_features]
         bias = getattr(layer, "bias", None)
         layer.lora_stacked_weight = stacked
-        layer.lora_stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(extra_rows)])
+        layer.lora_stacked_bias = None if bias is None else torch.cat([bias.detach(),
+                                                                       bias.new_zeros(num_slots * num_ranks)])
         self._lora_a = None  # (the slots' A are rows of the stacked weight now)
         self._stacked_layer = layer
-        self.head_rows = head_rows
-        if head_rows:
-            self.step.head_methods.append(self)
-            self.step.head_slot = None
         return True
 
     def _apply_stacked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -300,25 +261,21 @@ class LoRALinearMethod(LinearMethod):
         into the base columns in place (a gated MLP's gate_up_proj: left to its SwiGLU). Returns a view (rows
         strided by the extra columns); the consumers of a projection's output (the fused attention-input,
         activation and norm kernels, torch ops) take row strides."""
-        weight, stacked_bias = self._stacked_for(x)
-        return self._finish_stacked(_stacked_matmul(x, weight, None if bias is None else stacked_bias))
+        return self._finish_stacked(_stacked_matmul(x, self.stacked_weight,
+                                                    None if bias is None else self.stacked_bias))
 
     def _finish_stacked(self, full: torch.Tensor) -> torch.Tensor:
         """The layer's output from the stacked product ``full`` (base columns, then every slot's ranks): the
         expand into the base columns, or, for a gate_up_proj whose SwiGLU adds the update, the hand-off."""
         out_features = self.lora_b.shape[-1]
         y = full[:, :out_features]
-        if self.head_rows and full.shape[1] == out_features + self.head_rows:  # one row: the head block's ranks
-            shrunk, slot_stride = full[:, out_features:], 0
-        else:  # every slot's ranks, after the head block
-            shrunk, slot_stride = full[:, out_features + self.head_rows:], self._lora_a_shape[1]
         if self.defers_expand:
             if self.pending_expand is not None:
                 raise RuntimeError("LoRA: a gate_up_proj output was never given to its SwiGLU (LoRASiluAndMul)")
-            self.pending_expand = (y, shrunk, slot_stride)
+            self.pending_expand = (y, full[:, out_features:])
             return y
-        expand_planned(y, shrunk, self.step.plan, self.lora_b, self.slice_starts, self.max_rank,
-                       slot_stride=slot_stride)
+        expand_planned(y, full[:, out_features:], self.step.plan, self.lora_b, self.slice_starts, self.max_rank,
+                       slot_stride=self._lora_a_shape[1])
         return y
 
     def fused_decode_weight(self, layer, x: torch.Tensor) -> torch.Tensor | None:
@@ -331,21 +288,20 @@ class LoRALinearMethod(LinearMethod):
         if self.stacked_weight is None or not self.step.covers(x) or (len(self.slice_bounds) == 3
                                                                      and not self.defers_expand):
             return None
-        return self._stacked_for(x)[0]
+        return self.stacked_weight
 
     def finish_fused_decode(self, out: torch.Tensor) -> torch.Tensor:
         """The layer's output from a GEMV's product over :meth:`fused_decode_weight`."""
         return out if out.shape[1] == self.lora_b.shape[-1] else self._finish_stacked(out)
 
-    def take_pending_expand(self, y: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """The rank-space columns of ``y`` and their slot stride (as ``expand_planned``'s) if ``y`` is the output
-        whose update was left to the activation."""
+    def take_pending_expand(self, y: torch.Tensor) -> torch.Tensor | None:
+        """The rank-space columns of ``y`` if ``y`` is the output whose update was left to the activation."""
         pending, self.pending_expand = self.pending_expand, None
         if pending is None:
             return None
         if pending[0] is not y:
             raise RuntimeError("LoRA: the SwiGLU got another tensor than its gate_up_proj's output")
-        return pending[1], pending[2]
+        return pending[1]
 
     def create_weights(self, layer) -> None:
         self.base.create_weights(layer)
@@ -398,8 +354,6 @@ class LoRALinearMethod(LinearMethod):
         """
         if self.rank_layer is not None:
             shards = rank_shards(self.rank_layer, shards)
-        if self.step.head_slot == slot:  # the head blocks hold this slot's old A
-            self.step.head_slot = None
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         bounds = self.slice_bounds
@@ -425,12 +379,12 @@ class LoRASiluAndMul:
         self.gate_up = gate_up
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        pending = self.gate_up.take_pending_expand(x)
-        if pending is None:
+        shrunk = self.gate_up.take_pending_expand(x)
+        if shrunk is None:
             return kernels.silu_and_mul(x)
         method = self.gate_up
-        shrunk, slot_stride = pending
-        return expand_silu_and_mul_planned(x, shrunk, method.step.plan, method.lora_b, method.max_rank, slot_stride)
+        return expand_silu_and_mul_planned(x, shrunk, method.step.plan, method.lora_b, method.max_rank,
+                                           method._lora_a_shape[1])
 
 
 def _defer_gate_up_expands(model, wrapped: dict[str, LoRALinearMethod]) -> None:
