@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -211,7 +212,9 @@ def build_engine(shape: str):
 # default since), "+apdl" decode attention with programmatic dependent launch (DecodeLaunch.use_pdl),
 # "+gh" the one-row graph ending in the LM head and the greedy argmax (cuda_graphs.HEAD_SIZES), "+few"
 # decode steps of a few sequences built in plain Python and staged into the graphs' buffers in one
-# copy (model_runner.MAX_FEW_DECODE_SEQS).
+# copy (model_runner.MAX_FEW_DECODE_SEQS). Launch tweaks: "+qn4"/"+qk512"/"+qw8" the qkv (RMSNorm)
+# GEMV at 4 outputs / K tiles of 512 / 8 warps, "+gn2"/"+gn8" the SwiGLU-epilogue gate_up GEMV at 2 or
+# 8 outputs, "+as64" decode attention pieces of at least 64 keys (DecodeLaunch.min_split_tokens).
 VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
             "fused+pdl+all+head+epi", "fused+pdl+head+epi", "fused+pdl+all+head+pf", "fused+pdl+head+pf",
             "fused+pdl+all+head+epi+pf", "fused+pdl+all+head+n16", "fused+pdl+all+head+epi+n8",
@@ -222,15 +225,20 @@ _ATTENTION_LAUNCH = None
 _SPLIT_ARGMAX_MAX_ROWS = 16  # kernels/sampling/triton_sampling's
 
 
+_TWEAK = re.compile(r"^(qn|qk|qw|gn|as)(\d+)$")
+
+
 def variant_options(label: str) -> dict:
     base, *options = label.split("+")
+    tweaks = tuple(sorted((m.group(1), int(m.group(2))) for m in map(_TWEAK.match, options) if m))
     unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ", "apdl", "gh", "few"}
+    unknown -= {option for option in options if _TWEAK.match(option)}
     if base not in ("fused", "unfused") or unknown:
         raise ValueError(f"variant {label!r}: unknown parts {sorted(unknown) or base!r}")
     return dict(fused=base == "fused", pdl="pdl" in options, all="all" in options, head="head" in options,
                 epi="epi" in options, pf="pf" in options, n16="n16" in options, n8="n8" in options,
                 targ="targ" in options, apdl="apdl" in options, gh="gh" in options,
-                few="few" in options)
+                few="few" in options, tweaks=tweaks)
 
 
 def apply_variant(label: str) -> None:
@@ -254,15 +262,25 @@ def apply_variant(label: str) -> None:
     triton_gemv.USE_PDL = options["pdl"]
     cuda_graphs.HEAD_SIZES = frozenset({1}) if options["gh"] else frozenset()
     model_runner.MAX_FEW_DECODE_SEQS = 8 if options["few"] else 0
-    triton_attention.DEFAULT_LAUNCH = dataclasses.replace(_ATTENTION_LAUNCH, use_pdl=options["apdl"])
+    tweaks = dict(options["tweaks"])
+    triton_attention.DEFAULT_LAUNCH = dataclasses.replace(
+        _ATTENTION_LAUNCH, use_pdl=options["apdl"],
+        min_split_tokens=tweaks.get("as", _ATTENTION_LAUNCH.min_split_tokens))
     triton_sampling.SPLIT_ARGMAX_MAX_ROWS = 0 if options["targ"] else _SPLIT_ARGMAX_MAX_ROWS
     def launch(num_outputs, reduction, prologue=triton_gemv.PLAIN, gated_out=False):
         chosen = _DEFAULT_LAUNCH(num_outputs, reduction, prologue, gated_out)
         if (options["n16"] or options["n8"]) and prologue == triton_gemv.RMS_NORM and not gated_out:
             chosen = dataclasses.replace(chosen, block_n=16 if options["n16"] else 8)
+        if prologue == triton_gemv.RMS_NORM and not gated_out:
+            chosen = dataclasses.replace(chosen, block_n=tweaks.get("qn", chosen.block_n),
+                                         block_k=min(chosen.block_k, tweaks.get("qk", chosen.block_k)),
+                                         num_warps=tweaks.get("qw", chosen.num_warps))
+        if prologue == triton_gemv.RMS_NORM and gated_out:
+            chosen = dataclasses.replace(chosen, block_n=tweaks.get("gn", chosen.block_n))
         return dataclasses.replace(chosen, prefetch=True) if options["pf"] else chosen
 
-    triton_gemv.default_launch = launch if options["pf"] or options["n16"] or options["n8"] else _DEFAULT_LAUNCH
+    is_tweaked = options["pf"] or options["n16"] or options["n8"] or any(k != "as" for k, _ in options["tweaks"])
+    triton_gemv.default_launch = launch if is_tweaked else _DEFAULT_LAUNCH
 
 
 def recapture(engine, label: str) -> None:
@@ -544,17 +562,21 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
         say(f"engine {shape}: built; weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
             f"{results['copy_bandwidth_TBps']:.2f} TB/s, weight-read floor {floor_ms:.3f} ms (bench throughput's), "
             f"{read_floor_ms:.3f} ms for the {read_bytes / 1e9:.2f} GB a step reads")
-        best, seen = None, set()
+        best, seen, num_runs = None, set(), {}
         largest = max(outputs * reduction for name, outputs, reduction, _ in PROJECTIONS.get(shape, [])
                       if name != "lm_head") if shape in PROJECTIONS else float("inf")
         for label in variants:
+            only_on, _, label = label.rpartition(":")  # "llama3-8b:fused+...": that shape only
+            if only_on and only_on != shape:
+                continue
             options = variant_options(label)
             options["all"] = options["all"] or largest <= 1 << 25
             if shape in PROJECTIONS:  # options that change nothing on this shape
                 options["n8"] = options["n8"] and PROJECTIONS[shape][0][2] >= 4096
                 options["targ"] = options["targ"] and PROJECTIONS[shape][-1][1] < 131072
             effective = tuple(sorted(options.items()))
-            if effective in seen:  # e.g. "+all" where every weight is under the limit anyway
+            # e.g. "+all" where every weight is under the limit anyway (a label named again runs again: drift)
+            if effective in seen and label not in num_runs:
                 continue
             seen.add(effective)
             if time.perf_counter() > shape_end:
@@ -567,9 +589,11 @@ def engine_part(shapes: list[str], variants: list[str], budget_end: float, resul
             except Exception as error:  # noqa: BLE001  (one variant failing must not lose the others)
                 say(f"FAIL engine {shape} {label}: {type(error).__name__}: {error}")
                 continue
-            results[f"{shape}.bs1_ms.{label}"] = ms
-            results[f"{shape}.graph_ms.{label}"] = graph_ms
-            say(f"BS1 {shape} {label}: {ms:.3f} ms/token, decode graph {graph_ms:.3f} ms")
+            num_runs[label] = num_runs.get(label, 0) + 1
+            run = "" if num_runs[label] == 1 else f"#{num_runs[label]}"
+            results[f"{shape}.bs1_ms.{label}{run}"] = ms
+            results[f"{shape}.graph_ms.{label}{run}"] = graph_ms
+            say(f"BS1 {shape} {label}{run}: {ms:.3f} ms/token, decode graph {graph_ms:.3f} ms")
             if label == "fused":  # the step before PDL and the rest, kernel by kernel
                 try:
                     layer_timeline(engine, shape, label, results)
@@ -636,6 +660,9 @@ def host_part(shapes: list[str], results: dict, num_steps: int = 200, repeats: i
         timed(runner, "run", "runner.run (all)")
         if graphs is not None:
             timed(graphs, "run", "graphs.run (copies + replay)")
+            if hasattr(graphs, "stage"):  # few-decodes steps: inputs staged in one copy, then replayed
+                timed(graphs, "stage", "graphs.stage (one copy)")
+                timed(graphs, "replay_staged", "graphs.replay_staged")
             timed(graphs.graphs[1], "replay", "graph.replay")
         timed(runner.model, "compute_logits", "compute_logits")
         timed(engine, "sampler", "sampler")
@@ -684,7 +711,8 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", nargs="+", default=["check", "attention", "engine", "sweep", "flash"],
                         choices=["check", "attention", "sweep", "engine", "flash", "host"])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama3-8b"])
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, help="engine variants (see VARIANTS)")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS,
+                        help="engine variants (see VARIANTS); SHAPE:VARIANT runs on that shape only")
     parser.add_argument("--budget-s", type=float, default=80.0, help="stop starting new measurements after this")
     parser.add_argument("--sweep-budget-s", type=float, default=None, help="when the sweep stops (default: budget)")
     parser.add_argument("--host-shapes", nargs="+", default=None, help="shapes of part 'host' (default: --shapes)")
