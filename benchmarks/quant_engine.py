@@ -233,6 +233,8 @@ def main(argv=None) -> None:
                         help="fp8: bs1 with the one-row GEMV and with the old several-row GEMV")
     parser.add_argument("--fast-accum", action="store_true",
                         help="fp8: torch._scaled_mm with use_fast_accum (triton_fp8.SCALED_MM_FAST_ACCUM)")
+    parser.add_argument("--then-fast-accum", action="store_true",
+                        help="fp8: then the throughput workload again with SCALED_MM_FAST_ACCUM flipped")
     parser.add_argument("--kernel-profile",
                         help="only the throughput workload through throughput.run_ours, with a torch.profiler table "
                              "of 20 mid-run steps written here (kernel time by name)")
@@ -285,6 +287,25 @@ def profile_throughput(args) -> dict:
     return result
 
 
+def fast_accum_throughput(engine, generate, args) -> dict:
+    """The throughput workload again on the same engine with ``triton_fp8.SCALED_MM_FAST_ACCUM``
+    flipped (decode graphs captured anew, then the flag restored), and its ratio to the first run."""
+    from hearth_llm.kernels.quant import triton_fp8
+
+    before = triton_fp8.SCALED_MM_FAST_ACCUM
+    triton_fp8.SCALED_MM_FAST_ACCUM = not before
+    try:
+        engine.runner.decode_graphs = None
+        gc.collect()
+        engine.runner.enable_cuda_graphs(min(engine.config.max_num_seqs, 512), engine.max_model_len)
+        measures = run_workloads(generate, argparse.Namespace(**{**vars(args), "workloads": ["throughput"]}))
+    finally:
+        triton_fp8.SCALED_MM_FAST_ACCUM = before
+    result = {"scaled_mm_fast_accum": not before, **measures}
+    print(f"fp8 {args.shape} throughput with SCALED_MM_FAST_ACCUM={not before}: {json.dumps(result)}", flush=True)
+    return result
+
+
 def run(args) -> dict:
     """One engine of ``args``: its workloads (bs1 first), then our own bs1 figures (steady decode
     of 128 tokens, the decode graph's device time) unless ``args.bs1_extras`` is False."""
@@ -311,6 +332,8 @@ def run(args) -> dict:
             results["bs1_decode_graph_ms"] = decode_graph_bs1_ms(engine)
         print(f"{args.method} {args.shape} ours_bs1_ms_per_token {results['ours_bs1_ms_per_token']:.3f}"
               f" decode graph {results.get('bs1_decode_graph_ms')}", flush=True)
+    if getattr(args, "then_fast_accum", False) and args.method == "fp8":
+        results["fast_accum"] = fast_accum_throughput(engine, generate, args)
     del engine, model, generate
     gc.collect()  # the KV cache and graphs go before a next engine is built
     if args.device == "cuda":

@@ -23,7 +23,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 WORKING_SET = 256 << 20
 
 # (kernel, config, programs split-K aims for) the kernel part times: GEMVs at one row, tensor-core
-# GEMVs at every row count. Index 0 and 7 are triton_w4's defaults (GEMV_CONFIGS, DOT_CONFIGS).
+# GEMVs at every row count. Index 22 and 7 are triton_w4's defaults (GEMV_CONFIGS, DOT_CONFIGS); 0 is 22 without PDL.
 def _gemv(block_n, num_warps, groups_per_iter, prefetch, target, pdl=False):
     return ("gemv", dict(block_n=block_n, num_warps=num_warps, num_stages=1, groups_per_iter=groups_per_iter,
                          prefetch=prefetch, pdl=pdl), target)
@@ -333,11 +333,14 @@ def _bs1(engine) -> dict:
 
 
 # --part engine --variants: triton_w4 module flags set before the AWQ engine's graphs are captured again.
+# ("pdl": the split GEMV's programmatic dependent launch, GEMV_CONFIGS[*]["pdl"])
 VARIANTS = {
-    "gemv": {"ROW_GEMV": False, "FUSED_ROW": False},
-    "row": {"ROW_GEMV": True, "FUSED_ROW": False},
-    "row+fused": {"ROW_GEMV": True, "FUSED_ROW": True},
-    "row+fused-noepi": {"ROW_GEMV": True, "FUSED_ROW": True, "SWIGLU_EPILOGUE": False},
+    "gemv": {"ROW_GEMV": False, "FUSED_ROW": False, "pdl": True},
+    "gemv-nopdl": {"ROW_GEMV": False, "FUSED_ROW": False, "pdl": False},
+    "gemv+fused": {"ROW_GEMV": False, "FUSED_ROW": True, "pdl": True},
+    "row": {"ROW_GEMV": True, "FUSED_ROW": False, "pdl": True},
+    "row+fused": {"ROW_GEMV": True, "FUSED_ROW": True, "pdl": True},
+    "row+fused-noepi": {"ROW_GEMV": True, "FUSED_ROW": True, "SWIGLU_EPILOGUE": False, "pdl": True},
 }
 
 
@@ -371,17 +374,26 @@ def part_engine(methods, num_layers, max_num_seqs: int, tuned_path=None, variant
             from hearth_llm.kernels.quant import triton_w4
 
             saved = {name: getattr(triton_w4, name) for name in ("ROW_GEMV", "FUSED_ROW", "SWIGLU_EPILOGUE")}
+            saved["pdl"] = triton_w4.GEMV_CONFIGS["narrow"]["pdl"]
             for variant in variants:
                 try:
                     for name, value in {**saved, **VARIANTS[variant]}.items():
-                        setattr(triton_w4, name, value)
+                        if name == "pdl":
+                            for config in triton_w4.GEMV_CONFIGS.values():
+                                config["pdl"] = value
+                        else:
+                            setattr(triton_w4, name, value)
                     _recapture(engine, max_num_seqs)
                     results[f"awq {variant}"] = _bs1(engine)
                     print(f"W4 engine awq {variant} 8B: {json.dumps(results[f'awq {variant}'])}", flush=True)
                 except Exception as error:  # noqa: BLE001 - the other variants still run
                     print(f"W4 engine awq {variant}: {type(error).__name__}: {error}"[:600], flush=True)
             for name, value in saved.items():
-                setattr(triton_w4, name, value)
+                if name == "pdl":
+                    for config in triton_w4.GEMV_CONFIGS.values():
+                        config["pdl"] = value
+                else:
+                    setattr(triton_w4, name, value)
         if method == "awq" and tuned_path:
             try:
                 with open(tuned_path) as source:

@@ -46,9 +46,16 @@ DOT_MAX_ROWS = 16   # rows the tensor-core GEMV takes; more dequantize for cuBLA
 #       117.6, few programs resident (~2 per SM) and a load-then-compute step: hence prefetch and more programs;
 #       tensor-core GEMV 114-128 a layer. M=4 and 8: tensor-core BN128/W4/3 stages 114 a layer (bf16 118).
 WIDE_N = 8192
+# H200 round 1 (2026-12-02, same units): GEMV BN64/G2/528 programs 9.6 / 7.5 / 29.6 / 17.2 = 63.9 a layer
+#   (bf16 130.2); the whole-K row kernel (row_gemv) 73.4 at its best (BN8, 16 groups a step, PDL;
+#   80.6 without PDL: its [BN, groups, 16] tiles cost shared-memory layout conversions for the
+#   headers and x every step, which the [BN, 16] tiles here do not); tensor-core + PTX decode 83.3.
+#   Programmatic dependent launch (pdl) took 7 us off the row kernel's layer, hence on here too.
 GEMV_CONFIGS = {
-    "narrow": dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=2, prefetch=True, target_programs=528),
-    "wide": dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=2, prefetch=True, target_programs=528),
+    "narrow": dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=2, prefetch=True, target_programs=528,
+                   pdl=True),
+    "wide": dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=2, prefetch=True, target_programs=528,
+                 pdl=True),
 }
 DOT_CONFIGS = {
     "narrow": dict(block_n=128, num_warps=4, num_stages=3, groups_per_iter=1, asm_decode=False, target_programs=264),
