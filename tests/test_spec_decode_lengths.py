@@ -10,8 +10,8 @@ import torch
 
 from hearth_llm.engine import EngineConfig, SamplingParams
 from hearth_llm.engine.spec_decode import NgramProposer, SpeculativeConfig, step_costs_for
-from hearth_llm.engine.spec_decode.proposal_lengths import (FIRST_TOKEN_PRIOR, AcceptanceEstimate, best_length,
-                                                            cpu_step_cost)
+from hearth_llm.engine.spec_decode.proposal_lengths import (FIRST_TOKEN_PRIOR, AcceptanceEstimate, MeasuredStepCosts,
+                                                            best_length, cpu_step_cost)
 
 from conftest import hf_greedy, random_prompts
 
@@ -54,8 +54,50 @@ def test_an_unlikely_first_token_is_not_worth_a_verify_row():
 def test_cpu_costs_grow_with_rows_past_the_table_and_gpus_have_none():
     costs = [cpu_step_cost(rows) for rows in range(1, 20)]
     assert costs[0] == 1.0 and all(b > a for a, b in zip(costs, costs[1:]))
-    assert step_costs_for("cpu") is cpu_step_cost
+    assert isinstance(step_costs_for("cpu"), MeasuredStepCosts)
+    assert step_costs_for("cpu") is not step_costs_for("cpu")   # each engine measures its own
     assert step_costs_for("cuda") is None
+
+
+# ---- measured step costs ----------------------------------------------------------------------------
+
+def test_measured_costs_start_at_the_table_and_take_this_machines_step_times():
+    costs = MeasuredStepCosts()
+    assert [costs(rows) for rows in (1, 3, 5)] == [cpu_step_cost(1), cpu_step_cost(3), cpu_step_cost(5)]
+    for _ in range(MeasuredStepCosts.MIN_SAMPLES):
+        costs.observe(1, 0.050)
+        costs.observe(2, 0.082)   # a float32 machine: a second row costs 64 % more
+        costs.observe(5, 0.104)
+    assert costs(1) == 1.0
+    assert costs(2) == pytest.approx(1.64) and costs(5) == pytest.approx(2.08)
+    assert costs.measured() == {1: 1.0, 2: pytest.approx(1.64), 5: pytest.approx(2.08)}
+    # rows not measured yet cost what the nearest smaller measured count does: tried, then measured
+    assert costs(3) == costs(4) == pytest.approx(1.64)
+    assert best_length([0.6], costs) == 0                  # (1 + 0.6) / 1.64 < 1
+    assert best_length([0.9, 0.9, 0.9, 0.9], costs) == 3   # 3.4 tokens for 4 rows at 1.64 (not measured)
+    for _ in range(MeasuredStepCosts.MIN_SAMPLES):
+        costs.observe(4, 0.112)
+    assert best_length([0.9, 0.9, 0.9, 0.9], costs) == 4   # 4 rows measured at 2.24: 4.1 tokens for 2.08
+
+
+def test_measured_costs_read_a_low_quantile_so_load_spikes_do_not_count():
+    costs = MeasuredStepCosts()
+    for seconds in [0.010] * 6 + [0.200, 0.300]:   # two steps that lost the core to other work
+        costs.observe(1, seconds)
+    for seconds in [0.012] * 6 + [0.250]:
+        costs.observe(3, seconds)
+    assert costs(3) == pytest.approx(1.2)
+
+
+def test_measured_costs_wait_for_enough_steps_of_a_row_count():
+    costs = MeasuredStepCosts()
+    for _ in range(MeasuredStepCosts.MIN_SAMPLES):
+        costs.observe(1, 0.010)
+    for _ in range(MeasuredStepCosts.MIN_SAMPLES - 1):
+        costs.observe(4, 0.040)
+    assert costs(4) == 1.0          # nothing trusted above decode yet: optimistic
+    costs.observe(4, 0.040)
+    assert costs(4) == pytest.approx(4.0)
 
 
 # ---- the acceptance estimate ----------------------------------------------------------------------
@@ -146,7 +188,7 @@ def test_a_cpu_engine_sizes_proposals_by_cpu_costs_and_stays_equal_to_hf(adaptiv
     engine = make_engine(target, dtype="float32", kv_cache_memory="4MiB", speculative={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "adaptive_proposal_length": adaptive})
-    assert engine.proposer.step_cost is (cpu_step_cost if adaptive else None)
+    assert isinstance(engine.proposer.step_cost, MeasuredStepCosts) if adaptive else engine.proposer.step_cost is None
     prompts = random_prompts(2, [13, 9], seed=61)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
@@ -156,6 +198,26 @@ def test_a_cpu_engine_sizes_proposals_by_cpu_costs_and_stays_equal_to_hf(adaptiv
             tokens[delta.request.request_id] += delta.new_token_ids
     for request_id, prompt in zip(ids, prompts):
         assert tokens[request_id] == hf_greedy(target, prompt, 20)
+
+
+def test_a_cpu_engine_measures_its_one_request_decode_and_verify_steps(tiny_model_dirs, make_engine):
+    target = tiny_model_dirs["llama"]
+    engine = make_engine(target, dtype="float32", kv_cache_memory="4MiB", speculative={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    observed = []
+
+    class Recorded(MeasuredStepCosts):
+        def observe(self, num_rows, seconds):
+            observed.append((num_rows, seconds))
+            super().observe(num_rows, seconds)
+
+    engine.proposer.step_cost = Recorded()
+    engine.add_request([5, 6, 7, 8] * 6, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(observed) == engine.num_steps - 1   # every step but the prefill
+    assert all(1 <= rows <= 4 and seconds > 0 for rows, seconds in observed)
+    assert engine.stats()["spec_decode_num_drafts"] == sum(rows > 1 for rows, _ in observed)
 
 
 # ---- verify rows round as decode rows --------------------------------------------------------------
