@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from hearth_llm.kernels.attention import flash_prefill, reference
 
@@ -210,17 +211,9 @@ def test_engine_with_long_prefills_on_flash_keeps_the_top5_rule_against_triton(m
     assert lines[0].startswith("PASS"), lines[0]
 
 
-def top_left_causal_stand_in(query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len, max_context_len, scale,
-                             sliding_window):
-    """What cuDNN's varlen forward computes: causal top-left (right only when queries == keys), GQA."""
-    outs = []
-    for seq in range(len(cu_seqlens_q) - 1):
-        q = query[cu_seqlens_q[seq]:cu_seqlens_q[seq + 1]].transpose(0, 1)
-        k = key[cu_seqlens_k[seq]:cu_seqlens_k[seq + 1]].transpose(0, 1)
-        v = value[cu_seqlens_k[seq]:cu_seqlens_k[seq + 1]].transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-                    .transpose(0, 1))
-    return torch.cat(outs)
+def fresh_on_math(query, key, value, lens, scale):
+    """cudnn_fresh_attention itself (per-sequence calls, padding, GQA in place) on SDPA's math backend."""
+    return flash_prefill.cudnn_fresh_attention(query, key, value, lens, scale, backends=(SDPBackend.MATH,))
 
 
 @pytest.fixture
@@ -229,14 +222,14 @@ def cudnn_on(monkeypatch):
     monkeypatch.setattr(flash_prefill, "CUDNN_FRESH", True)
 
 
-def routed_fresh(step, table, fresh=top_left_causal_stand_in, min_query_len=10, min_context_len=0):
+def routed_fresh(step, table, fresh=fresh_on_math, min_query_len=10, min_context_len=0):
     query_lens = torch.diff(step["query_start_loc"]).tolist()
     plan = flash_prefill.plan_flash_prefill(query_lens, step["context_lens"].tolist(), table, BLOCK_SIZE,
                                             to_device_of(step["query"].device), min_query_len=min_query_len,
                                             min_context_len=min_context_len, use_cudnn=True)
     out = flash_prefill.paged_attention(step["query"], step["key_cache"], step["value_cache"], plan, step["scale"],
                                         None, attend_rest=reference.paged_attention,
-                                        varlen_attention=varlen_stand_in, fresh_varlen_attention=fresh)
+                                        varlen_attention=varlen_stand_in, fresh_attention=fresh)
     return plan, out
 
 
@@ -245,6 +238,7 @@ def test_a_cudnn_plan_runs_short_continuations_as_decode_rows_and_marks_fresh_st
     step = flash_prefill.plan_flash_prefill([1, 40, 5, 1], [30, 40, 60, 12], table, BLOCK_SIZE, to_device_of("cpu"),
                                             min_query_len=8, min_context_len=30, use_cudnn=True)
     assert step.is_fresh and step.query_rows == slice(1, 41) and step.cu_seqlens_k.tolist() == [0, 40]
+    assert step.fresh_lens == (40,)
     (decode,) = step.rest  # seq 0, the 5 tokens of seq 2 (each a row seeing one more key), seq 3
     assert decode.token_rows.tolist() == [0, 41, 42, 43, 44, 45, 46]
     assert decode.context_lens.tolist() == [30, 56, 57, 58, 59, 60, 12]
@@ -259,23 +253,26 @@ def test_a_cudnn_plan_runs_short_continuations_as_decode_rows_and_marks_fresh_st
     assert not longer.is_fresh and longer.rest == ()  # 70 > CONTINUATION_AS_DECODE_ROWS: it stays routed
 
 
+@pytest.mark.parametrize("pad", [256, 16, 1])
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([40, 33], [40, 33]),                       # fresh prompts only
     ([1, 1, 50, 1], [70, 3, 50, 41]),           # a fresh prompt among decode rows
     ([20, 1, 9, 2, 64], [20, 30, 100, 2, 64]),  # 9 over 100 keys becomes rows; the rest is fresh
     ([1, 70, 12, 40], [9, 120, 40, 40]),        # a long continuation: not fresh, the varlen op runs all
 ])
-def test_cudnn_routed_attention_equals_the_reference(query_lens, context_lens, cudnn_on):
+def test_cudnn_routed_attention_equals_the_reference(query_lens, context_lens, pad, cudnn_on, monkeypatch):
+    monkeypatch.setattr(flash_prefill, "CUDNN_PAD_TOKENS", pad)
     step, table = paged_step(query_lens, context_lens)
     calls = []
 
     def fresh(*args):
-        calls.append(args[3].tolist())
-        return top_left_causal_stand_in(*args)
+        calls.append(list(args[3]))
+        return fresh_on_math(*args)
 
     plan, out = routed_fresh(step, table, fresh)
     assert plan is not None and bool(calls) == plan.is_fresh
     assert plan.is_fresh == (70 not in query_lens)
+    assert calls == ([[n for n, c in zip(query_lens, context_lens) if n == c and n > 1]] if plan.is_fresh else [])
     torch.testing.assert_close(out, expected(step), atol=1e-5, rtol=1e-5)
 
 
@@ -302,7 +299,7 @@ def test_cudnn_attention_on_cuda_is_close_to_the_reference_in_bf16(cudnn_on):
 
     def fresh(*args):
         calls.append(1)
-        return flash_prefill.cudnn_varlen_attention(*args)
+        return flash_prefill.cudnn_fresh_attention(*args)
 
     plan, out = routed_fresh(step, table, fresh, min_query_len=128, min_context_len=250)
     assert plan.is_fresh and calls  # 300 and 200 fresh; 7 over 40 as rows; 250 over 900 is not short
