@@ -214,7 +214,9 @@ def build_engine(shape: str):
 # decode steps of a few sequences built in plain Python and staged into the graphs' buffers in one
 # copy (model_runner.MAX_FEW_DECODE_SEQS). Launch tweaks: "+qn4"/"+qk512"/"+qw8" the qkv (RMSNorm)
 # GEMV at 4 outputs / K tiles of 512 / 8 warps, "+gn2"/"+gn8" the SwiGLU-epilogue gate_up GEMV at 2 or
-# 8 outputs, "+as64" decode attention pieces of at least 64 keys (DecodeLaunch.min_split_tokens).
+# 8 outputs, "+as64" decode attention pieces of at least 64 keys (DecodeLaunch.min_split_tokens),
+# "+ab32" its key tiles of 32; "+pp" / "+pa" the plain (o_proj, down, LM head) / every GEMV loading
+# two weight tiles before it waits for the previous kernel (GemvLaunch.preload).
 VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
             "fused+pdl+all+head+epi", "fused+pdl+head+epi", "fused+pdl+all+head+pf", "fused+pdl+head+pf",
             "fused+pdl+all+head+epi+pf", "fused+pdl+all+head+n16", "fused+pdl+all+head+epi+n8",
@@ -225,20 +227,20 @@ _ATTENTION_LAUNCH = None
 _SPLIT_ARGMAX_MAX_ROWS = 16  # kernels/sampling/triton_sampling's
 
 
-_TWEAK = re.compile(r"^(qn|qk|qw|gn|as)(\d+)$")
+_TWEAK = re.compile(r"^(qn|qk|qw|gn|as|ab)(\d+)$")
 
 
 def variant_options(label: str) -> dict:
     base, *options = label.split("+")
     tweaks = tuple(sorted((m.group(1), int(m.group(2))) for m in map(_TWEAK.match, options) if m))
-    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ", "apdl", "gh", "few"}
+    unknown = set(options) - {"pdl", "all", "head", "epi", "pf", "n16", "n8", "targ", "apdl", "gh", "few", "pp", "pa"}
     unknown -= {option for option in options if _TWEAK.match(option)}
     if base not in ("fused", "unfused") or unknown:
         raise ValueError(f"variant {label!r}: unknown parts {sorted(unknown) or base!r}")
     return dict(fused=base == "fused", pdl="pdl" in options, all="all" in options, head="head" in options,
                 epi="epi" in options, pf="pf" in options, n16="n16" in options, n8="n8" in options,
                 targ="targ" in options, apdl="apdl" in options, gh="gh" in options,
-                few="few" in options, tweaks=tweaks)
+                few="few" in options, pp="pp" in options, pa="pa" in options, tweaks=tweaks)
 
 
 def apply_variant(label: str) -> None:
@@ -265,7 +267,8 @@ def apply_variant(label: str) -> None:
     tweaks = dict(options["tweaks"])
     triton_attention.DEFAULT_LAUNCH = dataclasses.replace(
         _ATTENTION_LAUNCH, use_pdl=options["apdl"],
-        min_split_tokens=tweaks.get("as", _ATTENTION_LAUNCH.min_split_tokens))
+        min_split_tokens=tweaks.get("as", _ATTENTION_LAUNCH.min_split_tokens),
+        block_n=tweaks.get("ab", _ATTENTION_LAUNCH.block_n))
     triton_sampling.SPLIT_ARGMAX_MAX_ROWS = 0 if options["targ"] else _SPLIT_ARGMAX_MAX_ROWS
     def launch(num_outputs, reduction, prologue=triton_gemv.PLAIN, gated_out=False):
         chosen = _DEFAULT_LAUNCH(num_outputs, reduction, prologue, gated_out)
@@ -277,9 +280,12 @@ def apply_variant(label: str) -> None:
                                          num_warps=tweaks.get("qw", chosen.num_warps))
         if prologue == triton_gemv.RMS_NORM and gated_out:
             chosen = dataclasses.replace(chosen, block_n=tweaks.get("gn", chosen.block_n))
+        if options["pa"] or (options["pp"] and prologue == triton_gemv.PLAIN):
+            chosen = dataclasses.replace(chosen, preload=True)
         return dataclasses.replace(chosen, prefetch=True) if options["pf"] else chosen
 
-    is_tweaked = options["pf"] or options["n16"] or options["n8"] or any(k != "as" for k, _ in options["tweaks"])
+    is_tweaked = (options["pf"] or options["n16"] or options["n8"] or options["pp"] or options["pa"]
+                  or any(k not in ("as", "ab") for k, _ in options["tweaks"]))
     triton_gemv.default_launch = launch if is_tweaked else _DEFAULT_LAUNCH
 
 

@@ -35,6 +35,9 @@ class GemvLaunch:
     # Load the next K tile before multiplying this one (two tiles of W in flight per program, twice
     # the registers for them).
     prefetch: bool = False
+    # With programmatic dependent launch: load the first two K tiles before waiting for the previous
+    # kernel, then keep two tiles ahead (three tiles' registers); bs1_decode's +pp variant A/Bs it.
+    preload: bool = False
 
 
 def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN, gated_out: bool = False) -> GemvLaunch:
@@ -85,7 +88,7 @@ def _gemv_kernel(
     num_outputs, reduction, eps,
     x_stride_row, residual_stride_row, summed_stride_row, out_stride_row, weight_stride_row,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, GATED_OUT: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, GATED_OUT: tl.constexpr, PRELOAD: tl.constexpr = False,
 ):
     """One program: outputs [pid * BLOCK_N, +BLOCK_N) of row ``program_id(1)``.
 
@@ -121,6 +124,10 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     weight = tl.load(weight_rows + first_cols[None, :], mask=output_mask[:, None] & (first_cols < reduction)[None, :],
                      other=0.0)
+    if PRELOAD:
+        second_cols = first_cols + BLOCK_K
+        next_weight = tl.load(weight_rows + second_cols[None, :],
+                              mask=output_mask[:, None] & (second_cols < reduction)[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the row (and the residual) are the previous kernel's outputs
     acc = tl.zeros([2 * BLOCK_N if GATED_OUT else BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -130,7 +137,11 @@ def _gemv_kernel(
         col_mask = cols < reduction
         next_cols = cols + BLOCK_K
         next_mask = output_mask[:, None] & (next_cols < reduction)[None, :]
-        if PREFETCH:
+        if PRELOAD:  # the tile after the next
+            after_cols = next_cols + BLOCK_K
+            after_weight = tl.load(weight_rows + after_cols[None, :],
+                                   mask=output_mask[:, None] & (after_cols < reduction)[None, :], other=0.0)
+        elif PREFETCH:
             next_weight = tl.load(weight_rows + next_cols[None, :], mask=next_mask, other=0.0)
         row = _row_chunk(x_row_ptr, residual_row_ptr, summed_row_ptr, cols, col_mask, reduction, is_summed_writer,
                          PROLOGUE=PROLOGUE, HAS_RESIDUAL=HAS_RESIDUAL)
@@ -138,7 +149,10 @@ def _gemv_kernel(
             squares += row * row
             row = row * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         acc += weight.to(tl.float32) * row[None, :]
-        if PREFETCH:
+        if PRELOAD:
+            weight = next_weight
+            next_weight = after_weight
+        elif PREFETCH:
             weight = next_weight
         else:
             weight = tl.load(weight_rows + next_cols[None, :], mask=next_mask, other=0.0)
@@ -211,7 +225,8 @@ def _launch(out, summed, x, residual, norm_weight, weight, reduction, eps, prolo
         out, summed, x, residual, norm_weight, weight, num_outputs, reduction, eps,
         x.stride(0), residual.stride(0), summed.stride(0), out.stride(0), weight.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not x, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        USE_PDL=use_pdl, PREFETCH=launch.prefetch, GATED_OUT=gated_out, num_warps=launch.num_warps, **extra,
+        USE_PDL=use_pdl, PREFETCH=launch.prefetch, GATED_OUT=gated_out, num_warps=launch.num_warps,
+        **({"PRELOAD": True} if launch.preload else {}), **extra,
     )
 
 
