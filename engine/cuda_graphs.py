@@ -148,10 +148,12 @@ class DecodeGraphs:
               block_ids: list[list[int]]) -> None:
         """Fill the static inputs of ``len(token_ids)`` rows from host lists in one non-blocking copy
         from pinned memory (padding rows as :meth:`run` leaves them: slot -1, one cached token); then
-        :meth:`replay_staged`. Block table rows beyond ``max_model_len``'s blocks are cut, as :meth:`run` cuts them."""
+        :meth:`replay_staged`. As in :meth:`run`, each block table row is written up to the step's
+        width (a multiple of 16; beyond ``max_model_len``'s blocks cut), the rest of it left as it was."""
         num_rows, size, region, max_blocks = len(token_ids), self.padded_size(len(token_ids)), self._region, self.max_blocks
+        width = min(-(-max(map(len, block_ids)) // 16) * 16, max_blocks)
         pinned = self.staging.device.type == "cuda"
-        host = torch.zeros(4 * region + size * max_blocks, dtype=torch.long, pin_memory=pinned)
+        host = torch.zeros(4 * region + (num_rows - 1) * max_blocks + width, dtype=torch.long, pin_memory=pinned)
         values = host.numpy()
         values[:num_rows] = token_ids
         values[region:region + num_rows] = positions
@@ -161,7 +163,7 @@ class DecodeGraphs:
         values[3 * region:3 * region + num_rows] = context_lens
         for row, ids in enumerate(block_ids):
             start = 4 * region + row * max_blocks
-            ids = ids[:max_blocks]
+            ids = ids[:width]
             values[start:start + len(ids)] = ids
         self.staging[:host.shape[0]].copy_(host, non_blocking=pinned)
 
