@@ -267,7 +267,11 @@ def worker_main(args) -> None:
         if args.int4pack:  # the A/B: pure Q4_0/Q4_1 layers on torch's int4 layout (bf16 scales), as before
             from hearth_llm.engine.models import gguf_linear_method
 
-            gguf_linear_method._exact_blocks = lambda quant_type: False
+            gguf_linear_method._exact_blocks = lambda quant_type, dtype: False
+        if args.no_panels:  # the A/B on a float32 CPU: dense float32 weights, as before the AVX2 panel kernels
+            from hearth_llm.kernels.quant import gguf_cpu_native
+
+            gguf_cpu_native.has_panels = lambda quant_type: False
         worker = _HearthWorker(args.model, threads, args.quantization)
     load_s = time.perf_counter() - started
     worker.single(prompt_ids(7, 8, worker.vocab_size), 4)  # warm-up: first-call costs out of the numbers
@@ -327,7 +331,8 @@ def worker_commands(path: Path, threads: int, args) -> dict[str, list[str]]:
     common = ["--model", str(path), "--threads", str(threads), "--sequential-sample", str(args.sequential_sample)]
     commands = {"hearth": [sys.executable, this_file, "--worker", "hearth", *common],
                 "hearth gguf": [sys.executable, this_file, "--worker", "hearth", "--quantization", "gguf", *common],
-                "hearth int4pack": [sys.executable, this_file, "--worker", "hearth", "--int4pack", *common]}
+                "hearth int4pack": [sys.executable, this_file, "--worker", "hearth", "--int4pack", *common],
+                "hearth dense": [sys.executable, this_file, "--worker", "hearth", "--no-panels", *common]}
     if not args.skip_llama_cpp:
         commands[LLAMA_CPP] = [args.llama_cpp_python, this_file, "--worker", "llama", *common]
     return {name: command for name, command in commands.items() if name in args.systems or name == LLAMA_CPP}
@@ -376,7 +381,8 @@ def parse_args(argv=None):
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (each system the same)")
     parser.add_argument("--systems", default="hearth,hearth gguf",
                         help="ours to run: 'hearth', 'hearth gguf', 'hearth int4pack' (pure Q4_0/Q4_1 layers on "
-                             "torch's int4 kernel, the path before the exact Q4 kernels)")
+                             "torch's int4 kernel, the path before the exact Q4 kernels), 'hearth dense' (on a "
+                             "float32 CPU: dense float32 weights, the path before the AVX2 panel kernels)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated, from {list(MEASURES)}")
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens per stream, SmolLM2")
@@ -391,6 +397,7 @@ def parse_args(argv=None):
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--quantization", help=argparse.SUPPRESS)
     parser.add_argument("--int4pack", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-panels", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",")]
     args.measures = [m.strip() for m in args.measures.split(",")]

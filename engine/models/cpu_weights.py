@@ -206,11 +206,14 @@ class CpuBlockEmbedding(nn.Module):
 
 
 def resident_blocks(loaded, dtype: torch.dtype):
-    """A checkpoint value the CPU embedding/head may keep as blocks: GGUF blocks of a bf16 model, in
-    their natural column order, with the C kernels built, copied out of the loader's buffer (which
-    may be a view of its whole mapped file, kept resident as long as any view lives); else None."""
-    if (getattr(loaded, "quant_type", None) not in GGUF_TYPES or getattr(loaded, "input_order", 1) is not None
-            or dtype != torch.bfloat16 or loaded.data.device.type != "cpu" or not gguf_cpu_native.available()):
+    """A checkpoint value the CPU embedding/head may keep as blocks: GGUF blocks of a bf16 model (of a
+    float32 one: Q4_0/Q4_1/Q8_0 where the AVX2 kernels run them), in their natural column order, with
+    the C kernels built, copied out of the loader's buffer (which may be a view of its whole mapped
+    file, kept resident as long as any view lives); else None."""
+    quant_type = getattr(loaded, "quant_type", None)
+    if (quant_type not in GGUF_TYPES or getattr(loaded, "input_order", 1) is not None
+            or not (dtype == torch.bfloat16 or (dtype == torch.float32 and gguf_cpu_native.has_panels(quant_type)))
+            or loaded.data.device.type != "cpu" or not gguf_cpu_native.available()):
         return None
     return type(loaded)(loaded.quant_type, loaded.data.clone(memory_format=torch.contiguous_format))
 
@@ -230,7 +233,8 @@ def cpu_logits_head(head: nn.Module, blocks=None) -> nn.Module:
     with bf16 oneDNN, no bias), else ``head`` itself."""
     if type(head) is not nn.Linear or head.bias is not None or head.weight.device.type != "cpu":
         return head
-    if blocks is not None and head.weight.dtype == torch.bfloat16 and tuple(blocks.shape) == tuple(head.weight.shape):
+    if (blocks is not None and head.weight.dtype in (torch.bfloat16, torch.float32)
+            and tuple(blocks.shape) == tuple(head.weight.shape)):
         return CpuBlockLogitsHead(head, blocks)
     packed = cpu_ops.pack_dense_weight(head.weight)
     if packed is None:

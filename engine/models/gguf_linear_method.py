@@ -14,6 +14,7 @@ Batches of more rows multiply a bf16 copy dequantized from the same blocks (``DR
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hearth_llm.engine.loader.gguf_blocks import BLOCK_SIZE, KEPT_TYPES, GGUFBlocks
 from hearth_llm.kernels import cpu_ops
@@ -33,7 +34,11 @@ class GGUFInt4LinearMethod(LinearMethod):
 
     @staticmethod
     def supports(layer, device: torch.device | str, dtype: torch.dtype) -> bool:
-        """Whether the int4 CPU kernel can run this layer (bf16 on the CPU, whole blocks, rows in 16s)."""
+        """Whether the int4 CPU kernel can run this layer (bf16 on the CPU, whole blocks, rows in 16s),
+        or in float32 the panel kernels (AVX2: each shard's rows in 8s)."""
+        if torch.device(device).type == "cpu" and dtype == torch.float32:
+            return (_has_panels() and layer.input_size_per_rank % BLOCK_SIZE == 0
+                    and all(rows % gguf_cpu_native.PANEL_ROWS == 0 for rows in layer.output_sizes_per_rank))
         return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
                 and layer.input_size_per_rank % BLOCK_SIZE == 0 and layer.output_size_per_rank % 16 == 0)
@@ -51,7 +56,7 @@ class GGUFInt4LinearMethod(LinearMethod):
         rows = loaded.shape[0]
         if param.numel():
             param.data.narrow(0, offset, rows).copy_(loaded.dequantized(torch.float32))
-        if _exact_blocks(loaded.quant_type) and loaded.input_order is None:
+        if _exact_blocks(loaded.quant_type, param.dtype) and loaded.input_order is None:
             layer.__dict__.setdefault("_gguf_shards", []).append((offset, loaded.quant_type, loaded.data.clone()))
             return
         codes, scales, zeros = _int4_parts(layer)
@@ -62,7 +67,6 @@ class GGUFInt4LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         shards = layer.__dict__.pop("_gguf_shards", None)
-        dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() else None
         if shards is not None and "_int4_parts" not in layer.__dict__:
             # Runs of consecutive shards of one type, each one buffer of the file's block rows.
             runs = []
@@ -71,6 +75,17 @@ class GGUFInt4LinearMethod(LinearMethod):
                     runs[-1][1].append(data)
                 else:
                     runs.append((quant_type, [data]))
+            if layer.weight.dtype == torch.float32:
+                # float32: the blocks as panels for decode steps; the dense float32 copy stays for batches.
+                layer.gguf_panel_runs = []
+                for index, (quant_type, parts) in enumerate(runs):
+                    name = f"gguf_panels_{index}"
+                    layer.register_buffer(name, gguf_cpu_native.pack_panels(torch.cat(parts), quant_type))
+                    layer.gguf_panel_runs.append((quant_type, name))
+                layer.cpu_weight = None
+                return
+        dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() else None
+        if shards is not None and "_int4_parts" not in layer.__dict__:
             layer.gguf_block_runs = []
             for index, (quant_type, parts) in enumerate(runs):
                 name = f"gguf_blocks_{index}"
@@ -92,9 +107,16 @@ class GGUFInt4LinearMethod(LinearMethod):
         runs = getattr(layer, "gguf_block_runs", None)
         return None if runs is None else [(quant_type, getattr(layer, name)) for quant_type, name in runs]
 
+    def panel_runs(self, layer) -> list[tuple[str, torch.Tensor]] | None:
+        """``[(quant_type, panels), ...]`` in output-row order where the float32 layer keeps panels."""
+        runs = getattr(layer, "gguf_panel_runs", None)
+        return None if runs is None else [(quant_type, getattr(layer, name)) for quant_type, name in runs]
+
     def resident_bytes(self, layer) -> int:
-        """Bytes of the layer's weight copies: the blocks (or int4 codes and scales) and the dense copy."""
-        total = sum(data.numel() for _, data in self.block_runs(layer) or [])
+        """Bytes of the layer's weight copies: the blocks (or panels, or int4 codes and scales) and the dense copy."""
+        total = sum(data.numel() for _, data in (self.block_runs(layer) or []) + (self.panel_runs(layer) or []))
+        if self.panel_runs(layer) is not None:
+            total += layer.weight.numel() * layer.weight.element_size()
         cpu = getattr(layer, "cpu_weight", None)
         if cpu is not None:
             for tensor in ([cpu.packed_weight] if cpu.packed_weight is not None else []) + list(cpu.int4 or ()):
@@ -102,6 +124,8 @@ class GGUFInt4LinearMethod(LinearMethod):
         return total
 
     def apply(self, layer, x, bias):
+        if self.panel_runs(layer) is not None:
+            return _panel_routine(self.panel_runs(layer), layer.weight, bias)(x)
         runs = self.block_runs(layer)
         if runs is None:
             return layer.cpu_weight(x, bias)
@@ -114,6 +138,8 @@ class GGUFInt4LinearMethod(LinearMethod):
         return layer.cpu_weight(x, bias)
 
     def forward_routine(self, layer):
+        if self.panel_runs(layer) is not None:
+            return _panel_routine(self.panel_runs(layer), layer.weight, layer.bias)
         runs = self.block_runs(layer)
         if runs is None:
             return layer.cpu_weight.routine(layer.bias)
@@ -161,9 +187,51 @@ def _tiles_from_codes(layer) -> bool:
     return DROP_DENSE_COPY and layer.output_size_per_rank % 64 == 0 and gguf_cpu_native.available()
 
 
-def _exact_blocks(quant_type: str) -> bool:
-    """Whether this machine multiplies ``quant_type`` blocks in place, exactly and fast (the C bf16 Q4 kernels)."""
+def _exact_blocks(quant_type: str, dtype: torch.dtype) -> bool:
+    """Whether this machine multiplies ``quant_type`` blocks exactly and fast in ``dtype``: the C bf16 Q4
+    kernels in bf16, the panel kernels (AVX2) in float32."""
+    if dtype == torch.float32:
+        return gguf_cpu_native.has_panels(quant_type)
     return gguf_cpu_native.has_bf16(quant_type)
+
+
+def _has_panels() -> bool:
+    return all(gguf_cpu_native.has_panels(quant_type) for quant_type in GGUFInt4LinearMethod.quant_types)
+
+
+# A float32 step of up to this many rows runs the panel kernels; larger batches the dense float32 copy.
+# Measured on the bundled SmolLM2 (AMD EPYC, AVX2, 1 thread): see _panel_routine's notes.
+PANEL_MAX_ROWS = gguf_cpu_native.MAX_ROWS
+
+
+def _panel_routine(runs, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``x -> x @ W.T + bias`` for a float32 layer: steps of up to :data:`PANEL_MAX_ROWS` rows on the
+    panels of ``runs`` (exact block math, each row's bits independent of the batch), more on ``weight``."""
+    gemvs = [gguf_cpu_native.panel_gemv_routine(panels, quant_type) for quant_type, panels in runs]
+    max_rows = PANEL_MAX_ROWS
+
+    if len(gemvs) == 1:
+        gemv = gemvs[0]
+
+        def one_run(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.dtype == torch.float32 and x.is_contiguous():
+                out = gemv(x)
+                return out if bias is None else out.add_(bias)
+            return runs_or_dense(x)
+    else:
+        one_run = None
+
+    def runs_or_dense(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if not 0 < flat.shape[0] <= max_rows or x.dtype != torch.float32:
+            return F.linear(x, weight, bias)
+        flat = flat.contiguous()
+        outs = [gemv(flat) for gemv in gemvs]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = out if bias is None else out.add_(bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return one_run or runs_or_dense
 
 
 def _int4_parts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@
  *                 Each weight block is decoded once into float32 (in L1) and multiplied into every
  *                 row of x, so a step reads the weight's bytes once, whatever M is.
  *   gguf_dequant: W[n0:n1, :] as float32, for the tiled prefill path.
+ *   gguf_panel_gemv: as gguf_gemv for Q4_0/Q4_1/Q8_0 repacked into panels of 8 rows
+ *                 (gguf_panel_pack): the float32 decode path of AVX2 CPUs (see "panels" below).
  *
  * Exactness: every weight is decoded with the float32 operations, in the order, of
  * gguf_reference.py (itself bit-equal to gguf-py's dequantize): e.g. Q4_K is (d * sc) * q - dmin * mn,
@@ -172,6 +174,16 @@ static inline void decode_w4g128(const uint8_t *b, float *w) {
         if (PREFETCH_BYTES)                                                                          \
             for (int pf_ = 0; pf_ < (size); pf_ += 64) __builtin_prefetch((const char *)(p) + PREFETCH_BYTES + pf_, 0, 3); \
     } while (0)
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define U8X8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+/* the 8 lanes' sum in a fixed order */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* AVX-512: each DEC_* macro decodes one block straight into registers, 16 weights at a time, and
@@ -417,11 +429,88 @@ GEMV_FN(gemv_w4g128, DEC_W4G128, 128, 68)
                 DECODE(data + n * row_stride + blk * TS, out + (n - n0) * K + blk * BS);             \
     }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no AVX-512): Q4_0, Q4_1 and Q8_0 decoded straight into registers, 8 weights at a time, with
+   the reference's operations (d * (q - 8), d * q + m, q * d: separate multiplies and adds), then fused
+   into the dot products. Each row of x keeps two accumulators whatever M is, so a row's sums round
+   the same in a batch of any size. The pure Q4 layers of the engine take the panel kernels below
+   instead (several output rows per vector); these serve the file's own rows (Q8_0 heads, tests). */
+#define DEC8_Q4_0(b, EMIT) {                                                                         \
+    const __m256 d = _mm256_set1_ps(f16(b));                                                         \
+    const __m256i v0 = U8X8((b) + 2), v1 = U8X8((b) + 10), mask = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8); \
+    EMIT(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v0, mask), eight))), 0); \
+    EMIT(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v1, mask), eight))), 8); \
+    EMIT(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v0, 4), eight))), 16); \
+    EMIT(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v1, 4), eight))), 24); }
+#define DEC8_Q4_1(b, EMIT) {                                                                         \
+    const __m256 d = _mm256_set1_ps(f16(b)), mn = _mm256_set1_ps(f16((b) + 2));                      \
+    const __m256i v0 = U8X8((b) + 4), v1 = U8X8((b) + 12), mask = _mm256_set1_epi32(15);             \
+    EMIT(_mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask))), mn), 0);    \
+    EMIT(_mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask))), mn), 8);    \
+    EMIT(_mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4))), mn), 16);     \
+    EMIT(_mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))), mn), 24); }
+#define DEC8_Q8_0(b, EMIT) {                                                                         \
+    const __m256 d = _mm256_set1_ps(f16(b));                                                         \
+    _Pragma("GCC unroll 4") for (int j_ = 0; j_ < 4; j_++)                                           \
+        EMIT(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(                  \
+            (const __m128i *)((b) + 2 + 8 * j_)))), d), 8 * j_); }
+#define EMIT_DOT8(vector, offset) {                                                                  \
+    const __m256 w_ = (vector);                                                                      \
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)                                              \
+        acc[m][((offset) >> 3) & 1] = _mm256_fmadd_ps(w_, _mm256_loadu_ps(xb + m * K + (offset)),             \
+                                                      acc[m][((offset) >> 3) & 1]); }
+#define EMIT_STORE8(vector, offset) _mm256_storeu_ps(dst + (offset), (vector));
+
+#define GEMV8_FN(NAME, DEC, TS)                                                                      \
+    static inline __attribute__((always_inline)) void NAME##_rows(                                   \
+            const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const float *x, \
+            const int M, float *out, int64_t out_stride) {                                           \
+        for (int64_t n = n0; n < n1; n++) {                                                          \
+            const uint8_t *row = data + n * row_stride;                                              \
+            __m256 acc[M][2];                                                                        \
+            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps(); \
+            for (int64_t blk = 0; blk < K / 32; blk++) {                                             \
+                const uint8_t *block = row + blk * TS;                                               \
+                const float *xb = x + blk * 32;                                                      \
+                PREFETCH(block, TS);                                                                 \
+                DEC(block, EMIT_DOT8)                                                                \
+            }                                                                                        \
+            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)                                      \
+                out[m * out_stride + n] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));                \
+        }                                                                                            \
+    }                                                                                                \
+    static void NAME(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K,     \
+                     const float *x, int M, float *out, int64_t out_stride) {                        \
+        switch (M) {                                                                                 \
+        case 1: NAME##_rows(data, row_stride, n0, n1, K, x, 1, out, out_stride); break;              \
+        case 2: NAME##_rows(data, row_stride, n0, n1, K, x, 2, out, out_stride); break;              \
+        default:  /* two rows of x a pass: in registers */                                           \
+            for (int m0 = 0; m0 < M; m0 += 2)                                                        \
+                NAME##_rows(data, row_stride, n0, n1, K, x + m0 * K, M - m0 < 2 ? M - m0 : 2, out + m0 * out_stride, \
+                            out_stride);                                                             \
+            break;                                                                                   \
+        }                                                                                            \
+    }                                                                                                \
+    static void NAME##_dequant(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1,      \
+                               int64_t K, float *out) {                                              \
+        for (int64_t n = n0; n < n1; n++)                                                            \
+            for (int64_t blk = 0; blk < K / 32; blk++) {                                             \
+                const uint8_t *block = data + n * row_stride + blk * TS;                             \
+                float *dst = out + (n - n0) * K + blk * 32;                                          \
+                DEC(block, EMIT_STORE8)                                                              \
+            }                                                                                        \
+    }
+
+GEMV8_FN(gemv_q4_0, DEC8_Q4_0, 18)
+GEMV8_FN(gemv_q4_1, DEC8_Q4_1, 20)
+GEMV8_FN(gemv_q8_0, DEC8_Q8_0, 34)
+#else
 GEMV_FN(gemv_q4_0, decode_q4_0, 32, 18)
 GEMV_FN(gemv_q4_1, decode_q4_1, 32, 20)
+GEMV_FN(gemv_q8_0, decode_q8_0, 32, 34)
+#endif
 GEMV_FN(gemv_q5_0, decode_q5_0, 32, 22)
 GEMV_FN(gemv_q5_1, decode_q5_1, 32, 24)
-GEMV_FN(gemv_q8_0, decode_q8_0, 32, 34)
 GEMV_FN(gemv_q4_k, decode_q4_k, 256, 144)
 GEMV_FN(gemv_q5_k, decode_q5_k, 256, 176)
 GEMV_FN(gemv_q6_k, decode_q6_k, 256, 210)
@@ -954,6 +1043,192 @@ int gguf_dequant_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_
     return 0;
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)out; (void)num_threads;
+    return -1;
+#endif
+}
+
+/* ---- panels: Q4_0 / Q4_1 / Q8_0 rows eight at a time, for float32 x on AVX2 + FMA + F16C ----------
+ *
+ * Without AVX-512 a vector holds 8 float32, and decoding one row's blocks costs more per weight
+ * than the dot product (the d / m broadcasts, a scale per block, a horizontal sum per row). So the
+ * layer's blocks are repacked once (gguf_panel_pack, the same bytes rearranged, nothing rounded):
+ * a panel of 8 output rows, block b of all 8 side by side: their 8 fp16 d (Q4_1: then their 8 m),
+ * then the codes with the 8 rows' bytes adjacent (Q4: 16 groups of 8 bytes, group i byte r = byte i
+ * of row r's codes: elements i and i + 16; Q8_0: 32 groups, element k). A group's 8 bytes are one
+ * vector of 8 rows' codes, times one broadcast x: lane r accumulates output row r, no horizontal sums.
+ *
+ * Math: per block, s = sum_k q_k x_k (q the exact integer code, Q4_0's q - 8, as float32; four
+ * fused-add chains per row of x, then (s0 + s1) + (s2 + s3)), then acc += d * s, and for Q4_1
+ * acc += m * (sum of the block's x, in a fixed order): w x = d q x + m x with the file's d and m, the
+ * weight d q + m unrounded (Q4_0's d (q - 8) and Q8_0's d q are exact in float32 anyway). Each row
+ * of x runs the same operations whatever M is (rows go through in pairs), so its bits do not
+ * depend on the batch. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAS_PANELS 1
+
+static int panel_bytes(int qtype) { return qtype == Q4_0 ? 8 * 18 : qtype == Q4_1 ? 8 * 20 : qtype == Q8_0 ? 8 * 34 : 0; }
+
+static inline __attribute__((always_inline)) void q4_panel(
+        const uint8_t *pb0, int64_t nb, const float *x, const float *xsum, int64_t K, const int M, float *out,
+        int64_t ldo, const int with_min) {
+    const int ps = with_min ? 160 : 144, codes_at = with_min ? 32 : 16;
+    const __m256i mask = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    __m256 acc[M];
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = pb0 + b * ps;
+        PREFETCH(pb, ps);
+        const float *xb = x + b * 32;
+        __m256 s[M][4];
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) s[m][0] = s[m][1] = s[m][2] = s[m][3] = _mm256_setzero_ps();
+#define Q4_GROUP(i, c) {                                                                             \
+            const __m256i v = U8X8(pb + codes_at + 8 * (i));                                         \
+            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi32(v, 4);                    \
+            if (!with_min) { lo = _mm256_sub_epi32(lo, eight); hi = _mm256_sub_epi32(hi, eight); }   \
+            const __m256 wl = _mm256_cvtepi32_ps(lo), wh = _mm256_cvtepi32_ps(hi);                   \
+            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {                                                            \
+                s[m][c] = _mm256_fmadd_ps(wl, _mm256_set1_ps(xb[m * K + (i)]), s[m][c]);             \
+                s[m][2 + (c)] = _mm256_fmadd_ps(wh, _mm256_set1_ps(xb[m * K + 16 + (i)]), s[m][2 + (c)]);  \
+            } }
+        _Pragma("GCC unroll 8") for (int i = 0; i < 16; i += 2) {
+            Q4_GROUP(i, 0)
+            Q4_GROUP(i + 1, 1)
+        }
+#undef Q4_GROUP
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pb));
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)
+            acc[m] = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(s[m][0], s[m][1]), _mm256_add_ps(s[m][2], s[m][3])), acc[m]);
+        if (with_min) {
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16)));
+            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * nb + b]), acc[m]);
+        }
+    }
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+
+static inline __attribute__((always_inline)) void q8_panel(
+        const uint8_t *pb0, int64_t nb, const float *x, int64_t K, const int M, float *out, int64_t ldo) {
+    __m256 acc[M];
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = pb0 + b * 272;
+        PREFETCH(pb, 272);
+        const float *xb = x + b * 32;
+        __m256 s[M][4];
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) s[m][0] = s[m][1] = s[m][2] = s[m][3] = _mm256_setzero_ps();
+        _Pragma("GCC unroll 8") for (int k = 0; k < 32; k += 4)
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+                const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pb + 16 + 8 * (k + j)))));
+                _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) s[m][j] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[m * K + k + j]), s[m][j]);
+            }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pb));
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)
+            acc[m] = _mm256_fmadd_ps(d, _mm256_add_ps(_mm256_add_ps(s[m][0], s[m][1]), _mm256_add_ps(s[m][2], s[m][3])), acc[m]);
+    }
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+
+/* Panels [p0, p1) for M rows of x, two rows a pass over each panel (its bytes stay in L1). */
+static void panel_rows(int qtype, const uint8_t *packed, int64_t p0, int64_t p1, int64_t K, const float *x,
+                       const float *xsum, int M, float *out, int64_t ldo) {
+    const int64_t nb = K / 32, ps = panel_bytes(qtype);
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *pb0 = packed + p * nb * ps;
+        for (int m0 = 0; m0 < M; m0 += 2) {
+            const float *xm = x + m0 * K, *sm = xsum + m0 * nb;
+            float *om = out + m0 * ldo + 8 * p;
+            const int two = M - m0 >= 2;
+            if (qtype == Q4_1) {
+                if (two) q4_panel(pb0, nb, xm, sm, K, 2, om, ldo, 1); else q4_panel(pb0, nb, xm, sm, K, 1, om, ldo, 1);
+            } else if (qtype == Q4_0) {
+                if (two) q4_panel(pb0, nb, xm, sm, K, 2, om, ldo, 0); else q4_panel(pb0, nb, xm, sm, K, 1, om, ldo, 0);
+            } else {
+                if (two) q8_panel(pb0, nb, xm, K, 2, om, ldo); else q8_panel(pb0, nb, xm, K, 1, om, ldo);
+            }
+        }
+    }
+}
+#endif
+
+/* 1 where this build has the panel kernels for qtype (Q4_0, Q4_1, Q8_0 with AVX2 + FMA + F16C). */
+int gguf_has_panels(int qtype) {
+#if defined(HAS_PANELS)
+    return panel_bytes(qtype) > 0;
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
+
+/* Rows [0, N) of the file's blocks (row_stride bytes apart) into panels (see above); N % 8 == 0.
+   out holds N / 8 * (K / 32) * panel bytes: as many bytes as the blocks. */
+int gguf_panel_pack(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, uint8_t *out) {
+    const int ts = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+    if (!ts || N % 8 || K % 32) return -1;
+    const int with_min = qtype == Q4_1, num_codes = qtype == Q8_0 ? 32 : 16, codes_at = with_min ? 32 : 16;
+    const int64_t nb = K / 32;
+    for (int64_t p = 0; p < N / 8; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = out + (p * nb + b) * 8 * ts;
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *src = data + (8 * p + r) * row_stride + b * ts;
+                memcpy(dst + 2 * r, src, 2);
+                if (with_min) memcpy(dst + 16 + 2 * r, src + 2, 2);
+                for (int i = 0; i < num_codes; i++) dst[codes_at + 8 * i + r] = src[(with_min ? 4 : 2) + i];
+            }
+        }
+    return 0;
+}
+
+/* The panels' values as float32 [N, K], each weight with the reference's operations (bit-equal to
+   dequantizing the blocks they came from). */
+int gguf_panel_dequant(int qtype, const uint8_t *packed, int64_t N, int64_t K, float *out) {
+    const int ts = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+    if (!ts || N % 8 || K % 32) return -1;
+    const int with_min = qtype == Q4_1, codes_at = with_min ? 32 : 16;
+    const int64_t nb = K / 32;
+    for (int64_t p = 0; p < N / 8; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pb = packed + (p * nb + b) * 8 * ts, *codes = pb + codes_at;
+            for (int r = 0; r < 8; r++) {
+                float *w = out + (8 * p + r) * K + 32 * b;
+                const float d = f16(pb + 2 * r), mn = with_min ? f16(pb + 16 + 2 * r) : 0.0f;
+                for (int i = 0; i < (qtype == Q8_0 ? 32 : 16); i++) {
+                    const int q = codes[8 * i + r];
+                    if (qtype == Q8_0) {
+                        w[i] = (float)(int8_t)q * d;
+                    } else if (with_min) {
+                        w[i] = d * (float)(q & 15) + mn;
+                        w[i + 16] = d * (float)(q >> 4) + mn;
+                    } else {
+                        w[i] = d * (float)((q & 15) - 8);
+                        w[i + 16] = d * (float)((q >> 4) - 8);
+                    }
+                }
+            }
+        }
+    return 0;
+}
+
+/* out[m, n] = sum_k x[m, k] W[n, k] for float32 x [M, K] (M <= 8) and W in panels; -1 where
+   gguf_has_panels(qtype) is 0 or the shapes do not fit (N % 8, K % 32, K <= 32768). */
+int gguf_panel_gemv(int qtype, const uint8_t *packed, int64_t N, int64_t K, const float *x, int M, float *out,
+                    int64_t out_stride, int num_threads) {
+#if defined(HAS_PANELS)
+    if (!gguf_has_panels(qtype) || N % 8 || K % 32 || K / 32 > 1024 || M < 1 || M > 8) return -1;
+    const int64_t nb = K / 32;
+    float xsum[8 * 1024];  /* Q4_1: each block's sum of x, in a fixed order */
+    if (qtype == Q4_1)
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                const float *xb = x + m * K + b * 32;
+                xsum[m * nb + b] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                                       _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
+            }
+    OVER_ROW_PARTS(N, num_threads, panel_rows(qtype, packed, n0 / 8, n1 / 8, K, x, xsum, M, out, out_stride));
+    return 0;
+#else
+    (void)qtype; (void)packed; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride; (void)num_threads;
     return -1;
 #endif
 }
