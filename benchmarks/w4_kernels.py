@@ -197,7 +197,7 @@ def part_kernels(rows, config_ids, json_path=None, tuned_path=None) -> dict:
 
 def part_fused(json_path=None) -> dict:
     """One row, µs per call in CUDA graphs (weights cycling past L2): the unfused ops (``kernels``'
-    RMSNorm / SwiGLU, then the one-row GEMV) against the fused one-row kernels, and the fused
+    RMSNorm / SwiGLU, then the default one-row path ``w4_linear``) against the fused one-row kernels, and the fused
     result's max relative error against the unfused one (bf16: the fused norm is one pass)."""
     from hearth_llm import kernels
     from hearth_llm.benchmarks import timing
@@ -212,11 +212,11 @@ def part_fused(json_path=None) -> dict:
         residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
         if name == "down":
-            pairs = {"silu prologue": (lambda w: triton_w4.row_gemv(kernels.silu_and_mul(x), w),
+            pairs = {"silu prologue": (lambda w: triton_w4.w4_linear(kernels.silu_and_mul(x), w),
                                        lambda w: triton_w4.silu_and_mul_linear(x, w))}
         else:
             def unfused(w):
-                return triton_w4.row_gemv(kernels.rms_norm(x, norm_weight, eps, residual)[0], w)
+                return triton_w4.w4_linear(kernels.rms_norm(x, norm_weight, eps, residual)[0], w)
             pairs = {"rms prologue": (unfused, lambda w: triton_w4.rms_norm_linear(x, residual, norm_weight, eps, w)[0])}
             if name == "gate_up":
                 pairs["rms + swiglu epilogue"] = (

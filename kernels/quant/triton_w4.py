@@ -69,10 +69,11 @@ ROW_CONFIGS = {
     "wide": dict(block_n=8, num_warps=4, groups_per_iter=8, target_programs=0, pdl=True),
 }
 # The fused one-row kernels (prologue RMSNorm or SwiGLU, or RMSNorm with the SwiGLU epilogue: "gated").
+# (The row kernel's best plain config in round 1 was 8 rows, 16 groups a step; gated: 4 outputs = 8 rows.)
 FUSED_ROW_CONFIGS = {
-    "narrow": dict(block_n=16, num_warps=4, groups_per_iter=8, pdl=True),
-    "wide": dict(block_n=16, num_warps=4, groups_per_iter=8, pdl=True),
-    "gated": dict(block_n=8, num_warps=4, groups_per_iter=8, pdl=True),
+    "narrow": dict(block_n=8, num_warps=4, groups_per_iter=16, pdl=True),
+    "wide": dict(block_n=8, num_warps=4, groups_per_iter=16, pdl=True),
+    "gated": dict(block_n=4, num_warps=4, groups_per_iter=16, pdl=True),
 }
 PLAIN, RMS_NORM, SILU_AND_MUL = 0, 1, 2  # the row kernel's PROLOGUE values
 # Whether AWQ/GPTQ layers offer the fused one-row kernels to batch-size-1 decode (the RMSNorm
