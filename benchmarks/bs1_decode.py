@@ -213,8 +213,8 @@ def build_engine(shape: str):
 # "+gh" the one-row graph ending in the LM head and the greedy argmax (cuda_graphs.HEAD_SIZES), "+few"
 # decode steps of a few sequences built in plain Python and staged into the graphs' buffers in one
 # copy (model_runner.MAX_FEW_DECODE_SEQS). Launch tweaks: "+qn4"/"+qk512"/"+qw8" the qkv (RMSNorm)
-# GEMV at 4 outputs / K tiles of 512 / 8 warps, "+gn2"/"+gn8" the SwiGLU-epilogue gate_up GEMV at 2 or
-# 8 outputs, "+as64" decode attention pieces of at least 64 keys (DecodeLaunch.min_split_tokens),
+# GEMV at 4 outputs / K tiles of 512 / 8 warps, "+gn2"/"+gn8"/"+gk512" the SwiGLU-epilogue gate_up GEMV
+# at 2 or 8 outputs / K tiles of 512, "+as64" decode attention pieces of at least 64 keys (DecodeLaunch.min_split_tokens),
 # "+ab32" its key tiles of 32; "+pp" / "+pa" the plain (o_proj, down, LM head) / every GEMV loading
 # two weight tiles before it waits for the previous kernel (GemvLaunch.preload).
 VARIANTS = ["unfused", "fused", "fused+pdl", "fused+pdl+head", "fused+pdl+all", "fused+pdl+all+head",
@@ -227,7 +227,7 @@ _ATTENTION_LAUNCH = None
 _SPLIT_ARGMAX_MAX_ROWS = 16  # kernels/sampling/triton_sampling's
 
 
-_TWEAK = re.compile(r"^(qn|qk|qw|gn|as|ab)(\d+)$")
+_TWEAK = re.compile(r"^(qn|qk|qw|gn|gk|as|ab)(\d+)$")
 
 
 def variant_options(label: str) -> dict:
@@ -279,7 +279,8 @@ def apply_variant(label: str) -> None:
                                          block_k=min(chosen.block_k, tweaks.get("qk", chosen.block_k)),
                                          num_warps=tweaks.get("qw", chosen.num_warps))
         if prologue == triton_gemv.RMS_NORM and gated_out:
-            chosen = dataclasses.replace(chosen, block_n=tweaks.get("gn", chosen.block_n))
+            chosen = dataclasses.replace(chosen, block_n=tweaks.get("gn", chosen.block_n),
+                                         block_k=min(chosen.block_k, tweaks.get("gk", chosen.block_k)))
         if options["pa"] or (options["pp"] and prologue == triton_gemv.PLAIN):
             chosen = dataclasses.replace(chosen, preload=True)
         return dataclasses.replace(chosen, prefetch=True) if options["pf"] else chosen
