@@ -287,7 +287,8 @@ def main(argv=None) -> None:
                                      args.num_layers)
         if not args.base_bs1_only:
             results["base"] = run(engine, requests, [None], shift=0)
-        results["base_bs1_ms"] = bs1_ms_per_token(engine, None, args.bs1_repeats)
+        base_bs1_tokens = []
+        results["base_bs1_ms"] = bs1_ms_per_token(engine, None, args.bs1_repeats, tokens=base_bs1_tokens)
         print(json.dumps(results), flush=True)
         del engine
         gc.collect()
@@ -341,12 +342,19 @@ def main(argv=None) -> None:
             timed_run(f"adapters_{count}", loras[:count], shift_of[count], args.profile if index == 0 else None,
                       is_required=index == 0)
             if index == 0:  # batch-1 decode with an adapter right after the first (the issue's) run
-                if "base_bs1_ms" not in results:
-                    results["base_bs1_ms_on_lora_engine"] = bs1_ms_per_token(engine, None, args.bs1_repeats)
+                # Base requests at batch 1 on the LoRA engine: the base engine's kernels (the same random weights),
+                # so the same greedy tokens.
+                lora_engine_base_tokens = []
+                results["base_bs1_ms_on_lora_engine"] = bs1_ms_per_token(engine, None, args.bs1_repeats,
+                                                                         tokens=lora_engine_base_tokens)
+                if "base_bs1_ms" in results:
+                    results["lora_engine_base_bs1_tokens_equal"] = lora_engine_base_tokens == base_bs1_tokens
                 results["adapter_bs1_ms"] = bs1_ms_per_token(engine, loras[0], args.bs1_repeats)
                 results["bs1_ratio"] = round(results["adapter_bs1_ms"] / results.get(
                     "base_bs1_ms", results.get("base_bs1_ms_on_lora_engine")), 3)
-                print(json.dumps({key: results[key] for key in ("adapter_bs1_ms", "bs1_ratio")}), flush=True)
+                print(json.dumps({key: results.get(key) for key in (
+                    "adapter_bs1_ms", "bs1_ratio", "base_bs1_ms_on_lora_engine", "lora_engine_base_bs1_tokens_equal")}),
+                    flush=True)
                 save()
         if "lora_engine_base_only" not in results and not args.no_base_only:
             timed_run("lora_engine_base_only", [None], 1, base_only_profile, is_required=False)

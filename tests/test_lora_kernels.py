@@ -546,3 +546,57 @@ def test_fused_decode_weight_and_finish_stand_in_for_the_layer():
         assert weight.shape[0] == (128 + 2 * 12 if slot >= 0 else 128)
         torch.testing.assert_close(method.finish_fused_decode(x @ weight.T), expected, rtol=1e-5, atol=1e-5)
         step.end()
+
+
+def test_one_row_base_only_steps_of_a_lora_mlp_take_the_base_engines_swiglu_epilogue(monkeypatch):
+    """fused_decode's batch-1 MLP on a LoRA-wrapped gated MLP: a step without adapters is the plain model's
+    (the RMSNorm + gate_up + SwiGLU-epilogue GEMV and the down GEMV, bit for bit the unwrapped MLP's output);
+    a step with an adapter takes the LoRA path (no epilogue GEMV) and adds the update."""
+    from hearth_llm.engine.models import fused_decode
+    from hearth_llm.engine.models.lora_linear import wrap_with_lora
+    from hearth_llm.engine.models.mlp import GatedMLP
+    from hearth_llm.engine.models.norms import RMSNorm
+
+    gemv = pytest.importorskip("hearth_llm.kernels.gemv.triton_gemv")
+    monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
+    epilogue_calls = []
+    epilogue = gemv.rms_norm_linear_silu_and_mul
+    monkeypatch.setattr(gemv, "rms_norm_linear_silu_and_mul",
+                        lambda *args: epilogue_calls.append(1) or epilogue(*args))
+    torch.manual_seed(6)
+    mlp = GatedMLP(hidden_size=32, intermediate_size=48)
+    norm = RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            layer.weight.normal_()
+        norm.weight.normal_()
+    plain_mlp = GatedMLP(hidden_size=32, intermediate_size=48)  # (a deep copy would copy the DENSE method too)
+    plain_mlp.load_state_dict(mlp.state_dict())
+    plain_mlp = plain_mlp.to(DEVICE)
+    mlp, norm = mlp.to(DEVICE), norm.to(DEVICE)
+    step = LoRAStep(capacity=4, device=torch.device(DEVICE), planned=True)
+    methods = wrap_with_lora(mlp, num_slots=2, max_rank=4, step=step)
+    shards = {"gate_up_proj": [ShardLoRA(0, 0, torch.randn(3, 32), torch.randn(3, 48))],
+              "down_proj": [ShardLoRA(0, 0, torch.randn(4, 48), torch.randn(4, 32))]}
+    for name, method in methods.items():
+        method.load_slot(0, shards[name])
+    x, residual = torch.randn(1, 32).to(DEVICE), torch.randn(1, 32).to(DEVICE)
+    expected, expected_residual = fused_decode.norm_and_mlp(norm, plain_mlp, x, residual)
+    assert epilogue_calls == [1]
+    step.begin_sequences([-1], [1])
+    got, got_residual = fused_decode.norm_and_mlp(norm, mlp, x, residual)
+    step.end()
+    assert epilogue_calls == [1, 1]
+    assert torch.equal(got, expected) and torch.equal(got_residual, expected_residual)
+    step.begin_sequences([0], [1])
+    with_adapter, _ = fused_decode.norm_and_mlp(norm, mlp, x, residual)
+    step.end()
+    assert epilogue_calls == [1, 1]  # the LoRA path: its SwiGLU adds gate_up's update
+    summed = (x + residual).cpu()
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.cpu()
+    gate_up = normed @ plain_mlp.gate_up_proj.weight.detach().cpu().T
+    gate_up[:, :48] += (normed @ shards["gate_up_proj"][0].a.T) @ shards["gate_up_proj"][0].b_scaled
+    act = torch.nn.functional.silu(gate_up[:, :48]) * gate_up[:, 48:]
+    reference_out = act @ plain_mlp.down_proj.weight.detach().cpu().T
+    reference_out += (act @ shards["down_proj"][0].a.T) @ shards["down_proj"][0].b_scaled
+    torch.testing.assert_close(with_adapter.cpu(), reference_out, rtol=1e-3, atol=1e-2)

@@ -129,6 +129,12 @@ def act_and_down(mlp, gate_up: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(mlp.act_and_mul(gate_up))
 
 
+def _is_plain(op, plain) -> bool:
+    """``op`` is ``plain``, or a wrapper that is exactly ``plain`` on this step (``is_plain_now``: LoRA's on a
+    step without adapters)."""
+    return op is plain or getattr(op, "is_plain_now", False)
+
+
 def norm_and_mlp(norm, mlp, x: torch.Tensor, residual: torch.Tensor | None):
     """``(mlp(norm(x + residual)), x + residual)`` for a GatedMLP: with :data:`SWIGLU_EPILOGUE`,
     RMSNorm + gate_up + SwiGLU in one GEMV and down_proj in another; else :func:`norm_and_linear`
@@ -140,8 +146,8 @@ def norm_and_mlp(norm, mlp, x: torch.Tensor, residual: torch.Tensor | None):
         fused = _method_fusion(gate_up, "fused_rms_norm_linear_silu_and_mul", x, residual, norm.weight, norm.eps)
         if fused is not None:  # a quantized method's own kernel (AWQ/GPTQ on CUDA)
             return linear(down, fused[0]), fused[1]
-    if (SWIGLU_EPILOGUE and type(norm) is RMSNorm and mlp.act_and_mul is kernels.silu_and_mul
-            and gate_up.method is DENSE and down.method is DENSE):  # not a wrapper's stacked weight (LoRA)
+    if (SWIGLU_EPILOGUE and type(norm) is RMSNorm and _is_plain(mlp.act_and_mul, kernels.silu_and_mul)
+            and _is_plain(gate_up.method, DENSE) and _is_plain(down.method, DENSE)):  # (not LoRA adding an update)
         gate_up_weight, down_weight = _plain_dense_weight(gate_up, x), _plain_dense_weight(down, x)
         if gate_up_weight is not None and down_weight is not None:
             act, residual = _gemv().rms_norm_linear_silu_and_mul(x, residual, norm.weight, norm.eps, gate_up_weight)

@@ -31,7 +31,7 @@ from hearth_llm.kernels.lora import (LoRAPlan, add_lora, add_lora_planned, expan
 
 from . import fused_decode
 from .linear import linear_layers
-from .linear_method import DenseLinearMethod, LinearMethod
+from .linear_method import DENSE, DenseLinearMethod, LinearMethod
 from .mlp import GatedMLP
 from .tp_lora import rank_shards
 
@@ -290,6 +290,13 @@ class LoRALinearMethod(LinearMethod):
             return None
         return self.stacked_weight
 
+    @property
+    def is_plain_now(self) -> bool:
+        """Whether this step is the plain dense base method alone (no adapters), so ``fused_decode`` may treat
+        the layer as dense (the batch-1 SwiGLU-epilogue MLP: base-only steps of a LoRA engine as fast as the
+        base engine's)."""
+        return not self.step.has_adapters and self.base is DENSE
+
     def finish_fused_decode(self, out: torch.Tensor) -> torch.Tensor:
         """The layer's output from a GEMV's product over :meth:`fused_decode_weight`."""
         return out if out.shape[1] == self.lora_b.shape[-1] else self._finish_stacked(out)
@@ -377,6 +384,11 @@ class LoRASiluAndMul:
 
     def __init__(self, gate_up: LoRALinearMethod) -> None:
         self.gate_up = gate_up
+
+    @property
+    def is_plain_now(self) -> bool:
+        """Whether this step's SwiGLU is plain ``kernels.silu_and_mul`` (no adapters: nothing can be pending)."""
+        return not self.gate_up.step.has_adapters
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shrunk = self.gate_up.take_pending_expand(x)
