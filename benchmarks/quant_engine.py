@@ -332,6 +332,9 @@ def run(args) -> dict:
         results["measures"].update(run_workloads(generate, argparse.Namespace(**{**vars(args), "workloads": [name]})))
         print(f"{args.method} {args.shape} kv {args.kv_cache_dtype} {name}: {json.dumps(results['measures'])}",
               flush=True)
+        if getattr(args, "json", None) and args.kv_cache_dtype == "auto":  # what ran so far survives a time limit
+            with open(args.json, "w") as sink:
+                json.dump(results, sink, indent=2)
     if args.bs1_extras:
         results["ours_bs1_ms_per_token"] = ours_bs1_ms_per_token(engine, num_tokens=128 if args.device == "cuda" else 8)
         if args.device == "cuda":
