@@ -470,20 +470,21 @@ def _split_decode_kernel(
 ):
     """One program: one piece of one sequence's keys, for the query heads of one KV head. With
     FUSED_REDUCE the last piece of a (sequence, KV head) to finish merges all of them (see
-    ``_merge_pieces``), so no reduce kernel runs. ``USE_PDL``: every program waits for the kernel
-    before it first (none returns before that, so the kernel after it, waiting on this one, waits
-    on that one too)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    ``_merge_pieces``), so no reduce kernel runs. ``USE_PDL``: every program reads its step inputs
+    (query bounds, context length: written before the step, by no kernel of it), then waits for the
+    kernel before it, before it returns or reads anything else (so the kernel after it, waiting on
+    this one, waits on that one too)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    context_len = tl.load(context_lens_ptr + seq)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if query_len != 1:  # an empty (padding) sequence
         return
-    context_len = tl.load(context_lens_ptr + seq)
     first_key = 0
     if HAS_SLIDING_WINDOW:
         first_key = tl.maximum(context_len - sliding_window, 0)
