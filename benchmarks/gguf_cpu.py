@@ -11,7 +11,9 @@ drift; the table keeps each system's best repeat and prints the load average bef
 Systems: ``hearth`` (the default path: in bf16, linear weights stay in the file's blocks, run by the C
 kernels of ``kernels/quant/gguf_cpu_native.py``, pure Q4_0/Q4_1 layers' decode steps too, their prefill on a dense
 bf16 copy), ``hearth int4pack`` (the same with those Q4 decode steps on torch's int4 kernel, bf16 scales), ``hearth gguf``
-(``quantization="gguf"``: every GGUF linear in its blocks) and ``llama.cpp``. After each table, each
+(``quantization="gguf"``: every GGUF linear in its blocks), ``hearth dense`` (on a CPU without AVX-512
+BF16, where the engine runs float32: the dense float32 weights the float32 path had before the AVX2 panel
+kernels) and ``llama.cpp``. After each table, each
 system's CPU time per decoded token (all threads, prefill excluded), the steadier figure on a shared machine.
 
 1. single stream: decode tok/s over ``--decode-tokens`` new tokens after a 16-token prompt (prefill excluded);
