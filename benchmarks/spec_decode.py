@@ -200,6 +200,11 @@ def real_weights_table(args) -> None:
             per_step = 1 + accepted / drafts if drafts else 1.0
             print(f"| {name} | {len(prompt)}/{len(tokens)} | {system} | {rates(rate, wall)} | {acceptance:.0%} | "
                   f"{per_step:.2f} | {'yes' if tokens == reference else 'NO'} | {load} |", flush=True)
+    for system, engine in engines.items():  # what the adaptive proposal lengths measured on this machine
+        measured = getattr(getattr(engine.proposer, "step_cost", None), "measured", None)
+        if measured is not None:
+            costs = " / ".join(f"{rows}: {cost:.2f}" for rows, cost in measured().items())
+            print(f"\n{system}: measured step costs by rows (decode step = 1): {costs}", flush=True)
 
 
 def interleaved_rates(engines: dict, prompt: list[int], max_tokens: int, repeats: int) -> dict:

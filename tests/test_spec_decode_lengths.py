@@ -61,11 +61,16 @@ def test_cpu_costs_grow_with_rows_past_the_table_and_gpus_have_none():
 
 # ---- measured step costs ----------------------------------------------------------------------------
 
+def decode_steps(costs: MeasuredStepCosts, seconds: float) -> None:
+    for _ in range(MeasuredStepCosts.NUM_RECENT_DECODES):
+        costs.observe(1, seconds)
+
+
 def test_measured_costs_start_at_the_table_and_take_this_machines_step_times():
     costs = MeasuredStepCosts()
     assert [costs(rows) for rows in (1, 3, 5)] == [cpu_step_cost(1), cpu_step_cost(3), cpu_step_cost(5)]
+    decode_steps(costs, 0.050)
     for _ in range(MeasuredStepCosts.MIN_SAMPLES):
-        costs.observe(1, 0.050)
         costs.observe(2, 0.082)   # a float32 machine: a second row costs 64 % more
         costs.observe(5, 0.104)
     assert costs(1) == 1.0
@@ -80,19 +85,26 @@ def test_measured_costs_start_at_the_table_and_take_this_machines_step_times():
     assert best_length([0.9, 0.9, 0.9, 0.9], costs) == 4   # 4 rows measured at 2.24: 4.1 tokens for 2.08
 
 
-def test_measured_costs_read_a_low_quantile_so_load_spikes_do_not_count():
+def test_a_verify_step_is_compared_with_the_decode_steps_just_before_it():
     costs = MeasuredStepCosts()
-    for seconds in [0.010] * 6 + [0.200, 0.300]:   # two steps that lost the core to other work
-        costs.observe(1, seconds)
-    for seconds in [0.012] * 6 + [0.250]:
-        costs.observe(3, seconds)
+    decode_steps(costs, 0.010)
+    for _ in range(MeasuredStepCosts.MIN_SAMPLES):
+        costs.observe(3, 0.012)
+    decode_steps(costs, 0.030)    # the machine got busy: every step takes three times as long
+    for _ in range(MeasuredStepCosts.MIN_SAMPLES + 1):
+        costs.observe(3, 0.036)
+    assert costs(3) == pytest.approx(1.2)
+    costs.observe(3, 0.300)       # one step that lost the core to other work: the median holds
     assert costs(3) == pytest.approx(1.2)
 
 
-def test_measured_costs_wait_for_enough_steps_of_a_row_count():
+def test_measured_costs_wait_for_enough_steps():
     costs = MeasuredStepCosts()
-    for _ in range(MeasuredStepCosts.MIN_SAMPLES):
+    costs.observe(4, 0.040)       # no decode steps to compare with yet: not counted
+    for _ in range(MeasuredStepCosts.NUM_RECENT_DECODES - 1):
         costs.observe(1, 0.010)
+    assert costs(4) == cpu_step_cost(4)
+    costs.observe(1, 0.010)
     for _ in range(MeasuredStepCosts.MIN_SAMPLES - 1):
         costs.observe(4, 0.040)
     assert costs(4) == 1.0          # nothing trusted above decode yet: optimistic

@@ -45,55 +45,66 @@ class MeasuredStepCosts:
     """The relative cost of a batch-1 step of so many rows, measured on this machine as the engine
     runs (:meth:`observe`: the forward pass and draws of each one-request decode or verify step).
 
-    Why measured: the cost of extra rows depends on the CPU and the weights' kernel. Measured on
-    the bundled SmolLM2 (1 thread, CPU time, medians of interleaved runs): bf16 with the int4
-    kernel (AVX-512/AMX Xeon) 1.00 / 1.06-1.18 / 1.22-1.29 / 1.38-1.44 / 1.72-1.89 for 1..5 rows;
-    float32 (AVX2 EPYC: dense weights, MKL) 1.00 / 1.64 / 2.24 / 2.05 / 2.08, where a two-row step
-    already costs more than most 1-token proposals yield.
+    Why measured: the cost of extra rows depends on the CPU and the weights' kernels. Measured on
+    the bundled SmolLM2 (1 thread, CPU time): bf16 with the int4 kernel (AVX-512/AMX Xeon) 1.00 /
+    1.06-1.18 / 1.22-1.29 / 1.38-1.44 / 1.72-1.89 for 1..5 rows; float32 on an AVX2 EPYC (the
+    GGUF C kernels, 2 rows per pass of the head) 1.00 / 1.33-1.52 / 1.56-1.81 / 1.88-2.20 / 2.06+.
 
-    A row count's time is a low quantile of its recent steps (a shared machine's load only ever
-    adds time); its cost is that over the decode step's. A row count not measured yet costs what
-    the nearest measured smaller count does (optimistic, so it is tried and then measured), and
-    before any decode step is measured, :func:`cpu_step_cost`.
+    A verify step's cost is its time over the median of the latest decode steps (so a shared
+    machine's load, which drifts, is the same in both), and a row count's cost the median of its
+    recent ratios. A row count not measured yet costs what the nearest measured smaller count
+    does (optimistic, so it is tried and then measured); before decode steps are measured,
+    :func:`cpu_step_cost`.
 
     >>> costs = MeasuredStepCosts()
     >>> for _ in range(8): costs.observe(1, 0.010); costs.observe(3, 0.021)
-    >>> costs(1), costs(2), costs(3), costs(4)
+    >>> costs(1), costs(2), round(costs(3), 6), round(costs(4), 6)
     (1.0, 1.0, 2.1, 2.1)
     """
 
-    # Steps of a row count before its measured time is trusted, and how many recent ones are kept.
-    MIN_SAMPLES = 4
-    WINDOW = 48
-    QUANTILE = 0.25
+    # Ratios of a row count before its cost is trusted, how many recent ones are kept, and how
+    # many of the latest decode steps a verify step is compared with.
+    MIN_SAMPLES = 3
+    WINDOW = 32
+    NUM_RECENT_DECODES = 5
 
-    __slots__ = ("_samples", "_times")
+    __slots__ = ("_decodes", "_ratios", "_costs")
 
     def __init__(self) -> None:
-        self._samples: dict[int, list[float]] = {}   # rows → recent step seconds (oldest first)
-        self._times: dict[int, float] = {}           # rows → its current low-quantile time
+        self._decodes: list[float] = []              # the latest decode steps' seconds
+        self._ratios: dict[int, list[float]] = {}    # rows → recent verify/decode ratios
+        self._costs: dict[int, float] = {}           # rows → the median of its ratios
 
     def observe(self, num_rows: int, seconds: float) -> None:
         """A one-request step of ``num_rows`` rows (1: a decode step) took ``seconds``."""
-        samples = self._samples.setdefault(num_rows, [])
-        samples.append(seconds)
-        if len(samples) > self.WINDOW:
-            del samples[0]
-        if len(samples) >= self.MIN_SAMPLES:
-            ordered = sorted(samples)
-            self._times[num_rows] = ordered[int(self.QUANTILE * (len(ordered) - 1))]
+        if num_rows <= 1:
+            self._decodes = self._decodes[1 - self.NUM_RECENT_DECODES:] + [seconds]
+            return
+        if len(self._decodes) < self.NUM_RECENT_DECODES:
+            return
+        ratios = self._ratios.setdefault(num_rows, [])
+        ratios.append(seconds / max(_median(self._decodes), 1e-12))
+        del ratios[:-self.WINDOW]
+        if len(ratios) >= self.MIN_SAMPLES:
+            self._costs[num_rows] = max(1.0, _median(ratios))
 
     def __call__(self, num_rows: int) -> float:
-        decode = self._times.get(1)
-        if decode is None or num_rows <= 1:
-            return cpu_step_cost(num_rows) if decode is None else 1.0
-        measured = [rows for rows in self._times if rows <= num_rows]
-        return max(1.0, self._times[max(measured)] / decode)
+        if num_rows <= 1:
+            return 1.0
+        if len(self._decodes) < self.NUM_RECENT_DECODES:
+            return cpu_step_cost(num_rows)
+        measured = [rows for rows in self._costs if rows <= num_rows]
+        return self._costs[max(measured)] if measured else 1.0
 
     def measured(self) -> dict[int, float]:
         """``{rows: cost}`` for each row count measured so far (for benchmarks and logs)."""
-        decode = self._times.get(1)
-        return {} if decode is None else {rows: time / decode for rows, time in sorted(self._times.items())}
+        return {} if not self._decodes else {1: 1.0, **dict(sorted(self._costs.items()))}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def best_length(probabilities: list[float], step_cost) -> int:
