@@ -54,14 +54,20 @@ def test_panel_gemv_multiplies_the_exact_weights_for_each_row_count_and_thread_c
         assert out.dtype == torch.float32 and out.shape == (rows, 56)
         # float32 sums of the exactly decoded weights: only where the roundings fall differs from float64
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+    # 2056 rows: more than one chunk of 16 rows per thread, and a partial last chunk
+    big = random_blocks(quant_type, 2056, 1024, seed=9)
+    big_gemv = gguf_cpu_native.panel_gemv_routine(gguf_cpu_native.pack_panels(big, quant_type), quant_type)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(10))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        two = gemv(x[:3].contiguous())
+        two = big_gemv(x)
         torch.set_num_threads(1)
-        assert torch.equal(two, gemv(x[:3].contiguous()))  # panels split over threads, same sums
+        assert torch.equal(two, big_gemv(x))  # panels split over threads, same sums
     finally:
         torch.set_num_threads(threads)
+    expected = _exact(x, big, quant_type)
+    torch.testing.assert_close(two.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("quant_type", PANEL_TYPES)
