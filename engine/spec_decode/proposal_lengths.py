@@ -3,7 +3,9 @@
 A verification step of ``1 + L`` rows costs more than a decode step, and how much more depends on
 the device: on the CPU at batch 1 (SmolLM2-135M from its Q4_1 GGUF, bf16, 1 thread) the int4
 matmul runs rows in blocks of 4, so a fifth row reads and unpacks every weight again
-(:data:`CPU_STEP_COSTS`); on a GPU a verify step of 5 rows costs ~1.05 decode steps. Proposing
+(:data:`CPU_STEP_COSTS`), while in float32 on an AVX2 CPU a second row already costs ~1.3-1.5 decode
+steps; so the CPU's costs are measured as the engine runs (:class:`MeasuredStepCosts`). On a GPU a
+verify step of 5 rows costs ~1.05 decode steps. Proposing
 ``L`` tokens whose acceptance probabilities are ``p_1, p_2, ...`` yields ``1 + p_1 + p_1 p_2 + ...``
 tokens for ``cost(1 + L)``; :func:`best_length` picks the ``L`` (0 = a plain decode step) with the
 most expected tokens per unit of cost.
