@@ -531,7 +531,7 @@ def llamacpp_command(gguf_path: str, port: int, args: argparse.Namespace) -> lis
     """``python -m llama_cpp.server`` from ``--llamacpp-python`` on the same GGUF file. Its lock
     serves one request at a time (no batching); ``interrupt_requests`` off, so a request that
     arrives waits instead of cutting the running one short (that server's default)."""
-    threads = str(args.num_threads)
+    threads = str(args.llamacpp_threads or args.num_threads)
     return [args.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf_path, "--host", "127.0.0.1",
             "--port", str(port), "--model_alias", SERVED_NAME, "--n_threads", threads, "--n_threads_batch", threads,
             "--n_ctx", str(args.max_model_len or 2048), "--interrupt_requests", "false", "--verbose", "false"]
@@ -727,6 +727,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="CPU threads of every server's engine: ours (--num-threads) and llama.cpp's "
                              "(--n_threads, --n_threads_batch); default: ours its engine's, llama.cpp's the cores "
                              "this process may use")
+    parser.add_argument("--llamacpp-threads", type=int, default=None,
+                        help="llama.cpp's threads when not --num-threads: on a contended 2-core machine its "
+                             "spinning thread pool can run several times slower on 2 threads than on 1")
     parser.add_argument("--server-pythonpath", default=None,
                         help="appended to our server's PYTHONPATH (on the H200: /tmp/vsite, for fastapi/uvicorn)")
     parser.add_argument("--start-together", action="store_true",

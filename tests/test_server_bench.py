@@ -104,6 +104,9 @@ def test_the_llamacpp_peer_needs_a_gguf_on_the_cpu():
     assert command[command.index("--n_threads") + 1] == "2" and command[command.index("--n_ctx") + 1] == "512"
     assert command[command.index("--interrupt_requests") + 1] == "false"
     assert engine_options(args)[1][-2:] == ["--num-threads", "2"]
+    one_thread = llamacpp_command("/m.gguf", 1234, parse_args(["--peers", "llamacpp", "--num-threads", "2",
+                                                               "--llamacpp-threads", "1"]))
+    assert one_thread[one_thread.index("--n_threads") + 1] == "1"
 
 
 def test_the_cpu_seconds_of_a_process_group_are_read_from_proc():
