@@ -872,6 +872,9 @@ def main(argv=None) -> None:
                 ours.append((ours_name(core), ours_command(model, port, engine_flags + ours_flags(core)), port))
             if args.start_together:  # the starts overlap; the runs still come one after the other
                 started = {name: ServerProcess(name, command, env, port, log_dir) for name, command, port in ours}
+                for server in started.values():  # all up before the first run: no start overlaps a run
+                    with contextlib.suppress(RuntimeError):  # (measure_server reports it)
+                        server.wait_ready(args.startup_timeout)
             for name, command, port in ours:
                 server = started.get(name) or ServerProcess(name, command, env, port, log_dir)
                 results[name] = measure_server(server, args, requests, to_text=to_text)
