@@ -48,11 +48,15 @@ def default_launch(num_outputs: int, reduction: int, prologue: int = PLAIN, gate
     The RMSNorm prologue took 16 outputs when it read the row twice (Qwen3-0.6B qkv 5.4 / gate_up
     6.3, Llama-3-8B qkv 16.3, against 6.1 / 9.7 / 28.1 with 8). In one pass (H200 round 1,
     2026-12-02) 8 outputs run Qwen3-0.6B's qkv in 4.97 µs; Llama-3-8B's (K 4096) took 19.7 alone
-    against 16.3 with 16 outputs, yet in the whole step 8 outputs win (4.364 against 4.399 ms/token,
-    bs1_decode's +n8 variant, round 2; why is not measured: 16 outputs take 255 registers, 2
-    programs an SM). A SwiGLU epilogue dots two weight rows per output: 4 outputs are 8 rows
-    (gate_up, round 1)."""
+    against 16.3 with 16 outputs, yet in the whole step 8 x 1024 beat 16 x 1024 (4.364 against 4.399
+    ms/token), and 16 outputs in K tiles of 512 beat both (below; a 16 x 1024 tile takes 255
+    registers, 2 programs an SM). A SwiGLU epilogue dots two weight rows per output: 4 outputs are
+    8 rows (gate_up, round 1; 8 outputs or K tiles of 512 were slower in round 2)."""
     block_k = triton.next_power_of_2(reduction)
+    if prologue == RMS_NORM and not gated_out and reduction >= 4096:
+        # H200 round 2 (2026-12-02), Llama-3-8B bs1 step, qkv 6144x4096: 16 outputs in K tiles of 512
+        # 4.179 ms/token against 4.286 with 8 x 1024 (8 x 512: 4.345, 4 x 1024: 4.251, 8 warps: 4.207).
+        return GemvLaunch(block_n=16, block_k=512, num_warps=4)
     if prologue == RMS_NORM:
         block_n = 4 if gated_out else 8
         return GemvLaunch(block_n=block_n, block_k=min(1024, block_k), num_warps=4)
