@@ -209,7 +209,8 @@ def build_engine(shape: str):
 # GEMV (else those over 2^25 elements stay on cuBLAS), "+head" the LM head by the GEMV, "+epi"
 # SwiGLU as gate_up's epilogue, "+pf" every default launch prefetching the next K tile, "+n16" the
 # RMSNorm GEMV at 16 outputs a program (the default before the norm took one pass), "+n8" at 8 (the
-# default below K 4096; at K >= 4096 it is 16 x 512 since round 2), "+apdl" decode attention with programmatic dependent launch (DecodeLaunch.use_pdl),
+# default below K 4096; at K >= 4096 it is 16 x 512 since round 2), "+apdl" decode attention with
+# programmatic dependent launch (DecodeLaunch.use_pdl),
 # "+gh" the one-row graph ending in the LM head and the greedy argmax (cuda_graphs.HEAD_SIZES), "+few"
 # decode steps of a few sequences built in plain Python and staged into the graphs' buffers in one
 # copy (model_runner.MAX_FEW_DECODE_SEQS). Launch tweaks: "+qn4"/"+qk512"/"+qw8" the qkv (RMSNorm)
