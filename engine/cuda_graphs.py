@@ -150,7 +150,8 @@ class DecodeGraphs:
         from pinned memory (padding rows as :meth:`run` leaves them: slot -1, one cached token); then
         :meth:`replay_staged`. As in :meth:`run`, each block table row is written up to the step's
         width (a multiple of 16; beyond ``max_model_len``'s blocks cut), the rest of it left as it was."""
-        num_rows, size, region, max_blocks = len(token_ids), self.padded_size(len(token_ids)), self._region, self.max_blocks
+        num_rows, region, max_blocks = len(token_ids), self._region, self.max_blocks
+        size = self.padded_size(num_rows)
         width = min(-(-max(map(len, block_ids)) // 16) * 16, max_blocks)
         pinned = self.staging.device.type == "cuda"
         host = torch.zeros(4 * region + (num_rows - 1) * max_blocks + width, dtype=torch.long, pin_memory=pinned)
