@@ -51,7 +51,10 @@ ENABLED = True
 # A chunk continuation of at most CONTINUATION_AS_DECODE_ROWS tokens over its cached keys then runs
 # as that many single-token rows on the split-K decode kernel (row j sees start + j + 1 keys), so the
 # long mix's steps (fresh 8k prompts beside a few-token continuation) stay fresh. Off: FA2 as before.
-CUDNN_FRESH = False  # on once the H200 engine A/B (long mix) says it pays
+# Off: in the engine (H200 round 2, 8B long mix of 8 requests, 5 prefill steps) the steps with prefill
+# took 558 ms of device time on this route against 394 on FA2; not yet told apart: a one-time cuDNN
+# graph build (the timed run was the route's first) or a per-call cost of the padded per-sequence calls.
+CUDNN_FRESH = False
 CONTINUATION_AS_DECODE_ROWS = 64
 # Each fresh sequence runs as one dense SDPA call, padded to a multiple of this many tokens (padded keys
 # come after every real query, so top-left causal never shows them), so cuDNN builds few graphs.
