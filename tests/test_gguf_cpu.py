@@ -18,6 +18,7 @@ from hearth_llm.engine.models.cpu_weights import CpuBlockEmbedding, CpuBlockLogi
 from hearth_llm.engine.models.gguf_linear_method import GGUFInt4LinearMethod
 from hearth_llm.engine.models.linear import linear_layers
 from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
+from hearth_llm.kernels import cpu_ops
 from hearth_llm.kernels.quant import BLOCK_FORMATS, gguf_cpu, gguf_cpu_native, gguf_reference
 
 from conftest import TINY_VOCAB, hf_greedy, random_prompts
@@ -132,9 +133,15 @@ def test_int4_tiles_are_the_values_the_int4_kernel_multiplies_by():
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_and_zeros = torch.randn(3, 192, 2, generator=torch.Generator().manual_seed(9)).bfloat16()
     kernel_weight = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(96).bfloat16(), packed, 32, scales_and_zeros).T
+    from hearth_llm.engine.models.cpu_weights import int4_layout_is_the_tiles_one, int4_tiled_linear, int4_tiles_available
+
+    if not int4_layout_is_the_tiles_one():
+        # torch's AVX2 kernels pack int4 rows in blocks of 32, not AVX-512's 64 the tile decoder reads:
+        # its tiles would be other weights, so the engine must never choose them here
+        assert not int4_tiles_available((packed, scales_and_zeros))
+        pytest.skip("this CPU has no AVX-512: torch's int4 layout is not the one the tile decoder reads")
     tiles = gguf_cpu_native.int4pack_dequantize(packed, scales_and_zeros, 32, 64, 192)
     assert torch.equal(tiles.bfloat16(), kernel_weight[64:])
-    from hearth_llm.engine.models.cpu_weights import int4_tiled_linear
 
     x = torch.randn(20, 96, generator=torch.Generator().manual_seed(10)).bfloat16()
     torch.testing.assert_close(int4_tiled_linear(x, packed, scales_and_zeros).float(),
@@ -202,8 +209,9 @@ def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_we
         assert resident == file_bytes  # the file's bytes, no dense copy (goal: <= 1.15x)
         q4_layer = layers["layers.0.mlp.gate_up_proj"]
         # pure Q4_0/Q4_1 layers keep their dense copy for prefill (gguf_linear_method.DROP_DENSE_COPY is off);
-        # decode steps read the file's blocks where the C bf16 Q4 kernels exist, else torch's int4 layout
-        assert q4_layer.cpu_weight.packed_weight is not None
+        # decode steps read the file's blocks where the C bf16 Q4 kernels exist, else torch's int4 layout.
+        # Without oneDNN bf16 (no AVX-512 BF16 / AMX) there is no packed dense copy: batches run the int4 kernel.
+        assert (q4_layer.cpu_weight.packed_weight is not None) == cpu_ops.has_onednn_bf16()
         if gguf_cpu_native.has_bf16("Q4_0"):
             runs = q4_layer.method.block_runs(q4_layer)
             assert [quant_type for quant_type, _ in runs] == ["Q4_0", "Q4_1"] and q4_layer.cpu_weight.int4 is None
@@ -231,7 +239,7 @@ def test_bundled_smollm2_in_bf16_shares_one_block_copy_of_its_tied_embedding_and
         embedding_file_bytes = next(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
         assert model.embed_tokens.resident_bytes() <= 1.15 * embedding_file_bytes < tensor_bytes
         for _, layer in linear_layers(model):
-            assert layer.cpu_weight.packed_weight is not None
+            assert (layer.cpu_weight.packed_weight is not None) == cpu_ops.has_onednn_bf16()  # no dense copy without it
             assert (layer.method.block_runs(layer) is not None) == gguf_cpu_native.has_bf16("Q4_1")
             assert (layer.cpu_weight.int4 is None) == gguf_cpu_native.has_bf16("Q4_1")
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -3,6 +3,8 @@ and the vocabulary projection's (:class:`CpuLogitsHead`); from a GGUF file's blo
 (:class:`CpuBlockLogitsHead`) and the token embedding's (:class:`CpuBlockEmbedding`)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -80,8 +82,25 @@ INT4_TILE_ELEMENTS = 1 << 20
 def int4_tiles_available(int4: tuple) -> bool:
     """Whether large batches can run an int4 weight (``(packed, scales_and_zeros)``) tile by tile from
     its own codes (:func:`int4_tiled_linear`) instead of a dense copy: the C kernels are built and the
-    weight's rows come in the layout's blocks of 64."""
-    return int4[1].shape[1] % 64 == 0 and int4[1].dtype == torch.bfloat16 and gguf_cpu_native.available()
+    weight's rows come in the layout's blocks of 64, and torch packs in the layout they read."""
+    return (int4[1].shape[1] % 64 == 0 and int4[1].dtype == torch.bfloat16 and gguf_cpu_native.available()
+            and int4_layout_is_the_tiles_one())
+
+
+@functools.cache
+def int4_layout_is_the_tiles_one() -> bool:
+    """Whether ``_convert_weight_to_int4pack_for_cpu`` packs in the layout the C tile decoder reads
+    (AVX-512 builds': rows in blocks of 64). Torch's AVX2 kernels pack blocks of 32 rows another way,
+    so there tiles would hold the wrong weights; checked once, on a 64 x 32 weight, against the
+    values torch's int4 kernel multiplies by."""
+    if not gguf_cpu_native.available() or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    codes = torch.randint(0, 16, (64, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_and_zeros = torch.stack((torch.ones(1, 64), torch.zeros(1, 64)), dim=-1).bfloat16()
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(32).bfloat16(), packed, 32, scales_and_zeros)
+    tile = gguf_cpu_native.int4pack_dequantize_t(packed, scales_and_zeros, 32, 0, 64)
+    return torch.equal(tile, kernel.float()) and torch.equal(tile, (codes - 8).float().T)
 
 
 def int4_tiled_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
