@@ -50,7 +50,9 @@ WIDE_N = 8192
 #   (bf16 130.2); the whole-K row kernel (row_gemv) 73.4 at its best (BN8, 16 groups a step, PDL;
 #   80.6 without PDL: its [BN, groups, 16] tiles cost shared-memory layout conversions for the
 #   headers and x every step, which the [BN, 16] tiles here do not); tensor-core + PTX decode 83.3.
-#   Programmatic dependent launch (pdl) took 7 us off the row kernel's layer, hence on here too.
+#   Programmatic dependent launch (pdl) took 7 us off the row kernel's layer, hence on here too: H200
+#   round 2, engine bs1 on the 8B shape, AWQ 2.585 ms/token (decode graph 2.652) against bf16's 4.324
+#   in the same process (0.598x; 2.715 without PDL the day before).
 GEMV_CONFIGS = {
     "narrow": dict(block_n=64, num_warps=4, num_stages=1, groups_per_iter=2, prefetch=True, target_programs=528,
                    pdl=True),
