@@ -76,7 +76,9 @@ def test_tp2_gguf_equals_tp1_for_every_block_type(splittable_gguf, quantization)
     tp_tokens, tp_logprobs, rank_bytes = _run(splittable_gguf, quantization=quantization, tensor_parallel_size=2)
     assert tp_tokens == tokens
     np.testing.assert_allclose(np.concatenate(tp_logprobs), np.concatenate(logprobs), atol=1e-4)
-    assert len(rank_bytes) == 2 and max(rank_bytes) < 0.6 * single_bytes  # each rank: half the blocks
+    # Each rank: half the blocks. 0.65, not 0.6: where the AVX2 float32 panels run, TP=1 keeps its Q8_0
+    # head as blocks while each rank's vocab-parallel head shard is dense float32.
+    assert len(rank_bytes) == 2 and max(rank_bytes) < 0.65 * single_bytes
 
 
 def test_a_rank_boundary_inside_a_k_quant_block_is_refused_by_layer_name(tmp_path):

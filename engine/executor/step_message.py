@@ -29,7 +29,11 @@ class TokenTail:
     def __init__(self, offset: int, tokens: list[int]) -> None:
         self.offset, self.tokens = offset, tokens
 
-    def __getitem__(self, index: slice) -> list[int]:
+    def __getitem__(self, index: slice | int) -> "list[int] | int":
+        if isinstance(index, int):  # one token, as the few-decodes step builder reads it
+            if not self.offset <= index < self.offset + len(self.tokens):
+                raise IndexError(f"token {index} was not sent to the worker (it has tokens {self.offset} on)")
+            return self.tokens[index - self.offset]
         start = self.offset if index.start is None else index.start
         if start < self.offset:
             raise IndexError(f"token {start} was not sent to the worker (it has tokens {self.offset} on)")
