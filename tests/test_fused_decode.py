@@ -216,6 +216,8 @@ def test_a_methods_own_fused_kernels_run_first_and_may_decline(monkeypatch):
             return None if self.answer is None else self.answer[0]
 
     norm, layer, x = RMSNorm(16, 1e-6), ColumnLinear(16, 8), torch.randn(1, 16)
+    with torch.no_grad():  # the layer's weight is allocated, not initialised: it may hold NaN
+        layer.weight.copy_(torch.randn(8, 16))
     answer = (torch.zeros(1, 8), x)
     layer.method = Hooked(answer)
     assert fused_decode.norm_and_linear(norm, x, None, layer) is answer
