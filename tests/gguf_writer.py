@@ -63,6 +63,18 @@ def write_and_close(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
+def add_q8_0_embedding_and_norm(writer: gguf.GGUFWriter, vocab: int, hidden: int) -> np.ndarray:
+    """A random token embedding as Q8_0 blocks (seed 0; tied to the head when no ``output.weight``
+    follows) and an all-ones final norm; returns the embedding's blocks."""
+    from hearth_llm.kernels.quant import gguf_reference
+
+    generator = torch.Generator().manual_seed(0)
+    embedding = gguf_reference.quantize(torch.randn(vocab, hidden, generator=generator), "Q8_0").numpy()
+    writer.add_tensor("token_embd.weight", embedding, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    return embedding
+
+
 # A Llama layer's linear tensors under llama.cpp's names, in (q, k, v, o, gate, up, down) order.
 LLAMA_LINEAR_NAMES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 

@@ -22,7 +22,7 @@ from hearth_llm.kernels import cpu_ops
 from hearth_llm.kernels.quant import BLOCK_FORMATS, gguf_cpu, gguf_cpu_native, gguf_reference
 
 from conftest import TINY_VOCAB, hf_greedy, random_prompts
-from gguf_writer import add_block_layers, tiny_llama_writer, write_and_close
+from gguf_writer import add_q8_0_embedding_and_norm, add_block_layers, tiny_llama_writer, write_and_close
 from test_quant_gguf import HIDDEN, INTERMEDIATE, KV_HEADS, LAYER_TYPES, LAYERS, HEADS, _layer_blocks
 from test_quant_gguf import random_blocks
 
@@ -170,10 +170,7 @@ def all_types_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_cpu")
     path = root / "all-types.gguf"
     writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
-    generator = torch.Generator().manual_seed(0)
-    embedding = gguf_reference.quantize(torch.randn(TINY_VOCAB, HIDDEN, generator=generator), "Q8_0").numpy()
-    writer.add_tensor("token_embd.weight", embedding, raw_dtype=GGMLQuantizationType.Q8_0)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    embedding = add_q8_0_embedding_and_norm(writer, TINY_VOCAB, HIDDEN)
     head = random_blocks("Q6_K", TINY_VOCAB, HIDDEN, seed=98, scale=3e-3).numpy()
     writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType.Q6_K)
     tensor_bytes = {"output": head.nbytes, "token_embd": embedding.nbytes}

@@ -6,10 +6,8 @@ panels, its Q8_0 embedding and head kept as blocks, its greedy tokens equal to H
 the dequantized weights. Skips where the kernels are not built or the CPU lacks AVX2/FMA/F16C."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 
 from hearth_llm.engine import LLM, SamplingParams
@@ -21,7 +19,7 @@ from hearth_llm.engine.models.linear import linear_layers
 from hearth_llm.kernels.quant import gguf_cpu_native, gguf_reference
 
 from conftest import TINY_VOCAB, hf_greedy, random_prompts
-from gguf_writer import add_block_layers, tiny_llama_writer, write_and_close
+from gguf_writer import add_q8_0_embedding_and_norm, add_block_layers, tiny_llama_writer, write_and_close
 from test_quant_gguf import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, _layer_blocks, random_blocks
 
 PANEL_TYPES = list(gguf_cpu_native.PANEL_TYPES)
@@ -113,10 +111,7 @@ def q4_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_panels")
     path = root / "q4.gguf"
     writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
-    generator = torch.Generator().manual_seed(0)
-    embedding = gguf_reference.quantize(torch.randn(TINY_VOCAB, HIDDEN, generator=generator), "Q8_0").numpy()
-    writer.add_tensor("token_embd.weight", embedding, raw_dtype=GGMLQuantizationType.Q8_0)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    embedding = add_q8_0_embedding_and_norm(writer, TINY_VOCAB, HIDDEN)
     add_block_layers(writer, Q4_LAYER_TYPES, HIDDEN, _layer_blocks)
     write_and_close(writer)
     checkpoint = load_checkpoint(str(path), torch.float32, progress=False)
