@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 
 import httpx
@@ -176,8 +177,21 @@ def test_a_stream_the_client_leaves_is_charged_the_tokens_it_was_sent(tiny_model
 
 # ---- the queue bound ---------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def long_tiny_model(tiny_model, tmp_path_factory):
+    """The tiny llama with room for 32k positions: a held stream of 30,000 tokens outlives the test
+    even on a fast core (a 900-token one could finish, free its slot and let the probe in)."""
+    path = tmp_path_factory.mktemp("long_tiny") / "llama"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 32768
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
 @pytest.mark.parametrize("engine_core", ["thread", "process"])  # a process core counts in its child
-def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(tiny_model, engine_core):
+def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(long_tiny_model, engine_core):
+    tiny_model = long_tiny_model
     core = get_engine(tiny_model, engine_core=engine_core, **TINY)
 
     def num_waiting() -> int:
@@ -195,7 +209,7 @@ def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(t
         async def run() -> httpx.Response:
             async with httpx.AsyncClient(base_url=running.url, timeout=30) as session:
                 async def hold() -> None:  # a stream that runs until it is cancelled
-                    body = {"model": "default", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True,
+                    body = {"model": "default", "prompt": PROMPT, "max_tokens": 30000, "ignore_eos": True,
                             "stream": True}
                     async with session.stream("POST", "/completions", json=body) as response:
                         assert response.status_code == 200
