@@ -83,18 +83,21 @@ def test_q4_bf16_out_is_the_float32_result_rounded_to_nearest_even(quant_type):
         assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), to_float32(x).bfloat16().view(torch.int16))
 
 
-@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
-def test_q4_bf16_gemv_is_row_invariant(quant_type):
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_bf16_gemv_is_row_invariant(quant_type):
     """Each row of x takes the same operations whatever the row count: a speculative verify step of
     k + 1 rows gives each row the bits a one-row decode step gives it."""
     if not gguf_cpu_native.has_bf16(quant_type):
         pytest.skip("this CPU has no AVX-512 BF16")
-    data = random_blocks(quant_type, 40, 576, seed=9)
-    gemv = gguf_cpu_native.gemv_routine(data, quant_type, bf16_out=True)
-    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(10)).bfloat16()
+    columns = 576 if quant_type in ("Q4_0", "Q4_1") else 768
+    data = random_blocks(quant_type, 40, columns, seed=9)
+    gemv = gguf_cpu_native.gemv_routine(data, quant_type, bf16=True, bf16_out=quant_type in ("Q4_0", "Q4_1"))
+    x = torch.randn(8, columns, generator=torch.Generator().manual_seed(10)).bfloat16()
     alone = torch.cat([gemv(x[i:i + 1]) for i in range(8)])
     for rows in range(2, 9):
         assert torch.equal(gemv(x[:rows]).view(torch.int16), alone[:rows].view(torch.int16)), rows
+        assert torch.equal(gguf_cpu.gguf_linear(x[:rows], data, quant_type).view(torch.int16),
+                           alone[:rows].to(torch.bfloat16).view(torch.int16)), rows
 
 
 def test_q4_1_bf16_gemv_uses_the_files_fp16_scales_not_bf16_rounded_ones():

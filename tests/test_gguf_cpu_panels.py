@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import save_file
 
 from hearth_llm.engine import LLM, SamplingParams
-from hearth_llm.engine.cpu_features import cpu_flags
 from hearth_llm.engine.loader import load_checkpoint
 from hearth_llm.engine.models.cpu_weights import CpuBlockEmbedding, CpuBlockLogitsHead
 from hearth_llm.engine.models.gguf_linear_method import GGUFInt4LinearMethod
@@ -80,7 +79,7 @@ def test_panel_gemv_gives_each_row_the_same_bits_in_any_batch(quant_type):
 
 @pytest.mark.parametrize("quant_type", PANEL_TYPES)
 def test_avx2_row_gemv_gives_each_row_the_same_bits_in_any_batch(quant_type):
-    if "avx512f" in cpu_flags():
+    if gguf_cpu_native.has_avx512():
         pytest.skip("AVX-512 build: its float32 GEMV keeps fewer accumulators for more rows")
     data = random_blocks(quant_type, 24, 128, seed=6)
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(7))

@@ -182,14 +182,15 @@ class CpuBlockLogitsHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.reshape(-1, x.shape[-1]).shape[0]
+        if self.bf16_gemv is not None and x.dtype == torch.bfloat16 and 0 < num_rows <= gguf_cpu.BF16_MAX_ROWS:
+            # the bf16 kernels give each row the same bits in any batch: all rows in one pass
+            return self.bf16_gemv(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], self.out_features)
         if 2 < num_rows <= gguf_cpu_native.MAX_ROWS and self.routine is not None:
             # Two rows a call, as a decode step's one row is computed (the C GEMV keeps the same
             # accumulators for 1-2 rows, fewer for more): a speculative verify step's or a batch's
             # rows round exactly as alone, so greedy near-ties do not flip. Same cost here (Q8_0).
             rows = x.reshape(-1, x.shape[-1])
             return torch.cat([self(rows[i:i + 2]) for i in range(0, num_rows, 2)]).reshape(*x.shape[:-1], -1)
-        if self.bf16_gemv is not None and x.dtype == torch.bfloat16 and 0 < num_rows <= gguf_cpu.BF16_MAX_ROWS:
-            return self.bf16_gemv(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], self.out_features)
         x32 = x.float()
         if self.routine is not None and 0 < num_rows <= gguf_cpu_native.MAX_ROWS:
             return self.routine(x32)

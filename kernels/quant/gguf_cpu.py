@@ -24,9 +24,12 @@ from .gguf_reference import block_format, dequantize
 # Each tile is a oneDNN call, and smaller tiles cost more calls: 500 rows x [16384, 2048] Q4_K, CPU ms
 # (1 / 2 threads, shared cores): 1 Mi 156 / 282, 2 Mi 145 / 294, 4 Mi 57-114 / 149-237, 8 Mi 87-134 / 114-145.
 TILE_ELEMENTS = 1 << 22
-# The bf16 kernels (Q4_K, Q6_K) win for one or two rows of x; for more, the float32 ones did
-# (1 thread, [8192, 2048], ms: Q4_K 1.70 vs 1.99 at 1 row, 3.85 vs 2.21 at 4; Q6_K 2.28 vs 2.82, 3.99 vs 4.00).
-BF16_MAX_ROWS = 2
+# The bf16 kernels (Q4_K, Q6_K) win at every row count since all their rows run in one pass over the
+# blocks with the loops over rows unrolled (1 thread, [8192, 2048] hot, EPYC Zen 4, ms, bf16 / float32:
+# Q4_K 0.77 / 1.17 at 1 row, 1.30 / 1.64 at 2, 2.88 / 3.13 at 5, 5.26 / 6.05 at 8; Q6_K 1.04 / 2.90,
+# 1.30 / 3.08, 2.18 / 3.46, 3.58 / 6.22), and they keep the same accumulators for any row count, so a
+# verify step's rows get a one-row step's bits (the float32 GEMV keeps fewer for more rows).
+BF16_MAX_ROWS = 8
 # Q4_0/Q4_1's bf16 kernels (four blocks per step, x laid out once per call) beat their float32 ones at
 # every row count: the bundled SmolLM2's 210 Q4_1 matrices, 1 thread, CPU ms per pass, bf16 / float32:
 # 8.67 / 10.42 at 1 row, 11.03 / 12.36 at 2, 18.83 / 23.73 at 4, 24.33 / 31.45 at 5, 34.04 / 44.02 at 8.

@@ -24,6 +24,10 @@
 #include <immintrin.h>
 #endif
 
+/* The loops over the rows of x (M, a constant in each inlined instance) fully unrolled: -O2 keeps a
+   rolled loop, and then acc[m] lives on the stack, not in registers (M = 5: 2-3x the cost per row). */
+#define UNROLL_M _Pragma("GCC unroll 8")
+
 enum { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, W4G128 = 8 };
 
 static inline float f16(const uint8_t *p) {
@@ -323,7 +327,7 @@ static inline void k_scales_vec(const uint8_t *s, const float d, const float dmi
 #define NACC(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
 #define EMIT_DOT(vector, offset) {                                                                   \
     const __m512 w_ = (vector);                                                                      \
-    for (int m = 0; m < M; m++)                                                                      \
+    UNROLL_M for (int m = 0; m < M; m++)                                                                      \
         acc[m][((offset) >> 4) & (NACC(M) - 1)] = _mm512_fmadd_ps(                                   \
             w_, _mm512_loadu_ps(xb + m * K + (offset)), acc[m][((offset) >> 4) & (NACC(M) - 1)]); }
 #define EMIT_STORE(vector, offset) _mm512_storeu_ps(dst + (offset), (vector));
@@ -356,7 +360,7 @@ static inline void k_scales_vec(const uint8_t *s, const float d, const float dmi
         for (int64_t n = n0; n < n1; n++) {                                                          \
             const uint8_t *row = data + n * row_stride;                                              \
             __m512 acc[M][NACC(M)];                                                                  \
-            for (int m = 0; m < M; m++)                                                              \
+            UNROLL_M for (int m = 0; m < M; m++)                                                              \
                 for (int a = 0; a < NACC(M); a++) acc[m][a] = _mm512_setzero_ps();                   \
             for (int64_t blk = 0; blk < num_blocks; blk++) {                                         \
                 const uint8_t *block = row + blk * TS;                                               \
@@ -364,7 +368,7 @@ static inline void k_scales_vec(const uint8_t *s, const float d, const float dmi
                 PREFETCH(block, TS);                                                                 \
                 DEC(block, EMIT_DOT)                                                                 \
             }                                                                                        \
-            for (int m = 0; m < M; m++) {                                                            \
+            UNROLL_M for (int m = 0; m < M; m++) {                                                            \
                 __m512 total = acc[m][0];                                                            \
                 for (int a = 1; a < NACC(M); a++) total = _mm512_add_ps(total, acc[m][a]);           \
                 out[m * out_stride + n] = _mm512_reduce_add_ps(total);                               \
@@ -553,7 +557,7 @@ static inline __attribute__((always_inline)) void q4_k_bf16_rows(
         const uint8_t *row = data + n * row_stride;
         __m512 acc[M][2];
         float minsum[M];
-        for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
+        UNROLL_M for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 144;
             PREFETCH(b, 144);
@@ -564,18 +568,18 @@ static inline __attribute__((always_inline)) void q4_k_bf16_rows(
                 const __m512i lo = _mm512_permutexvar_epi16(words, table);
                 const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
                 const __m512 s0 = _mm512_set1_ps(scale[2 * c]), s1 = _mm512_set1_ps(scale[2 * c + 1]);
-                for (int m = 0; m < M; m++) {
+                UNROLL_M for (int m = 0; m < M; m++) {
                     const uint16_t *xb = x + m * K + blk * 256 + 64 * c;
                     acc[m][0] = _mm512_fmadd_ps(s0, DP(lo, xb), acc[m][0]);
                     acc[m][1] = _mm512_fmadd_ps(s1, DP(hi, xb + 32), acc[m][1]);
                 }
             }
-            for (int m = 0; m < M; m++) {
+            UNROLL_M for (int m = 0; m < M; m++) {
                 const float *xs = xsum + m * (K / 32) + blk * 8;
                 for (int s = 0; s < 8; s++) minsum[m] += minimum[s] * xs[s];
             }
         }
-        for (int m = 0; m < M; m++)
+        UNROLL_M for (int m = 0; m < M; m++)
             out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - minsum[m];
     }
 }
@@ -590,7 +594,7 @@ static inline __attribute__((always_inline)) void q4_k_bf16_rows(
     const __m512i idx = _mm512_ternarylogic_epi32((lo), Q6_HIGH(qh, shift), mask30, 0xF8);          \
     const __m512i w = _mm512_permutex2var_epi16(low_table, idx, high_table);                         \
     const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pair_index, _mm512_set1_epi32((e0) >> 4)), scales);  \
-    for (int m = 0; m < M; m++)                                                                      \
+    UNROLL_M for (int m = 0; m < M; m++)                                                                      \
         acc[m][accumulator] = _mm512_fmadd_ps(sv, DP(w, x + m * K + blk * 256 + (e0)), acc[m][accumulator]); }
 
 static inline __attribute__((always_inline)) void q6_k_bf16_rows(
@@ -605,7 +609,7 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
         __m512 acc[M][2];
-        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        UNROLL_M for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 210;
             PREFETCH(b, 210);
@@ -622,7 +626,7 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
                 Q6_GROUP(_mm512_srli_epi16(ql1, 4), qh, 6, 128 * h + 96, 1)        /* nib 1, s2 1 */
             }
         }
-        for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+        UNROLL_M for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
     }
 }
 
@@ -661,17 +665,17 @@ static inline __attribute__((always_inline)) void q4_01_bf16_rows(
         const uint8_t *row = data + n * row_stride;
         __m512 acc[M][2];
         float minsum[M];
-        for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
+        UNROLL_M for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
         int64_t blk = 0;
 #define Q4_01_BLOCK(bi, a) {                                                                          \
             const uint8_t *b = row + (bi) * type_size;                                               \
             const __m512i w = _mm512_permutexvar_epi16(Q4_WORDS(b + codes_at), table);               \
             const __m512 d = _mm512_set1_ps(f16(b));                                                 \
-            for (int m = 0; m < M; m++)                                                              \
+            UNROLL_M for (int m = 0; m < M; m++)                                                              \
                 acc[m][a] = _mm512_fmadd_ps(d, DP(w, x + m * K + (bi) * 32), acc[m][a]);             \
             if (with_min) {                                                                          \
                 const float mn = f16(b + 2);                                                         \
-                for (int m = 0; m < M; m++) minsum[m] += mn * xsum[m * num_blocks + (bi)];           \
+                UNROLL_M for (int m = 0; m < M; m++) minsum[m] += mn * xsum[m * num_blocks + (bi)];           \
             } }
         for (; blk + 2 <= num_blocks; blk += 2) {
             PREFETCH(row + blk * type_size, 2 * type_size);
@@ -680,7 +684,7 @@ static inline __attribute__((always_inline)) void q4_01_bf16_rows(
         }
         if (blk < num_blocks) Q4_01_BLOCK(blk, 0)
 #undef Q4_01_BLOCK
-        for (int m = 0; m < M; m++)
+        UNROLL_M for (int m = 0; m < M; m++)
             out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + minsum[m];
     }
 }
@@ -737,7 +741,7 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
         __m512 acc[M];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        UNROLL_M for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
         __m512i quad_m = _mm512_setzero_si512();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *b = row + g * 4 * type_size;
@@ -750,7 +754,7 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
             const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 8), table);
             const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
             const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 12), table);
-            for (int m = 0; m < M; m++) {
+            UNROLL_M for (int m = 0; m < M; m++) {
                 const uint16_t *xg = xr + (m * groups + g) * 128;
                 __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, X_BF16(xg));
                 sum = _mm512_dpbf16_ps(sum, (__m512bh)w1, X_BF16(xg + 32));
@@ -763,25 +767,25 @@ static inline __attribute__((always_inline)) void q4_01_grouped_rows(
                 if ((g & 3) == 3 || g == groups - 1) {  /* the quad's m times its blocks' x sums */
                     const __m512 mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(quad_m, 1));
                     const __mmask16 lanes = (__mmask16)((1u << (4 * ((g & 3) + 1))) - 1);
-                    for (int m = 0; m < M; m++)
+                    UNROLL_M for (int m = 0; m < M; m++)
                         acc[m] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(lanes, xsum + m * num_blocks + (g & ~3) * 4), acc[m]);
                     quad_m = _mm512_setzero_si512();
                 }
             }
         }
         float minsum[8];
-        for (int m = 0; m < M; m++) minsum[m] = 0.0f;
+        UNROLL_M for (int m = 0; m < M; m++) minsum[m] = 0.0f;
         for (int64_t blk = groups * 4; blk < num_blocks; blk++) {  /* the last 1-3 blocks, one at a time */
             const uint8_t *b = row + blk * type_size;
             const __m512i w = _mm512_permutexvar_epi16(Q4_WORDS(b + codes_at), table);
             const __m512 d = _mm512_set1_ps(f16(b));
-            for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(d, DP(w, x + m * K + blk * 32), acc[m]);
+            UNROLL_M for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(d, DP(w, x + m * K + blk * 32), acc[m]);
             if (with_min) {
                 const float mn = f16(b + 2);
-                for (int m = 0; m < M; m++) minsum[m] += mn * xsum[m * num_blocks + blk];
+                UNROLL_M for (int m = 0; m < M; m++) minsum[m] += mn * xsum[m * num_blocks + blk];
             }
         }
-        for (int m = 0; m < M; m++) {
+        UNROLL_M for (int m = 0; m < M; m++) {
             const float total = _mm512_reduce_add_ps(acc[m]) + minsum[m];
             if (bf16_out)
                 ((uint16_t *)out)[m * out_stride + n] = bf16_round(total);
@@ -820,10 +824,10 @@ typedef void (*bf16_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t
         case 2: ROWS(data, rs, n0, n1, K, x, xsum, 2, out, ldo); break;                              \
         case 3: ROWS(data, rs, n0, n1, K, x, xsum, 3, out, ldo); break;                              \
         case 4: ROWS(data, rs, n0, n1, K, x, xsum, 4, out, ldo); break;                              \
-        default: for (int m0 = 0; m0 < M; m0 += 4)                                                   \
-            ROWS(data, rs, n0, n1, K, x + m0 * K, xsum + m0 * (K / 32), M - m0 < 4 ? M - m0 : 4,     \
-                 out + m0 * ldo, ldo);                                                               \
-            break;                                                                                   \
+        case 5: ROWS(data, rs, n0, n1, K, x, xsum, 5, out, ldo); break;                              \
+        case 6: ROWS(data, rs, n0, n1, K, x, xsum, 6, out, ldo); break;                              \
+        case 7: ROWS(data, rs, n0, n1, K, x, xsum, 7, out, ldo); break;                              \
+        default: ROWS(data, rs, n0, n1, K, x, xsum, 8, out, ldo); break;                             \
         }                                                                                            \
     }
 BF16_FN(q4_k_bf16, q4_k_bf16_rows)
@@ -1149,6 +1153,15 @@ static void panel_rows(int qtype, const uint8_t *packed, int64_t p0, int64_t p1,
     }
 }
 #endif
+
+/* 1 where this build has the AVX-512 paths (else AVX2 or portable C). */
+int gguf_has_avx512(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* 1 where this build has the panel kernels for qtype (Q4_0, Q4_1, Q8_0 with AVX2 + FMA + F16C). */
 int gguf_has_panels(int qtype) {

@@ -48,6 +48,9 @@ MAX_ROWS = 8
 # -O2, not -O3: measured faster for Q4_K (1.35-1.64 vs 1.75-1.99 ms, [8192, 2048], one row), Q5_K and
 # Q8_0, the same for Q6_K in bf16, and compiles in ~5 s instead of ~6-23 s.
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+# Extra compiler flags from the environment, after FLAGS: e.g. ``HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f``
+# builds the AVX2 paths (float32 panels, AVX2 row GEMVs) on an AVX-512 machine, to test them there.
+EXTRA_FLAGS_ENV = "HEARTH_LLM_KERNEL_CFLAGS"
 _lock = threading.Lock()
 
 
@@ -73,6 +76,13 @@ def gemv(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads: int 
     if status:
         raise RuntimeError(f"gguf_gemv failed for {quant_type} (status {status})")
     return out
+
+
+def has_avx512() -> bool:
+    """Whether this build runs the AVX-512 paths (False for AVX2 or portable builds, e.g. under
+    ``HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f``)."""
+    library = _library()
+    return library is not None and bool(library.gguf_has_avx512())
 
 
 def has_bf16(quant_type: str) -> bool:
@@ -310,6 +320,8 @@ def _library():
     library.gguf_gemv_bf16_out.restype = ctypes.c_int
     library.gguf_has_bf16.argtypes = (ctypes.c_int,)
     library.gguf_has_panels.argtypes = (ctypes.c_int,)
+    library.gguf_has_avx512.argtypes = ()
+    library.gguf_has_avx512.restype = ctypes.c_int
     library.gguf_panel_pack.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr)
     library.gguf_panel_dequant.argtypes = (ctypes.c_int, ptr, i64, i64, ptr)
     library.gguf_panel_gemv.argtypes = (ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int)
@@ -331,7 +343,8 @@ def _built_library() -> Path | None:
     if compiler is None:
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+    flags = (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(),
                                      _compiler_version(compiler), _cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("HEARTH_LLM_KERNEL_CACHE", "~/.cache/hearth_llm/kernels")).expanduser()
     path = cache / f"gguf_cpu_{key}.so"
@@ -341,7 +354,7 @@ def _built_library() -> Path | None:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / path.name
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
                            timeout=300)
             os.replace(built, path)  # atomic: a concurrent process sees the whole library or none
     except (OSError, subprocess.SubprocessError) as error:
