@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from . import fused_decode
+from . import cpu_step, fused_decode
 from .arch import ArchConfig
 from .attention import Attention, AttentionMetadata
 from .cpu_weights import cpu_block_embedding, cpu_logits_head, resident_blocks
@@ -196,9 +196,14 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        # A CPU step of a few rows through plain layers: the ops between the matmuls in C (see cpu_step).
+        done = cpu_step.run_layers(self, hidden, positions, kv_caches, meta) if hidden.device.type == "cpu" else None
+        if done is not None:
+            hidden, residual = done
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,117 @@
+"""A CPU step of a few query rows through the plain decoder layers, with the ops between the matmuls
+in C (``kernels/cpu_step_native.py``): one call for RMSNorm of ``x + residual`` (the residual updated in
+place), one for rotary + cache write + attention, one for SwiGLU.
+
+On a small model the step outside the matmuls is most of the time as torch ops (SmolLM2-135M, 1
+thread, bf16, AVX-512 EPYC, µs per layer: norms 51, rotary + cache 54, attention 82, SwiGLU 16,
+Python between them ~60, against ~210 for the four GEMVs). Here each layer is four C calls beside
+its four linear layers, the step's metadata is checked once for all layers, and the layers' weights,
+caches and settings are gathered once per model.
+
+It takes a step when every layer is the plain :class:`~.decoder.DecoderLayer` (RMSNorm, attention
+without q/k norm or soft cap, NeoX rotary, SwiGLU MLP), the tensors are CPU float32 or bf16 with an
+unquantized cache, and no sequence has more than :data:`MAX_QUERY_ROWS` new tokens (decode and
+speculative verification); anything else runs the layers' own forward. ``ENABLED = False`` (or
+``HEARTH_LLM_CPU_STEP_KERNELS=0``) turns it off.
+
+>>> hidden = run_layers(model, hidden, positions, kv_caches, meta)   # None: not taken
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hearth_llm import kernels
+from hearth_llm.kernels import cpu_step_native
+
+from .attention import Attention, AttentionMetadata
+from .mlp import GatedMLP
+from .norms import RMSNorm
+
+# Query rows per sequence up to which a step takes this path (a verification of 7 proposals is 8).
+MAX_QUERY_ROWS = 8
+ENABLED = True
+
+
+@dataclass(slots=True)
+class _Layer:
+    """What one layer's CPU step reads, gathered once per model."""
+
+    input_norm: RMSNorm
+    post_norm: RMSNorm
+    qkv_proj: torch.nn.Module
+    o_proj: torch.nn.Module
+    gate_up_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+    rotary: torch.nn.Module
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    sliding_window: int | None
+
+
+def _plain_layer(layer) -> _Layer | None:
+    from .decoder import DecoderLayer
+
+    if type(layer) is not DecoderLayer or not layer._fuses_decode:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if (type(attn) is not Attention or attn.q_norm is not None or attn.soft_cap is not None
+            or not attn.rotary.is_neox_style or type(mlp) is not GatedMLP or mlp.act_and_mul is not kernels.silu_and_mul
+            or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
+        return None
+    return _Layer(layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj, attn.o_proj,
+                  mlp.gate_up_proj, mlp.down_proj, attn.rotary, attn.qkv_proj.num_heads_per_rank,
+                  attn.qkv_proj.num_kv_heads_per_rank, attn.scale, attn.sliding_window)
+
+
+def _plain_layers(model) -> list[_Layer] | None:
+    """The layers' parts when every layer qualifies, else None; once per model."""
+    layers = model.__dict__.get("_cpu_step_layers", False)
+    if layers is False:
+        parts = [_plain_layer(layer) for layer in model.layers]
+        layers = None if any(part is None for part in parts) else parts
+        model.__dict__["_cpu_step_layers"] = layers
+    return layers
+
+
+def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+    """``(hidden, residual)`` after all of ``model``'s layers, or None where this path does not take
+    the step (see the module docstring); then the caller runs the layers itself."""
+    if (not ENABLED or hidden.device.type != "cpu" or hidden.dim() != 2 or meta.max_query_len > MAX_QUERY_ROWS
+            or meta.flash_prefill is not None or not cpu_step_native.available()):
+        return None
+    layers = _plain_layers(model)
+    if layers is None:
+        return None
+    dtype = hidden.dtype
+    key_cache, value_cache = kv_caches[0]
+    first = layers[0]
+    if (first.input_norm.weight.dtype != dtype or not hidden.is_contiguous() or not cpu_step_native.supports_rope_cache_attention(
+            hidden.new_empty(0, 0), first.rotary.cos_sin_cache, key_cache, value_cache, key_cache.shape[-1])
+            or meta.max_context_len > meta.block_tables.shape[1] * key_cache.shape[1]):
+        return None
+    step = cpu_step_native.AttentionStep.of(positions, meta.slot_mapping, meta.query_start_loc, meta.context_lens,
+                                            meta.block_tables)
+    if step is None:
+        return None
+    rms_norm, silu_and_mul = cpu_step_native.rms_norm, cpu_step_native.silu_and_mul
+    residual, has_residual = torch.empty_like(hidden), False  # the norms update it in place
+    for layer, (key_cache, value_cache) in zip(layers, kv_caches):
+        norm = layer.input_norm
+        normed = rms_norm(hidden, norm.weight, norm.eps, residual if has_residual else None, sum_out=residual)[0]
+        has_residual = True
+        qkv = _same_dtype(layer.qkv_proj.forward(normed), dtype)
+        heads = step.attend(qkv, layer.rotary.cos_sin_cache, key_cache, value_cache, layer.num_heads,
+                            layer.num_kv_heads, layer.scale, layer.sliding_window)
+        hidden = _same_dtype(layer.o_proj.forward(heads), dtype)
+        norm = layer.post_norm
+        normed = rms_norm(hidden, norm.weight, norm.eps, residual, sum_out=residual)[0]
+        gate_up = layer.gate_up_proj.forward(normed)
+        hidden = _same_dtype(layer.down_proj.forward(silu_and_mul(gate_up.contiguous())), dtype)
+    return hidden, residual
+
+
+def _same_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)

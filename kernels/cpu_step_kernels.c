@@ -1,0 +1,255 @@
+/* The small ops of a CPU decode step outside the matmuls, each one pass over its rows: RMSNorm of
+ * x + residual, SwiGLU, and a layer's attention from its fused qkv projection (rotary, cache write,
+ * attention over the paged cache for a few query rows). float32 (dtype 0) or bf16 (dtype 1) tensors;
+ * arithmetic in float32, rounded to the tensor dtype where the torch references round (see
+ * cpu_step_native.py). Built with -march=native by cpu_step_native.py and called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define DT_F32 0
+#define DT_BF16 1
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } b;
+    b.u = (uint32_t)v << 16;
+    return b.f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 (NaN kept quiet). */
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } b;
+    b.f = f;
+    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40);
+    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_to(int dtype, float f) {
+    return dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(f)) : f;
+}
+
+static inline float load(int dtype, const void *p, int64_t i) {
+    return dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(int dtype, void *p, int64_t i, float f) {
+    if (dtype == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else ((float *)p)[i] = f;
+}
+
+/* Rows of `dtype` values into float32 (the loops below then vectorize without a dtype branch). */
+static void to_f32(int dtype, const void *src, float *dst, int64_t n) {
+    if (dtype == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static void from_f32(int dtype, const float *src, void *dst, int64_t n) {
+    if (dtype == DT_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* normed = w * round(s / rms(s)), s = round(x + residual) (residual may be NULL); sum = s. `sum` may be
+ * `residual` or `x` itself (written after it is read). reference: kernels/norm/reference.py rms_norm. */
+int step_rms_norm(int dtype, const void *x, const void *residual, const void *weight, float eps, int64_t rows,
+                  int64_t dim, void *normed, void *sum) {
+    float *s = (float *)malloc((size_t)dim * 2 * sizeof(float));
+    if (!s) return 1;
+    float *w = s + dim;
+    to_f32(dtype, weight, w, dim);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t off = r * dim;
+        to_f32(dtype, (const char *)x + off * (dtype == DT_BF16 ? 2 : 4), s, dim);
+        if (residual) {
+            const void *res = (const char *)residual + off * (dtype == DT_BF16 ? 2 : 4);
+            if (dtype == DT_BF16) {
+                const uint16_t *rr = (const uint16_t *)res;
+                for (int64_t i = 0; i < dim; i++) s[i] = bf16_to_f32(f32_to_bf16(s[i] + bf16_to_f32(rr[i])));
+            } else {
+                const float *rr = (const float *)res;
+                for (int64_t i = 0; i < dim; i++) s[i] += rr[i];
+            }
+        }
+        double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < dim; i++) squares += (double)s[i] * s[i];
+        const float inv = 1.0f / sqrtf((float)(squares / (double)dim) + eps);
+        if (sum) from_f32(dtype, s, (char *)sum + off * (dtype == DT_BF16 ? 2 : 4), dim);
+        if (dtype == DT_BF16) {
+            uint16_t *out = (uint16_t *)normed + off;
+            for (int64_t i = 0; i < dim; i++) out[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(s[i] * inv)));
+        } else {
+            float *out = (float *)normed + off;
+            for (int64_t i = 0; i < dim; i++) out[i] = w[i] * (s[i] * inv);
+        }
+    }
+    free(s);
+    return 0;
+}
+
+/* exp(x) for x <= 0 .. moderate: Cephes' single-precision polynomial (~1 ulp), vectorizable. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_to_n;
+    memcpy(&two_to_n, &bits, sizeof two_to_n);
+    return p * two_to_n;
+}
+
+/* out = round(silu(gate)) * up over rows of [gate | up] (`inter` each). reference: activation silu_and_mul. */
+int step_silu_and_mul(int dtype, const void *x, int64_t rows, int64_t inter, void *out) {
+    float *buf = (float *)malloc((size_t)inter * 2 * sizeof(float));
+    if (!buf) return 1;
+    const int64_t esize = dtype == DT_BF16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        to_f32(dtype, (const char *)x + r * 2 * inter * esize, buf, 2 * inter);
+        float *gate = buf, *up = buf + inter;
+        for (int64_t i = 0; i < inter; i++) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i]));
+        if (dtype == DT_BF16) {
+            uint16_t *o = (uint16_t *)out + r * inter;
+            for (int64_t i = 0; i < inter; i++) o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gate[i])) * up[i]);
+        } else {
+            float *o = (float *)out + r * inter;
+            for (int64_t i = 0; i < inter; i++) o[i] = gate[i] * up[i];
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* a . b in float32: vector lanes, then one horizontal sum (a plain loop's sum is one serial chain). */
+static inline float dot(const float *a, const float *b, int n) {
+    int i = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    sum = _mm_cvtss_f32(half);
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* One layer's attention from its fused projection qkv [T, (H + 2 Hkv) * D] (rows `qkv_stride` apart):
+ * NeoX rotary of q and k at `positions` over the first `rotary_dim` dims (cos_sin [*, rotary_dim]: cosines
+ * then sines), keys and values stored at `slots` of the paged caches [blocks, block_size, Hkv, D], then
+ * causal attention of each sequence's queries over its first context_lens[b] cached positions (found
+ * through block_tables[b], `table_stride` apart), sliding window `window` (0: none). out [T, H * D].
+ * references: rotary_embedding, write_kv_cache, paged_attention (each op's reference.py). */
+int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, int64_t num_tokens, int num_heads,
+                              int num_kv_heads, int head_dim, const int64_t *positions, const void *cos_sin,
+                              int rotary_dim, void *key_cache, void *value_cache, const int64_t *slots,
+                              int block_size, int num_seqs, const int64_t *query_start_loc,
+                              const int64_t *context_lens, const int64_t *block_tables, int64_t table_stride,
+                              float scale, int64_t window, void *out) {
+    const int64_t esize = dtype == DT_BF16 ? 2 : 4;
+    const int D = head_dim, half = rotary_dim / 2;
+    const int64_t kv_width = (int64_t)num_kv_heads * D;
+    float *queries = (float *)malloc((size_t)num_tokens * num_heads * D * sizeof(float));
+    float *row = (float *)malloc((size_t)(num_heads + 2 * num_kv_heads) * D * sizeof(float));
+    float *cs = (float *)malloc((size_t)rotary_dim * sizeof(float));
+    if (!queries || !row || !cs) { free(queries); free(row); free(cs); return 1; }
+    /* rotary and the cache write */
+    for (int64_t t = 0; t < num_tokens; t++) {
+        to_f32(dtype, (const char *)qkv + t * qkv_stride * esize, row, (int64_t)(num_heads + 2 * num_kv_heads) * D);
+        to_f32(dtype, (const char *)cos_sin + positions[t] * rotary_dim * esize, cs, rotary_dim);
+        const float *cosv = cs, *sinv = cs + half;
+        for (int h = 0; h < num_heads + num_kv_heads; h++) {
+            float *x = row + (int64_t)h * D;
+            float rotated[512];
+            for (int i = 0; i < half; i++) {  /* round(x * cos) + partner * (-+sin), as the CPU routine */
+                rotated[i] = round_to(dtype, x[i] * cosv[i]) + x[i + half] * -sinv[i];
+                rotated[i + half] = round_to(dtype, x[i + half] * cosv[i]) + x[i] * sinv[i];
+            }
+            for (int i = 0; i < rotary_dim; i++) x[i] = round_to(dtype, rotated[i]);
+            for (int i = rotary_dim; i < D; i++) x[i] = round_to(dtype, x[i]);
+        }
+        memcpy(queries + t * num_heads * D, row, (size_t)num_heads * D * sizeof(float));
+        const int64_t slot = slots[t];
+        from_f32(dtype, row + (int64_t)num_heads * D, (char *)key_cache + slot * kv_width * esize, kv_width);
+        from_f32(dtype, row + (int64_t)(num_heads + num_kv_heads) * D, (char *)value_cache + slot * kv_width * esize,
+                 kv_width);
+    }
+    free(row);
+    free(cs);
+    /* attention: per sequence and kv head, its visible keys and values widened to float32 once (for all
+     * of its query rows), then each query head of that kv head over its own causal range */
+    const int group = num_heads / num_kv_heads;
+    int64_t max_context = 0;
+    for (int b = 0; b < num_seqs; b++) max_context = context_lens[b] > max_context ? context_lens[b] : max_context;
+    float *scores = (float *)malloc((size_t)(max_context + 1 + group * D + 2 * (max_context + 1) * D) * sizeof(float));
+    if (!scores) { free(queries); return 1; }
+    float *acc = scores + max_context + 1, *keys = acc + group * D, *values = keys + (max_context + 1) * D;
+    for (int b = 0; b < num_seqs; b++) {
+        const int64_t first = query_start_loc[b], last = query_start_loc[b + 1], context = context_lens[b];
+        if (last <= first) continue;
+        const int64_t *table = block_tables + b * table_stride;
+        const int64_t first_pos = context - (last - first);
+        const int64_t lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+        for (int g = 0; g < num_kv_heads; g++) {
+            for (int64_t p = lo; p < context; p++) {
+                const int64_t slot = table[p / block_size] * block_size + p % block_size;
+                const int64_t at = (slot * kv_width + (int64_t)g * D) * esize;
+                to_f32(dtype, (const char *)key_cache + at, keys + (p - lo) * D, D);
+                to_f32(dtype, (const char *)value_cache + at, values + (p - lo) * D, D);
+            }
+            for (int64_t t = first; t < last; t++) {
+                const int64_t pos = context - (last - t);  /* this query's position */
+                const int64_t start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                const int64_t n = pos + 1 - start;
+                const float *k = keys + (start - lo) * D, *v = values + (start - lo) * D;
+                for (int h = 0; h < group; h++) {
+                    const float *q = queries + (t * num_heads + (int64_t)g * group + h) * D;
+                    float best = -INFINITY, total = 0.0f;
+                    for (int64_t j = 0; j < n; j++) scores[j] = dot(q, k + j * D, D) * scale;
+#pragma omp simd reduction(max : best)
+                    for (int64_t j = 0; j < n; j++) best = scores[j] > best ? scores[j] : best;
+                    for (int64_t j = 0; j < n; j++) scores[j] = exp_approx(scores[j] - best);
+#pragma omp simd reduction(+ : total)
+                    for (int64_t j = 0; j < n; j++) total += scores[j];
+                    const float inv = 1.0f / total;
+                    float *a = acc + h * D;
+                    memset(a, 0, (size_t)D * sizeof(float));
+                    for (int64_t j = 0; j < n; j++) {
+                        const float weight = scores[j] * inv;
+                        const float *vj = v + j * D;
+                        for (int i = 0; i < D; i++) a[i] += weight * vj[i];
+                    }
+                }
+                from_f32(dtype, acc, (char *)out + (t * num_heads + (int64_t)g * group) * D * esize, (int64_t)group * D);
+            }
+        }
+    }
+    free(scores);
+    free(queries);
+    return 0;
+}
