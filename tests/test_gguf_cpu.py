@@ -55,12 +55,13 @@ def test_c_gemv_multiplies_the_exact_weights_for_each_row_count(quant_type):
     assert torch.equal(threads, gguf_cpu_native.gemv(x[:3], data, quant_type, num_threads=1))  # rows split, same sums
 
 
-@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_c_bf16_gemv_multiplies_the_exact_weights(quant_type):
     if not gguf_cpu_native.has_bf16(quant_type):
         pytest.skip("this CPU has no AVX-512 BF16")
     # Q4_0/Q4_1: 576 columns = four-block groups and a tail of two blocks (the bundled SmolLM2's width)
-    num_columns = 576 if quant_type in ("Q4_0", "Q4_1") else 512
+    # Q8_0: 544 columns = pairs of blocks and an odd last one
+    num_columns = {"Q4_0": 576, "Q4_1": 576, "Q8_0": 544}.get(quant_type, 512)
     data = random_blocks(quant_type, 33, num_columns, seed=4)
     x = torch.randn(8, num_columns, generator=torch.Generator().manual_seed(5)).bfloat16()
     for rows in range(1, 9):
@@ -83,13 +84,13 @@ def test_q4_bf16_out_is_the_float32_result_rounded_to_nearest_even(quant_type):
         assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), to_float32(x).bfloat16().view(torch.int16))
 
 
-@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_bf16_gemv_is_row_invariant(quant_type):
     """Each row of x takes the same operations whatever the row count: a speculative verify step of
     k + 1 rows gives each row the bits a one-row decode step gives it."""
     if not gguf_cpu_native.has_bf16(quant_type):
         pytest.skip("this CPU has no AVX-512 BF16")
-    columns = 576 if quant_type in ("Q4_0", "Q4_1") else 768
+    columns = {"Q4_0": 576, "Q4_1": 576, "Q8_0": 544}.get(quant_type, 768)
     data = random_blocks(quant_type, 40, columns, seed=9)
     gemv = gguf_cpu_native.gemv_routine(data, quant_type, bf16=True, bf16_out=quant_type in ("Q4_0", "Q4_1"))
     x = torch.randn(8, columns, generator=torch.Generator().manual_seed(10)).bfloat16()

@@ -832,6 +832,76 @@ typedef void (*bf16_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t
     }
 BF16_FN(q4_k_bf16, q4_k_bf16_rows)
 BF16_FN(q6_k_bf16, q6_k_bf16_rows)
+
+/* Q8_0: a code (-128..127) is exact in bf16, so each block's 32 products are exact too. Two blocks a
+   step: one vdpbf16ps takes block a's elements 0-15 in its lanes 0-7 and block b's 0-15 in lanes 8-15
+   (cvtne2ps of their float codes, exact), a second their elements 16-31, chained, then one multiply by
+   (d_a in lanes 0-7, d_b in 8-15): w x = d (q x) with the file's fp16 d. x is laid out once per call in
+   that order (q8_x_order: per 64 inputs, 0-15, 32-47, 16-31, 48-63; an odd last block as it is). Every
+   row of x runs the same operations whatever M is. */
+static void q8_x_order(const uint16_t *x, int64_t K, int M, uint16_t *xr) {
+    for (int m = 0; m < M; m++) {
+        const uint16_t *src = x + m * K;
+        uint16_t *dst = xr + m * K;
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            memcpy(dst + k, src + k, 32);
+            memcpy(dst + k + 16, src + k + 32, 32);
+            memcpy(dst + k + 32, src + k + 16, 32);
+            memcpy(dst + k + 48, src + k + 48, 32);
+        }
+        if (k < K) memcpy(dst + k, src + k, (size_t)(K - k) * 2);
+    }
+}
+
+#define Q8_CODES(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+
+static inline __attribute__((always_inline)) void q8_0_bf16_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
+        const int M, float *out, int64_t out_stride) {
+    const int64_t num_blocks = K / 32, pairs = num_blocks / 2;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = data + n * row_stride;
+        __m512 acc[M][2];
+        UNROLL_M for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint8_t *a = row + p * 68, *b = a + 34;
+            PREFETCH(a, 68);
+            const __m512i w0 = (__m512i)_mm512_cvtne2ps_pbh(Q8_CODES(b + 2), Q8_CODES(a + 2));
+            const __m512i w1 = (__m512i)_mm512_cvtne2ps_pbh(Q8_CODES(b + 18), Q8_CODES(a + 18));
+            const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(f16(a)), _mm256_set1_ps(f16(b)), 1);
+            UNROLL_M for (int m = 0; m < M; m++) {
+                const uint16_t *xp = xr + m * K + 64 * p;
+                const __m512 sum = _mm512_dpbf16_ps(DP(w0, xp), (__m512bh)w1, X_BF16(xp + 32));
+                acc[m][p & 1] = _mm512_fmadd_ps(d, sum, acc[m][p & 1]);
+            }
+        }
+        if (num_blocks & 1) {  /* the odd last block: elements 0-15 in lanes 0-7, 16-31 in 8-15 */
+            const uint8_t *a = row + pairs * 68;
+            const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(Q8_CODES(a + 18), Q8_CODES(a + 2));
+            const __m512 d = _mm512_set1_ps(f16(a));
+            UNROLL_M for (int m = 0; m < M; m++)
+                acc[m][0] = _mm512_fmadd_ps(d, DP(w, xr + m * K + 64 * pairs), acc[m][0]);
+        }
+        UNROLL_M for (int m = 0; m < M; m++)
+            out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    }
+}
+
+static void q8_0_bf16(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr, int M,
+                      float *out, int64_t ldo) {
+    switch (M) {
+    case 1: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 1, out, ldo); break;
+    case 2: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 2, out, ldo); break;
+    case 3: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 3, out, ldo); break;
+    case 4: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 4, out, ldo); break;
+    case 5: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 5, out, ldo); break;
+    case 6: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 6, out, ldo); break;
+    case 7: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 7, out, ldo); break;
+    default: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 8, out, ldo); break;
+    }
+}
+
 #endif
 
 typedef void (*gemv_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const float *, int, float *, int64_t);
@@ -887,7 +957,7 @@ int gguf_dequant(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, 
 /* bf16 x: 1 if this build has a bf16 kernel for qtype (Q4_K, Q6_K). */
 int gguf_has_bf16(int qtype) {
 #if defined(HAS_BF16_KERNELS)
-    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K || qtype == Q6_K;
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K;
 #else
     (void)qtype;
     return 0;
@@ -895,6 +965,19 @@ int gguf_has_bf16(int qtype) {
 }
 
 #if defined(HAS_BF16_KERNELS)
+/* Q8_0 rows by q8_0_bf16: x laid out once (q8_x_order), then the rows split over the threads. */
+static int q8_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
+                   float *out, int64_t out_stride, int num_threads) {
+    uint16_t stack_xr[16384];
+    const int on_stack = M * K <= 16384;
+    uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
+    if (!xr) return -3;
+    q8_x_order(x, K, M, xr);
+    OVER_ROW_PARTS(N, num_threads, q8_0_bf16(data, row_stride, n0, n1, K, xr, M, out, out_stride));
+    if (!on_stack) free(xr);
+    return 0;
+}
+
 /* Q4_0/Q4_1 rows by the grouped kernel: x laid out in its order once (q4_x_order), then the rows
    [0, N) split over the threads; out float32, or bf16 (rounded to nearest even) with bf16_out. */
 static int q4_gemv(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
@@ -930,10 +1013,11 @@ static void block_sums(const uint16_t *x, int64_t K, int M, float *xsum) {
 int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
                    int M, float *out, int64_t out_stride, int num_threads) {
 #if defined(HAS_BF16_KERNELS)
-    const int block_size = qtype == Q4_0 || qtype == Q4_1 ? 32 : 256;
+    const int block_size = qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 ? 32 : 256;
     if (!gguf_has_bf16(qtype) || M < 1 || M > 8 || K % block_size) return -1;
     float xsum[8 * 1024];  /* per 32 inputs of each row of x: Q4_K's and Q4_1's minimums multiply these */
     if (K / 32 > 1024) return -2;
+    if (qtype == Q8_0) return q8_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads);
     if (qtype == Q4_K || qtype == Q4_1) block_sums(x, K, M, xsum);
     if (qtype == Q4_0 || qtype == Q4_1) return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, 0);
     const bf16_rows_fn fn = qtype == Q4_K ? q4_k_bf16 : q6_k_bf16;

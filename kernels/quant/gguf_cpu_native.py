@@ -86,7 +86,7 @@ def has_avx512() -> bool:
 
 
 def has_bf16(quant_type: str) -> bool:
-    """Whether this build multiplies ``quant_type`` blocks by bf16 ``x`` directly (Q4_0, Q4_1, Q4_K, Q6_K
+    """Whether this build multiplies ``quant_type`` blocks by bf16 ``x`` directly (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
     with AVX-512 BF16: bf16 dot products of the exact integer codes, then the file's scales in float32)."""
     library = _library()
     return library is not None and quant_type in QTYPE_IDS and bool(library.gguf_has_bf16(QTYPE_IDS[quant_type]))
