@@ -99,13 +99,14 @@ def test_panels_refuse_bad_inputs_by_name():
         gguf_cpu_native.panel_gemv_routine(torch.zeros(1, 7, dtype=torch.uint8), "Q4_1")
 
 
+# Layer 1: a qkv of Q4_0, Q4_0, Q8_0 runs and a Q8_0 down projection (Q8_0 layers take panels too).
 Q4_LAYER_TYPES = [("Q4_1", "Q4_1", "Q4_1", "Q4_0", "Q4_0", "Q4_1", "Q4_1"),
-                  ("Q4_0", "Q4_0", "Q4_0", "Q4_1", "Q4_1", "Q4_1", "Q4_0")]
+                  ("Q4_0", "Q4_0", "Q8_0", "Q4_1", "Q4_1", "Q4_1", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
 def q4_file(tmp_path_factory):
-    """A tiny Llama of Q4_0/Q4_1 linears and a tied Q8_0 embedding (as the bundled SmolLM2), and an HF
+    """A tiny Llama of Q4_0/Q4_1/Q8_0 linears and a tied Q8_0 embedding (as the bundled SmolLM2), and an HF
     directory of its dequantized weights."""
     root = tmp_path_factory.mktemp("gguf_panels")
     path = root / "q4.gguf"
@@ -135,6 +136,8 @@ def test_float32_load_runs_q4_layers_on_panels_and_matches_hf_on_the_dequantized
             assert layer.weight.dtype == torch.float32  # the dense copy for batches
         qkv = dict(linear_layers(model))["layers.0.self_attn.qkv_proj"]
         assert [quant_type for quant_type, _ in qkv.method.panel_runs(qkv)] == ["Q4_1"]
+        qkv1 = dict(linear_layers(model))["layers.1.self_attn.qkv_proj"]
+        assert [quant_type for quant_type, _ in qkv1.method.panel_runs(qkv1)] == ["Q4_0", "Q8_0"]
         assert isinstance(model.lm_head, CpuBlockLogitsHead) and isinstance(model.embed_tokens, CpuBlockEmbedding)
         assert model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()  # one tied copy
         outputs = llm.generate(prompts[:2], params, use_tqdm=False) + llm.generate(prompts[2:], params, use_tqdm=False)

@@ -1,7 +1,10 @@
-"""GGUF Q4_0/Q4_1 weights on the CPU: decode steps on the file's blocks (exact), batches on a dense copy.
+"""GGUF Q4_0/Q4_1 (and, in float32, Q8_0) weights on the CPU: decode steps on the file's blocks (exact),
+batches on a dense copy.
 
-Chosen before loading for a linear layer whose every checkpoint shard is a Q4_0 or Q4_1 tensor
-(the checkpoint says so in ``weight_formats``). Where this machine's C kernels have the bf16 Q4
+Chosen before loading for a linear layer whose every checkpoint shard is a Q4_0 or Q4_1 tensor, or in
+float32 also Q8_0 (the checkpoint says so in ``weight_formats``; in bf16 a Q8_0 layer runs
+``GGUFBlockLinearMethod``'s bf16 kernels). In float32 (CPUs without AVX-512 BF16) where the AVX2 panel
+kernels are built, the blocks are repacked into panels of 8 rows for decode steps. Where this machine's C kernels have the bf16 Q4
 kernels (AVX-512 BF16, ``kernels/quant/gguf_cpu_native.py``), the layer keeps the file's blocks (a
 uint8 buffer per run of same-type shards, as ``GGUFBlockLinearMethod``) and steps of up to
 ``gguf_cpu_native.MAX_ROWS`` rows (decode, speculative verification) multiply them in place: the
@@ -29,8 +32,9 @@ class GGUFInt4LinearMethod(LinearMethod):
     Q4_0 is ``scale = d, zero = 0``, Q4_1 ``scale = d, zero = m + 8 d``; the kernel holds scales
     and zeros in the compute dtype (bf16)."""
 
-    # llama.cpp types whose blocks this method packs.
-    quant_types = KEPT_TYPES
+    # llama.cpp types whose layers this method takes: Q4_0/Q4_1 (int4 codes, bf16 blocks, float32 panels)
+    # and Q8_0 (float32 panels; elsewhere its dense copy alone).
+    quant_types = KEPT_TYPES + ("Q8_0",)
 
     @staticmethod
     def supports(layer, device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -59,6 +63,9 @@ class GGUFInt4LinearMethod(LinearMethod):
         if _exact_blocks(loaded.quant_type, param.dtype) and loaded.input_order is None:
             layer.__dict__.setdefault("_gguf_shards", []).append((offset, loaded.quant_type, loaded.data.clone()))
             return
+        if loaded.quant_type not in KEPT_TYPES:  # Q8_0 without its kernels: the dense copy only
+            layer.__dict__["_gguf_dense_only"] = True
+            return
         codes, scales, zeros = _int4_parts(layer)
         shard_codes, shard_scales, shard_zeros = loaded.int4_parts()
         codes.narrow(0, offset, rows).copy_(shard_codes)
@@ -67,6 +74,13 @@ class GGUFInt4LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         shards = layer.__dict__.pop("_gguf_shards", None)
+        if layer.__dict__.pop("_gguf_dense_only", False):  # a shard had no kernel here: all rows dense
+            layer.__dict__.pop("_int4_parts", None)
+            dense = cpu_ops.pack_dense_weight(layer.weight)
+            layer.cpu_weight = None if dense is None else CpuLinear(dense, None)
+            if dense is not None:
+                del layer.weight
+            return
         if shards is not None and "_int4_parts" not in layer.__dict__:
             # Runs of consecutive shards of one type, each one buffer of the file's block rows.
             runs = []
@@ -124,6 +138,8 @@ class GGUFInt4LinearMethod(LinearMethod):
         return total
 
     def apply(self, layer, x, bias):
+        if getattr(layer, "cpu_weight", None) is None and "weight" in layer._parameters:  # dense only, plain
+            return F.linear(x, layer.weight, bias)
         if self.panel_runs(layer) is not None:
             return _panel_routine(self.panel_runs(layer), layer.weight, bias)(x)
         runs = self.block_runs(layer)
@@ -142,7 +158,7 @@ class GGUFInt4LinearMethod(LinearMethod):
             return _panel_routine(self.panel_runs(layer), layer.weight, layer.bias)
         runs = self.block_runs(layer)
         if runs is None:
-            return layer.cpu_weight.routine(layer.bias)
+            return None if layer.cpu_weight is None else layer.cpu_weight.routine(layer.bias)
         exact = gguf_cpu.gguf_linear_routine(runs, layer.bias)
         dense = None if layer.cpu_weight is None else layer.cpu_weight.routine(layer.bias)
         if dense is None:
