@@ -118,15 +118,56 @@ static inline float exp_approx(float x) {
     return p * two_to_n;
 }
 
+/* x[i] = exp(x[i]): exp_approx's arithmetic, 16 or 8 lanes at a time (2^n put in the exponent bits). */
+static void exp_inplace(float *x, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+        const __m512 k = _mm512_floor_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
+        __m512 r = _mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+        r = _mm512_add_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+        const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+        _mm512_storeu_ps(x + i, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+        const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+        __m256 r = _mm256_sub_ps(v, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f)));
+        r = _mm256_add_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(2.12194440e-4f)));
+        __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+        p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+    }
+#endif
+    for (; i < n; i++) x[i] = exp_approx(x[i]);
+}
+
 /* out = round(silu(gate)) * up over rows of [gate | up] (`inter` each). reference: activation silu_and_mul. */
 int step_silu_and_mul(int dtype, const void *x, int64_t rows, int64_t inter, void *out) {
-    float *buf = (float *)malloc((size_t)inter * 2 * sizeof(float));
+    float *buf = (float *)malloc((size_t)inter * 3 * sizeof(float));
     if (!buf) return 1;
     const int64_t esize = dtype == DT_BF16 ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
         to_f32(dtype, (const char *)x + r * 2 * inter * esize, buf, 2 * inter);
-        float *gate = buf, *up = buf + inter;
-        for (int64_t i = 0; i < inter; i++) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i]));
+        float *gate = buf, *up = buf + inter, *e = buf + 2 * inter;
+        for (int64_t i = 0; i < inter; i++) e[i] = -gate[i];
+        exp_inplace(e, inter);
+        for (int64_t i = 0; i < inter; i++) gate[i] = gate[i] / (1.0f + e[i]);
         if (dtype == DT_BF16) {
             uint16_t *o = (uint16_t *)out + r * inter;
             for (int64_t i = 0; i < inter; i++) o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gate[i])) * up[i]);
@@ -157,6 +198,60 @@ static inline float dot(const float *a, const float *b, int n) {
 #endif
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
+}
+
+/* out[c] = sum_j w[j] * v[j * D + c]: the accumulators stay in registers across the rows j (a loop over
+ * out in memory would wait on its own stores). */
+static void weighted_rows(const float *w, const float *v, int64_t n, int D, float *out) {
+    int c = 0;
+#if defined(__AVX512F__)
+    for (; c + 64 <= D; c += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 s = _mm512_set1_ps(w[j]);
+            const float *r = v + j * D + c;
+            a0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r), a0);
+            a1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r + 16), a1);
+            a2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r + 32), a2);
+            a3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r + 48), a3);
+        }
+        _mm512_storeu_ps(out + c, a0);
+        _mm512_storeu_ps(out + c + 16, a1);
+        _mm512_storeu_ps(out + c + 32, a2);
+        _mm512_storeu_ps(out + c + 48, a3);
+    }
+    for (; c + 16 <= D; c += 16) {
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(v + j * D + c), a0);
+        _mm512_storeu_ps(out + c, a0);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; c + 32 <= D; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 s = _mm256_set1_ps(w[j]);
+            const float *r = v + j * D + c;
+            a0 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r), a0);
+            a1 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r + 8), a1);
+            a2 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r + 16), a2);
+            a3 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r + 24), a3);
+        }
+        _mm256_storeu_ps(out + c, a0);
+        _mm256_storeu_ps(out + c + 8, a1);
+        _mm256_storeu_ps(out + c + 16, a2);
+        _mm256_storeu_ps(out + c + 24, a3);
+    }
+    for (; c + 8 <= D; c += 8) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + j * D + c), a0);
+        _mm256_storeu_ps(out + c, a0);
+    }
+#endif
+    for (; c < D; c++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; j++) a += w[j] * v[j * D + c];
+        out[c] = a;
+    }
 }
 
 /* One layer's attention from its fused projection qkv [T, (H + 2 Hkv) * D] (rows `qkv_stride` apart):
@@ -233,17 +328,13 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
                     for (int64_t j = 0; j < n; j++) scores[j] = dot(q, k + j * D, D) * scale;
 #pragma omp simd reduction(max : best)
                     for (int64_t j = 0; j < n; j++) best = scores[j] > best ? scores[j] : best;
-                    for (int64_t j = 0; j < n; j++) scores[j] = exp_approx(scores[j] - best);
+                    for (int64_t j = 0; j < n; j++) scores[j] -= best;
+                    exp_inplace(scores, n);
 #pragma omp simd reduction(+ : total)
                     for (int64_t j = 0; j < n; j++) total += scores[j];
                     const float inv = 1.0f / total;
-                    float *a = acc + h * D;
-                    memset(a, 0, (size_t)D * sizeof(float));
-                    for (int64_t j = 0; j < n; j++) {
-                        const float weight = scores[j] * inv;
-                        const float *vj = v + j * D;
-                        for (int i = 0; i < D; i++) a[i] += weight * vj[i];
-                    }
+                    for (int64_t j = 0; j < n; j++) scores[j] *= inv;
+                    weighted_rows(scores, v, n, D, acc + h * D);
                 }
                 from_f32(dtype, acc, (char *)out + (t * num_heads + (int64_t)g * group) * D * esize, (int64_t)group * D);
             }

@@ -34,6 +34,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_step_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+# Extra compiler flags, after FLAGS (shared with the GGUF kernels): ``HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f``
+# builds the AVX2 paths on an AVX-512 machine, to test them there.
+EXTRA_FLAGS_ENV = "HEARTH_LLM_KERNEL_CFLAGS"
 DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1}
 # A head wider than this does not fit the kernel's rotary scratch.
 MAX_HEAD_DIM = 512
@@ -188,7 +191,8 @@ def _built_library() -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+    flags = (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(),
                                      _compiler_version(compiler), _cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("HEARTH_LLM_KERNEL_CACHE", "~/.cache/hearth_llm/kernels")).expanduser()
     path = cache / f"cpu_step_{key}.so"
@@ -198,7 +202,7 @@ def _built_library() -> Path | None:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / path.name
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
                            timeout=300)
             os.replace(built, path)  # atomic: a concurrent process sees the whole library or none
     except (OSError, subprocess.SubprocessError) as error:
