@@ -548,39 +548,63 @@ static inline __m512i bf16_table(int first, int mask) {
 #define X_BF16(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
 #define DP(w, xp) _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)(w), X_BF16(xp))
 
-static inline __attribute__((always_inline)) void q4_k_bf16_rows(
-        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
+#define Q4_WORDS(p) _mm512_mask_srli_epi16(                                                           \
+    _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))),       \
+    (__mmask32)0xFFFF0000u, _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))), 4)
+
+/* Q4_K, two sub-blocks per vector: code chunk c (32 bytes) holds sub-block 2c in its low nibbles and
+   2c + 1 in its high ones, so Q4_WORDS of its bytes 16j..16j+15 puts elements 16j.. of sub-block 2c in
+   lanes 0-7 of a vdpbf16ps and those of 2c + 1 in lanes 8-15; the two (j = 0, 1) chain into one sum,
+   then one fused multiply by (scale[2c] in lanes 0-7, scale[2c + 1] in 8-15): four per block and row
+   instead of eight, and the minimums one 8-lane multiply of the sub-blocks' x sums. x is laid out once
+   per call in that order (q8_x_order's: per 64 inputs 0-15, 32-47, 16-31, 48-63). */
+static inline __attribute__((always_inline)) void q4_k_bf16_grouped_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
         const float *xsum, const int M, float *out, int64_t out_stride) {
     const __m512i table = bf16_table(0, 15);  /* entry i: bf16(i & 15); vpermw reads 5 index bits */
+    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const int64_t num_blocks = K / 256;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
-        __m512 acc[M][2];
-        float minsum[M];
-        UNROLL_M for (int m = 0; m < M; m++) { acc[m][0] = acc[m][1] = _mm512_setzero_ps(); minsum[m] = 0.0f; }
+        __m512 acc[M];
+        __m256 minsum[M];
+        UNROLL_M for (int m = 0; m < M; m++) { acc[m] = _mm512_setzero_ps(); minsum[m] = _mm256_setzero_ps(); }
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 144;
             PREFETCH(b, 144);
             float scale[8], minimum[8];
             k_scales_vec(b + 4, f16(b), f16(b + 2), scale, minimum);
+            const __m512 scales = _mm512_castps256_ps512(_mm256_loadu_ps(scale));
+            const __m256 mins = _mm256_loadu_ps(minimum);
             for (int c = 0; c < 4; c++) {
-                const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
-                const __m512i lo = _mm512_permutexvar_epi16(words, table);
-                const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-                const __m512 s0 = _mm512_set1_ps(scale[2 * c]), s1 = _mm512_set1_ps(scale[2 * c + 1]);
+                const __m512i w0 = _mm512_permutexvar_epi16(Q4_WORDS(b + 16 + 32 * c), table);
+                const __m512i w1 = _mm512_permutexvar_epi16(Q4_WORDS(b + 32 + 32 * c), table);
+                const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * c)), scales);
                 UNROLL_M for (int m = 0; m < M; m++) {
-                    const uint16_t *xb = x + m * K + blk * 256 + 64 * c;
-                    acc[m][0] = _mm512_fmadd_ps(s0, DP(lo, xb), acc[m][0]);
-                    acc[m][1] = _mm512_fmadd_ps(s1, DP(hi, xb + 32), acc[m][1]);
+                    const uint16_t *xb = xr + m * K + blk * 256 + 64 * c;
+                    const __m512 sum = _mm512_dpbf16_ps(DP(w0, xb), (__m512bh)w1, X_BF16(xb + 32));
+                    acc[m] = _mm512_fmadd_ps(sv, sum, acc[m]);
                 }
             }
-            UNROLL_M for (int m = 0; m < M; m++) {
-                const float *xs = xsum + m * (K / 32) + blk * 8;
-                for (int s = 0; s < 8; s++) minsum[m] += minimum[s] * xs[s];
-            }
+            UNROLL_M for (int m = 0; m < M; m++)
+                minsum[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsum + m * (K / 32) + blk * 8), minsum[m]);
         }
         UNROLL_M for (int m = 0; m < M; m++)
-            out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) - minsum[m];
+            out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m]) - hsum8(minsum[m]);
+    }
+}
+
+static void q4_k_grouped(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
+                         const float *xsum, int M, float *out, int64_t ldo) {
+    switch (M) {
+    case 1: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 1, out, ldo); break;
+    case 2: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 2, out, ldo); break;
+    case 3: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 3, out, ldo); break;
+    case 4: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 4, out, ldo); break;
+    case 5: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 5, out, ldo); break;
+    case 6: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 6, out, ldo); break;
+    case 7: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 7, out, ldo); break;
+    default: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 8, out, ldo); break;
     }
 }
 
@@ -651,9 +675,6 @@ static inline __m512i q4_word_table(int offset) {
     return _mm512_loadu_si512(t);
 }
 
-#define Q4_WORDS(p) _mm512_mask_srli_epi16(                                                           \
-    _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))),       \
-    (__mmask32)0xFFFF0000u, _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))), 4)
 
 static inline __attribute__((always_inline)) void q4_01_bf16_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
@@ -830,7 +851,6 @@ typedef void (*bf16_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t
         default: ROWS(data, rs, n0, n1, K, x, xsum, 8, out, ldo); break;                             \
         }                                                                                            \
     }
-BF16_FN(q4_k_bf16, q4_k_bf16_rows)
 BF16_FN(q6_k_bf16, q6_k_bf16_rows)
 
 /* Q8_0: a code (-128..127) is exact in bf16, so each block's 32 products are exact too. Two blocks a
@@ -965,6 +985,19 @@ int gguf_has_bf16(int qtype) {
 }
 
 #if defined(HAS_BF16_KERNELS)
+/* Q4_K rows by q4_k_grouped: x laid out once (q8_x_order), then the rows split over the threads. */
+static int q4k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
+                    const float *xsum, int M, float *out, int64_t out_stride, int num_threads) {
+    uint16_t stack_xr[16384];
+    const int on_stack = M * K <= 16384;
+    uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
+    if (!xr) return -3;
+    q8_x_order(x, K, M, xr);
+    OVER_ROW_PARTS(N, num_threads, q4_k_grouped(data, row_stride, n0, n1, K, xr, xsum, M, out, out_stride));
+    if (!on_stack) free(xr);
+    return 0;
+}
+
 /* Q8_0 rows by q8_0_bf16: x laid out once (q8_x_order), then the rows split over the threads. */
 static int q8_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
                    float *out, int64_t out_stride, int num_threads) {
@@ -1019,9 +1052,9 @@ int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N
     if (K / 32 > 1024) return -2;
     if (qtype == Q8_0) return q8_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads);
     if (qtype == Q4_K || qtype == Q4_1) block_sums(x, K, M, xsum);
+    if (qtype == Q4_K) return q4k_gemv(data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads);
     if (qtype == Q4_0 || qtype == Q4_1) return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, 0);
-    const bf16_rows_fn fn = qtype == Q4_K ? q4_k_bf16 : q6_k_bf16;
-    OVER_ROW_PARTS(N, num_threads, fn(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride));
+    OVER_ROW_PARTS(N, num_threads, q6_k_bf16(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride));
     return 0;
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
