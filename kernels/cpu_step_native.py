@@ -43,9 +43,13 @@ MAX_HEAD_DIM = 512
 _lock = threading.Lock()
 
 
+# Read once: callers ask on every op.
+IS_TURNED_OFF = os.environ.get("HEARTH_LLM_CPU_STEP_KERNELS", "1") == "0"
+
+
 def available() -> bool:
     """Whether the kernels are built (or can be built now) for this machine and not turned off."""
-    return os.environ.get("HEARTH_LLM_CPU_STEP_KERNELS", "1") != "0" and _library() is not None
+    return not IS_TURNED_OFF and _library() is not None
 
 
 def _contiguous_rows(*tensors: torch.Tensor) -> bool:

@@ -96,18 +96,21 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
                                             meta.block_tables)
     if step is None:
         return None
-    rms_norm, silu_and_mul = cpu_step_native.rms_norm, cpu_step_native.silu_and_mul
-    residual, has_residual = torch.empty_like(hidden), False  # the norms update it in place
+    rms_norm, silu_and_mul, attend = cpu_step_native.rms_norm, cpu_step_native.silu_and_mul, step.attend
+    # The norms update the residual in place and write their rows into one buffer, which each
+    # projection reads before the next norm runs.
+    residual, normed = torch.empty_like(hidden), torch.empty_like(hidden)
+    has_residual = False
     for layer, (key_cache, value_cache) in zip(layers, kv_caches):
         norm = layer.input_norm
-        normed = rms_norm(hidden, norm.weight, norm.eps, residual if has_residual else None, sum_out=residual)[0]
+        rms_norm(hidden, norm.weight, norm.eps, residual if has_residual else None, out=normed, sum_out=residual)
         has_residual = True
         qkv = _same_dtype(layer.qkv_proj.forward(normed), dtype)
-        heads = step.attend(qkv, layer.rotary.cos_sin_cache, key_cache, value_cache, layer.num_heads,
-                            layer.num_kv_heads, layer.scale, layer.sliding_window)
+        heads = attend(qkv, layer.rotary.cos_sin_cache, key_cache, value_cache, layer.num_heads, layer.num_kv_heads,
+                       layer.scale, layer.sliding_window)
         hidden = _same_dtype(layer.o_proj.forward(heads), dtype)
         norm = layer.post_norm
-        normed = rms_norm(hidden, norm.weight, norm.eps, residual, sum_out=residual)[0]
+        rms_norm(hidden, norm.weight, norm.eps, residual, out=normed, sum_out=residual)
         gate_up = layer.gate_up_proj.forward(normed)
         hidden = _same_dtype(layer.down_proj.forward(silu_and_mul(gate_up.contiguous())), dtype)
     return hidden, residual

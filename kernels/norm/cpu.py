@@ -4,16 +4,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_step_native
 from . import reference
+
+# Rows up to which the C kernel (one thread) takes a 2-D norm; more go to torch's kernel, which may use
+# every thread.
+MAX_NATIVE_ROWS = 64
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """As :func:`reference.rms_norm`, through torch's one fused norm kernel.
+    """As :func:`reference.rms_norm`: a few contiguous rows in one C pass (``cpu_step_native``), else
+    through torch's one fused norm kernel.
 
     ``F.rms_norm`` is several ops on the CPU (and slow in bf16); ``F.layer_norm`` is one. Over
     ``[x, -x]`` the mean is zero and the variance is ``mean(x**2)``, so layer norm of that, cut back
     to its first half, is the RMS norm of ``x``.
     """
+    if (x.dim() == 2 and x.shape[0] <= MAX_NATIVE_ROWS and cpu_step_native.supports_rms_norm(x, weight, residual)
+            and cpu_step_native.available()):
+        return cpu_step_native.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
     size = x.shape[-1]
