@@ -2,11 +2,14 @@
 and verify rows whose logits round as a decode step's do."""
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from hearth_llm.engine import EngineConfig, SamplingParams
 from hearth_llm.engine.spec_decode import NgramProposer, SpeculativeConfig, step_costs_for
@@ -138,6 +141,34 @@ def test_a_match_whose_occurrences_disagree_is_flagged_ambiguous():
     assert (match.length, match.start, match.is_ambiguous) == (1, 3, True)   # 9 -> 4, then 9 -> 5
     match = proposer.find_match([9, 4, 7, 1, 9, 4, 2, 9])     # 9 -> 4 both times
     assert (match.length, match.is_ambiguous) == (1, False)
+
+
+def windowed_match(token_ids: list[int], min_n: int, max_n: int):
+    """The reference: for n = max_n .. min_n, every window of n tokens before the suffix compared
+    with it; (length, start of what followed the latest, whether other occurrences disagree)."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        matches = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[-n:]).all(axis=1))
+        if matches.size:
+            following = tokens[matches + n]
+            return n, int(matches[-1]) + n, bool((following != following[-1]).any())
+    return None
+
+
+def test_the_match_is_the_windowed_searchs_on_random_sequences():
+    generator = random.Random(7)
+    for _ in range(3000):
+        tokens = [generator.randrange(generator.choice([2, 3, 5, 40])) for _ in range(generator.randint(1, 48))]
+        low = generator.randint(1, 4)
+        high = generator.randint(low, 7)
+        match = NgramProposer(min_n=low, max_n=high).find_match(tokens)
+        expected = windowed_match(tokens, low, high)
+        assert (None if match is None else (match.length, match.start, match.is_ambiguous)) == expected, tokens
+        if match is not None:   # the tokens before the continuation are the suffix's last match.length
+            assert tokens[match.start - match.length:match.start] == tokens[-match.length:]
+    assert NgramProposer(min_n=1, max_n=2).find_match((3, 4, 3)).start == 1   # any sequence type
 
 
 def test_with_step_costs_a_weak_match_proposes_nothing_and_a_long_one_its_cheap_rows():
