@@ -24,11 +24,12 @@ from .gguf_reference import block_format, dequantize
 # Each tile is a oneDNN call, and smaller tiles cost more calls: 500 rows x [16384, 2048] Q4_K, CPU ms
 # (1 / 2 threads, shared cores): 1 Mi 156 / 282, 2 Mi 145 / 294, 4 Mi 57-114 / 149-237, 8 Mi 87-134 / 114-145.
 TILE_ELEMENTS = 1 << 22
-# The bf16 kernels (Q4_K, Q6_K) win at every row count since all their rows run in one pass over the
-# blocks with the loops over rows unrolled (1 thread, [8192, 2048] hot, EPYC Zen 4, ms, bf16 / float32:
-# Q4_K 0.77 / 1.17 at 1 row, 1.30 / 1.64 at 2, 2.88 / 3.13 at 5, 5.26 / 6.05 at 8; Q6_K 1.04 / 2.90,
-# 1.30 / 3.08, 2.18 / 3.46, 3.58 / 6.22), and they keep the same accumulators for any row count, so a
-# verify step's rows get a one-row step's bits (the float32 GEMV keeps fewer for more rows).
+# The bf16 kernels (Q8_0, Q4_K, Q6_K) win at every row count since all their rows run in one pass over
+# the blocks (1 thread, [8192, 2048] hot, EPYC Zen 4, ms, bf16 / float32: Q4_K 0.76 / 1.07 at 1 row,
+# 0.99 / 1.51 at 2, 1.86 / 2.79 at 5, 3.70 / 5.56 at 8; Q6_K 0.95 / 2.53, 1.21 / 2.95, 2.13 / 3.54,
+# 3.47 / 6.20; Q8_0 0.97 / 0.98, 1.21 / 1.49, 2.12 / 2.99, 4.18 / 5.72), and they keep the same
+# accumulators for any row count, so a verify step's rows get a one-row step's bits (the float32 GEMV
+# keeps fewer for more rows).
 BF16_MAX_ROWS = 8
 # Q4_0/Q4_1's bf16 kernels (four blocks per step, x laid out once per call) beat their float32 ones at
 # every row count: the bundled SmolLM2's 210 Q4_1 matrices, 1 thread, CPU ms per pass, bf16 / float32:
@@ -91,7 +92,7 @@ def gguf_linear_routine(runs, bias: torch.Tensor | None = None):
     """``routine(x)`` = ``x @ W.T + bias`` for a weight made of row runs ``[(quant_type, data), ...]``
     (their outputs joined in order), with decode-sized steps bound straight to the C GEMVs: one
     call per run and no dispatch (a decode step runs ~100 of these). bf16 ``x`` goes to the bf16
-    kernels where the type has one (Q4_0, Q4_1, Q4_K, Q6_K), else is read as float32. None where the C kernels
+    kernels where the type has one (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), else is read as float32. None where the C kernels
     are not built here."""
     if not gguf_cpu_native.available():
         return None

@@ -18,6 +18,17 @@ pure Q4 layers run panels of 8 rows (:func:`pack_panels`, :func:`panel_gemv_rout
 hot, AMD EPYC: Q4_1 12.4 G weights/s vs the AVX2 row GEMV 7.4 and a dense float32 matmul 6.1); the
 other types plain C loops.
 
+Steps of several rows (speculative verification, a few sequences) run every row of x against each
+decoded block in one pass, the same operations per row whatever M is (so a verify step's rows get a
+one-row step's bits; bf16 kernels for Q4_0/Q4_1/Q8_0/Q4_K/Q6_K). Measured 2026-12-02 (AMD EPYC Zen 4,
+AVX-512 BF16, 1 thread, CPU ms, interleaved with the previous build, load 2.6-4): [8192, 2048] hot, 1 / 5 /
+8 rows: Q4_1 0.63 / 1.74 / 3.54 (was 0.62 / 2.07 / 3.96), Q4_K 0.76 / 1.86 / 3.70 (0.73 / 3.62 / 4.85),
+Q6_K 0.95 / 2.13 / 3.47 (0.96 / 3.35 / 4.34), Q8_0 bf16 0.97 / 2.12 / 4.18 (float32 before: 0.98 / 5.10 /
+6.95); the bundled SmolLM2's 120 linears (cold), Q4_1: 6.5 / 14.2 / 22.0 ms (6.5 / 17.5 / 25.2). A 5-row
+step stays ~2x a 1-row one: vdpbf16ps runs one per cycle here (32 products), so each row of x costs at
+least K N / 32 cycles of multiplies, about what streaming a Q4 weight from DRAM costs; 8 rows of a
+2048-wide x no longer fit L1 beside the weight (M = 6-8 cost more per row).
+
 The shared library is cached under ``~/.cache/hearth_llm/kernels`` (``HEARTH_LLM_KERNEL_CACHE``),
 keyed by the source, the compiler flags, the compiler and this CPU's flags, so the compile (~5 s)
 happens once per machine. :func:`available` is False where no compiler is found or the build fails
