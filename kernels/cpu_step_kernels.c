@@ -14,6 +14,9 @@
 
 #define DT_F32 0
 #define DT_BF16 1
+/* Multiply-adds of q . k (positions x query rows x heads x head_dim) from which the attention's
+ * (sequence, kv head) pairs are spread over threads: below it a thread's start costs more. */
+#define PARALLEL_WORK (1 << 20)
 
 static inline float bf16_to_f32(uint16_t v) {
     union { uint32_t u; float f; } b;
@@ -265,7 +268,7 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
                               int rotary_dim, void *key_cache, void *value_cache, const int64_t *slots,
                               int block_size, int num_seqs, const int64_t *query_start_loc,
                               const int64_t *context_lens, const int64_t *block_tables, int64_t table_stride,
-                              float scale, int64_t window, void *out) {
+                              float scale, int64_t window, void *out, int num_threads) {
     const int64_t esize = dtype == DT_BF16 ? 2 : 4;
     const int D = head_dim, half = rotary_dim / 2;
     const int64_t kv_width = (int64_t)num_kv_heads * D;
@@ -296,21 +299,34 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
     }
     free(row);
     free(cs);
-    /* attention: per sequence and kv head, its visible keys and values widened to float32 once (for all
-     * of its query rows), then each query head of that kv head over its own causal range */
+    /* attention: per (sequence, kv head) pair, its visible keys and values widened to float32 once (for
+     * all of its query rows), then each query head of that kv head over its own causal range; the pairs
+     * spread over `num_threads` OpenMP threads when there is enough work */
     const int group = num_heads / num_kv_heads;
-    int64_t max_context = 0;
-    for (int b = 0; b < num_seqs; b++) max_context = context_lens[b] > max_context ? context_lens[b] : max_context;
-    float *scores = (float *)malloc((size_t)(max_context + 1 + group * D + 2 * (max_context + 1) * D) * sizeof(float));
-    if (!scores) { free(queries); return 1; }
-    float *acc = scores + max_context + 1, *keys = acc + group * D, *values = keys + (max_context + 1) * D;
+    int64_t max_context = 0, work = 0;
     for (int b = 0; b < num_seqs; b++) {
-        const int64_t first = query_start_loc[b], last = query_start_loc[b + 1], context = context_lens[b];
-        if (last <= first) continue;
-        const int64_t *table = block_tables + b * table_stride;
-        const int64_t first_pos = context - (last - first);
-        const int64_t lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
-        for (int g = 0; g < num_kv_heads; g++) {
+        max_context = context_lens[b] > max_context ? context_lens[b] : max_context;
+        work += context_lens[b] * (query_start_loc[b + 1] - query_start_loc[b]);
+    }
+    const int64_t num_pairs = (int64_t)num_seqs * num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_pairs > 1 && work * num_heads * D > PARALLEL_WORK)
+    {
+        float *scores = (float *)malloc((size_t)(max_context + 1 + group * D + 2 * (max_context + 1) * D) * sizeof(float));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t pair = 0; pair < num_pairs; pair++) {
+            if (!scores) continue;
+            const int b = (int)(pair / num_kv_heads), g = (int)(pair % num_kv_heads);
+            float *acc = scores + max_context + 1, *keys = acc + group * D, *values = keys + (max_context + 1) * D;
+            const int64_t first = query_start_loc[b], last = query_start_loc[b + 1], context = context_lens[b];
+            if (last <= first) continue;
+            const int64_t *table = block_tables + b * table_stride;
+            const int64_t first_pos = context - (last - first);
+            const int64_t lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
             for (int64_t p = lo; p < context; p++) {
                 const int64_t slot = table[p / block_size] * block_size + p % block_size;
                 const int64_t at = (slot * kv_width + (int64_t)g * D) * esize;
@@ -339,8 +355,8 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
                 from_f32(dtype, acc, (char *)out + (t * num_heads + (int64_t)g * group) * D * esize, (int64_t)group * D);
             }
         }
+        free(scores);
     }
-    free(scores);
     free(queries);
-    return 0;
+    return failed;
 }

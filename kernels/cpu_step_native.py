@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_step_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+# -fopenmp: torch's libgomp is already loaded and the loader reuses it (same soname): one thread pool.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
 # Extra compiler flags, after FLAGS (shared with the GGUF kernels): ``HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f``
 # builds the AVX2 paths on an AVX-512 machine, to test them there.
 EXTRA_FLAGS_ENV = "HEARTH_LLM_KERNEL_CFLAGS"
@@ -118,7 +119,7 @@ def rope_cache_attention(qkv, positions, cos_sin_cache, key_cache, value_cache, 
         positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[-1], key_cache.data_ptr(),
         value_cache.data_ptr(), slot_mapping.data_ptr(), key_cache.shape[1], context_lens.shape[0],
         query_start_loc.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), scale,
-        sliding_window or 0, out.data_ptr())
+        sliding_window or 0, out.data_ptr(), torch.get_num_threads())
     if status:
         raise MemoryError("step_rope_cache_attention: out of memory")
     return out
@@ -167,7 +168,7 @@ class AttentionStep:
             DTYPE_IDS[qkv.dtype], qkv.data_ptr(), qkv.stride(0), num_tokens, num_heads, num_kv_heads, head_dim,
             positions, cos_sin_cache.data_ptr(), cos_sin_cache.shape[-1], key_cache.data_ptr(), value_cache.data_ptr(),
             slots, key_cache.shape[1], num_seqs, query_start_loc, context_lens, tables, table_stride, scale,
-            sliding_window or 0, out.data_ptr())
+            sliding_window or 0, out.data_ptr(), torch.get_num_threads())
         if status:
             raise MemoryError("step_rope_cache_attention: out of memory")
         return out
@@ -185,7 +186,7 @@ def _library():
     library.step_silu_and_mul.argtypes = (c_int, ptr, i64, i64, ptr)
     library.step_rope_cache_attention.argtypes = (
         c_int, ptr, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64,
-        c_float, i64, ptr)
+        c_float, i64, ptr, c_int)
     for function in (library.step_rms_norm, library.step_silu_and_mul, library.step_rope_cache_attention):
         function.restype = c_int
     return library

@@ -72,7 +72,7 @@ def _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dty
     seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     rotary_dim = rotary_dim or head_dim
-    freqs = torch.outer(torch.arange(512.0), 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2) / rotary_dim))
+    freqs = torch.outer(torch.arange(1024.0), 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2) / rotary_dim))
     return dict(
         qkv=randn(sum(query_lens), (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, generator=generator),
         positions=positions, cos_sin_cache=torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype),
@@ -117,6 +117,20 @@ def test_rope_cache_attention_matches_the_references(dtype, case):
     assert_close(out, expected)
     assert_close(step["key_cache"], expected_keys)  # rotated keys stored (bf16: rounded once less)
     assert torch.equal(step["value_cache"], expected_values)
+
+
+def test_rope_cache_attention_spread_over_threads_matches_the_references():
+    # enough positions x heads for the kernel to split its (sequence, kv head) pairs over threads
+    step = _paged_step([1, 2, 1], [700, 900, 650], 8, 2, 64, torch.float32)
+    expected, expected_keys, _ = _reference(step)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = native.rope_cache_attention(**step)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, expected)
+    assert_close(step["key_cache"], expected_keys)
 
 
 def test_attention_step_binds_the_metadata_once_for_every_layer():
