@@ -52,8 +52,9 @@ async def test_a_polls_reply_carries_every_requests_outputs(replica, model_dir):
     tokens = [[t for out in items[f"r{i}"] for t in out.delta_token_ids] for i in range(3)]
     with LLM(model_dir, **KW) as single:
         assert tokens == [out.outputs[0].token_ids for out in single.generate(prompts, GREEDY, use_tqdm=False)]
-    # 3 requests x 5 tokens = 15 outputs; a poll takes a whole step's outputs at once
-    assert num_polls < 15
+    # 3 requests x 5 tokens = 15 outputs in 5 steps of 3; a poll takes whole steps' outputs (never a
+    # part of one, however the engine thread and the poller interleave)
+    assert num_polls <= 5, num_polls
 
 
 async def test_errors_travel_as_items(replica):

@@ -10,6 +10,7 @@ object, and a wake-up of the actor's event loop, per token per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import sys
@@ -64,18 +65,38 @@ class _Outbox:
         self._items: list[tuple[str, object]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._has_items: asyncio.Event | None = None
+        self._held = threading.local()  # the engine thread's posts of the step being dispatched
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is None:
             self._loop, self._has_items = loop, asyncio.Event()
 
     def post(self, request_id: str, item: object) -> None:
-        """From any thread."""
+        """From any thread; inside :meth:`batched` (the engine thread's), held until it ends."""
         if isinstance(item, BaseException):
             item = _picklable(item)
+        held = getattr(self._held, "items", None)
+        if held is not None:
+            held.append((request_id, item))
+            return
+        self._post_all([(request_id, item)])
+
+    @contextlib.contextmanager
+    def batched(self):
+        """The posts of this thread inside the block reach the outbox together, so a poll takes a
+        whole engine step's outputs or none of them."""
+        self._held.items = []
+        try:
+            yield
+        finally:
+            items, self._held.items = self._held.items, None
+            if items:
+                self._post_all(items)
+
+    def _post_all(self, items: list[tuple[str, object]]) -> None:
         with self._lock:
             was_empty = not self._items
-            self._items.append((request_id, item))
+            self._items.extend(items)
         if was_empty:
             self._loop.call_soon_threadsafe(self._has_items.set)
 
@@ -114,6 +135,10 @@ class _ReplicaCore(EngineCore):
 
     def _make_stream(self, request_id: str, timeout: float | None) -> _OutboxStream:
         return _OutboxStream(request_id, self._outbox)
+
+    def _dispatch(self, engine, deltas) -> bool:
+        with self._outbox.batched():  # a step's outputs reach the outbox as one batch
+            return super()._dispatch(engine, deltas)
 
 
 class EngineReplica:
