@@ -562,7 +562,12 @@ static inline __attribute__((always_inline)) void q4_k_bf16_grouped_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
         const float *xsum, const int M, float *out, int64_t out_stride) {
     const __m512i table = bf16_table(0, 15);  /* entry i: bf16(i & 15); vpermw reads 5 index bits */
+    /* lanes 0-7 <- scale 2c, 8-15 <- 2c + 1 (of the scales in lanes 0-7 of k_scale_vector's products) */
     const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i scale_index[4] = {pair_index, _mm512_add_epi32(pair_index, _mm512_set1_epi32(2)),
+                                    _mm512_add_epi32(pair_index, _mm512_set1_epi32(4)),
+                                    _mm512_add_epi32(pair_index, _mm512_set1_epi32(6))};
+    const __m256i d_index = _mm256_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const int64_t num_blocks = K / 256;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
@@ -572,14 +577,26 @@ static inline __attribute__((always_inline)) void q4_k_bf16_grouped_rows(
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 144;
             PREFETCH(b, 144);
-            float scale[8], minimum[8];
-            k_scales_vec(b + 4, f16(b), f16(b + 2), scale, minimum);
-            const __m512 scales = _mm512_castps256_ps512(_mm256_loadu_ps(scale));
-            const __m256 mins = _mm256_loadu_ps(minimum);
+            /* k_scales_vec's values in one register: d * sc in lanes 0-7, dmin * mn in 8-15 */
+            uint32_t sa, sb, sc;
+            memcpy(&sa, b + 4, 4);
+            memcpy(&sb, b + 8, 4);
+            memcpy(&sc, b + 12, 4);
+            const uint32_t sc_lo = sa & 0x3F3F3F3Fu, mn_lo = sb & 0x3F3F3F3Fu;
+            const uint32_t sc_hi = (sc & 0x0F0F0F0Fu) | (((sa >> 6) & 0x03030303u) << 4);
+            const uint32_t mn_hi = ((sc >> 4) & 0x0F0F0F0Fu) | (((sb >> 6) & 0x03030303u) << 4);
+            const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo)));
+            uint32_t dd;
+            memcpy(&dd, b, 4);  /* fp16 d, dmin */
+            const __m512 factors = _mm512_cvtph_ps(_mm256_permutexvar_epi16(d_index, _mm256_castsi128_si256(
+                _mm_cvtsi32_si128((int)dd))));
+            const __m512 products = _mm512_mul_ps(factors, values);
+            const __m256 mins = _mm512_extractf32x8_ps(products, 1);
             for (int c = 0; c < 4; c++) {
                 const __m512i w0 = _mm512_permutexvar_epi16(Q4_WORDS(b + 16 + 32 * c), table);
                 const __m512i w1 = _mm512_permutexvar_epi16(Q4_WORDS(b + 32 + 32 * c), table);
-                const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pair_index, _mm512_set1_epi32(2 * c)), scales);
+                const __m512 sv = _mm512_permutexvar_ps(scale_index[c], products);
                 UNROLL_M for (int m = 0; m < M; m++) {
                     const uint16_t *xb = xr + m * K + blk * 256 + 64 * c;
                     const __m512 sum = _mm512_dpbf16_ps(DP(w0, xb), (__m512bh)w1, X_BF16(xb + 32));
