@@ -183,40 +183,58 @@ int step_silu_and_mul(int dtype, const void *x, int64_t rows, int64_t inter, voi
     return 0;
 }
 
-/* a . b in float32: vector lanes, then one horizontal sum (a plain loop's sum is one serial chain). */
-static inline float dot(const float *a, const float *b, int n) {
+/* 16 (8) lanes of float32 from cache row `p` (dtype) at element i. */
+#if defined(__AVX512F__)
+static inline __m512 load16(int dtype, const void *p, int i) {
+    if (dtype == DT_BF16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(int dtype, const void *p, int i) {
+    if (dtype == DT_BF16) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+#endif
+
+/* q . row in float32 (row in the cache's dtype): vector lanes, then one horizontal sum. */
+static inline float dot(int dtype, const float *q, const void *row, int n) {
     int i = 0;
     float sum = 0.0f;
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(dtype, row, i), acc);
     sum = _mm512_reduce_add_ps(acc);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(dtype, row, i), acc);
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     half = _mm_add_ps(half, _mm_movehl_ps(half, half));
     half = _mm_add_ss(half, _mm_movehdup_ps(half));
     sum = _mm_cvtss_f32(half);
 #endif
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (; i < n; i++) sum += q[i] * load(dtype, row, i);
     return sum;
 }
 
-/* out[c] = sum_j w[j] * v[j * D + c]: the accumulators stay in registers across the rows j (a loop over
- * out in memory would wait on its own stores). */
-static void weighted_rows(const float *w, const float *v, int64_t n, int D, float *out) {
+/* out[c] = sum_j w[j] * rows[j][c] (rows in the cache's dtype): the accumulators stay in registers
+ * across the rows j (a loop over out in memory would wait on its own stores). */
+static void weighted_rows(int dtype, const float *w, const void *const *rows, int64_t n, int D, float *out) {
     int c = 0;
 #if defined(__AVX512F__)
     for (; c + 64 <= D; c += 64) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j = 0; j < n; j++) {
             const __m512 s = _mm512_set1_ps(w[j]);
-            const float *r = v + j * D + c;
-            a0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r), a0);
-            a1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r + 16), a1);
-            a2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r + 32), a2);
-            a3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(r + 48), a3);
+            a0 = _mm512_fmadd_ps(s, load16(dtype, rows[j], c), a0);
+            a1 = _mm512_fmadd_ps(s, load16(dtype, rows[j], c + 16), a1);
+            a2 = _mm512_fmadd_ps(s, load16(dtype, rows[j], c + 32), a2);
+            a3 = _mm512_fmadd_ps(s, load16(dtype, rows[j], c + 48), a3);
         }
         _mm512_storeu_ps(out + c, a0);
         _mm512_storeu_ps(out + c + 16, a1);
@@ -225,7 +243,7 @@ static void weighted_rows(const float *w, const float *v, int64_t n, int D, floa
     }
     for (; c + 16 <= D; c += 16) {
         __m512 a0 = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(v + j * D + c), a0);
+        for (int64_t j = 0; j < n; j++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), load16(dtype, rows[j], c), a0);
         _mm512_storeu_ps(out + c, a0);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -233,11 +251,10 @@ static void weighted_rows(const float *w, const float *v, int64_t n, int D, floa
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j = 0; j < n; j++) {
             const __m256 s = _mm256_set1_ps(w[j]);
-            const float *r = v + j * D + c;
-            a0 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r), a0);
-            a1 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r + 8), a1);
-            a2 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r + 16), a2);
-            a3 = _mm256_fmadd_ps(s, _mm256_loadu_ps(r + 24), a3);
+            a0 = _mm256_fmadd_ps(s, load8(dtype, rows[j], c), a0);
+            a1 = _mm256_fmadd_ps(s, load8(dtype, rows[j], c + 8), a1);
+            a2 = _mm256_fmadd_ps(s, load8(dtype, rows[j], c + 16), a2);
+            a3 = _mm256_fmadd_ps(s, load8(dtype, rows[j], c + 24), a3);
         }
         _mm256_storeu_ps(out + c, a0);
         _mm256_storeu_ps(out + c + 8, a1);
@@ -246,13 +263,13 @@ static void weighted_rows(const float *w, const float *v, int64_t n, int D, floa
     }
     for (; c + 8 <= D; c += 8) {
         __m256 a0 = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + j * D + c), a0);
+        for (int64_t j = 0; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), load8(dtype, rows[j], c), a0);
         _mm256_storeu_ps(out + c, a0);
     }
 #endif
     for (; c < D; c++) {
         float a = 0.0f;
-        for (int64_t j = 0; j < n; j++) a += w[j] * v[j * D + c];
+        for (int64_t j = 0; j < n; j++) a += w[j] * load(dtype, rows[j], c);
         out[c] = a;
     }
 }
@@ -299,8 +316,8 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
     }
     free(row);
     free(cs);
-    /* attention: per (sequence, kv head) pair, its visible keys and values widened to float32 once (for
-     * all of its query rows), then each query head of that kv head over its own causal range; the pairs
+    /* attention: per (sequence, kv head) pair, where its visible keys and values are (found once for all
+     * of its query rows, read in place), then each query head of that kv head over its own causal range; the pairs
      * spread over `num_threads` OpenMP threads when there is enough work */
     const int group = num_heads / num_kv_heads;
     int64_t max_context = 0, work = 0;
@@ -312,7 +329,8 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_pairs > 1 && work * num_heads * D > PARALLEL_WORK)
     {
-        float *scores = (float *)malloc((size_t)(max_context + 1 + group * D + 2 * (max_context + 1) * D) * sizeof(float));
+        float *scores = (float *)malloc((size_t)(max_context + 1 + group * D) * sizeof(float)
+                                        + 2 * (size_t)(max_context + 1) * sizeof(void *));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -321,7 +339,8 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
         for (int64_t pair = 0; pair < num_pairs; pair++) {
             if (!scores) continue;
             const int b = (int)(pair / num_kv_heads), g = (int)(pair % num_kv_heads);
-            float *acc = scores + max_context + 1, *keys = acc + group * D, *values = keys + (max_context + 1) * D;
+            float *acc = scores + max_context + 1;
+            const void **keys = (const void **)(acc + group * D), **values = keys + max_context + 1;
             const int64_t first = query_start_loc[b], last = query_start_loc[b + 1], context = context_lens[b];
             if (last <= first) continue;
             const int64_t *table = block_tables + b * table_stride;
@@ -330,18 +349,18 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
             for (int64_t p = lo; p < context; p++) {
                 const int64_t slot = table[p / block_size] * block_size + p % block_size;
                 const int64_t at = (slot * kv_width + (int64_t)g * D) * esize;
-                to_f32(dtype, (const char *)key_cache + at, keys + (p - lo) * D, D);
-                to_f32(dtype, (const char *)value_cache + at, values + (p - lo) * D, D);
+                keys[p - lo] = (const char *)key_cache + at;
+                values[p - lo] = (const char *)value_cache + at;
             }
             for (int64_t t = first; t < last; t++) {
                 const int64_t pos = context - (last - t);  /* this query's position */
                 const int64_t start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                 const int64_t n = pos + 1 - start;
-                const float *k = keys + (start - lo) * D, *v = values + (start - lo) * D;
+                const void *const *k = keys + (start - lo), *const *v = values + (start - lo);
                 for (int h = 0; h < group; h++) {
                     const float *q = queries + (t * num_heads + (int64_t)g * group + h) * D;
                     float best = -INFINITY, total = 0.0f;
-                    for (int64_t j = 0; j < n; j++) scores[j] = dot(q, k + j * D, D) * scale;
+                    for (int64_t j = 0; j < n; j++) scores[j] = dot(dtype, q, k[j], D) * scale;
 #pragma omp simd reduction(max : best)
                     for (int64_t j = 0; j < n; j++) best = scores[j] > best ? scores[j] : best;
                     for (int64_t j = 0; j < n; j++) scores[j] -= best;
@@ -350,7 +369,7 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
                     for (int64_t j = 0; j < n; j++) total += scores[j];
                     const float inv = 1.0f / total;
                     for (int64_t j = 0; j < n; j++) scores[j] *= inv;
-                    weighted_rows(scores, v, n, D, acc + h * D);
+                    weighted_rows(dtype, scores, v, n, D, acc + h * D);
                 }
                 from_f32(dtype, acc, (char *)out + (t * num_heads + (int64_t)g * group) * D * esize, (int64_t)group * D);
             }
