@@ -222,6 +222,31 @@ static inline float dot(int dtype, const float *q, const void *row, int n) {
     return sum;
 }
 
+/* scores[r * ld + j] = scale * q_r . rows[j] for the R query rows q_r = q + (r / group) * q_stride +
+ * (r % group) * D: each key row widened once for all R query rows; each score the same bits as dot(). */
+static void score_rows(int dtype, const float *q, int64_t q_stride, int group, int R, const void *const *rows,
+                       int64_t n, int D, float scale, float *scores, int64_t ld) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 256) {
+        __m512 kv[16];
+        for (int64_t j = 0; j < n; j++) {
+            for (int c = 0; c < D / 16; c++) kv[c] = load16(dtype, rows[j], 16 * c);
+            for (int r = 0; r < R; r++) {
+                const float *qr = q + (r / group) * q_stride + (r % group) * D;
+                __m512 acc = _mm512_setzero_ps();
+                for (int c = 0; c < D / 16; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], acc);
+                scores[r * ld + j] = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < R; r++) {
+        const float *qr = q + (r / group) * q_stride + (r % group) * D;
+        for (int64_t j = 0; j < n; j++) scores[r * ld + j] = dot(dtype, qr, rows[j], D) * scale;
+    }
+}
+
 /* out[c] = sum_j w[j] * rows[j][c] (rows in the cache's dtype): the accumulators stay in registers
  * across the rows j (a loop over out in memory would wait on its own stores). */
 static void weighted_rows(int dtype, const float *w, const void *const *rows, int64_t n, int D, float *out) {
@@ -320,8 +345,10 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
      * of its query rows, read in place), then each query head of that kv head over its own causal range; the pairs
      * spread over `num_threads` OpenMP threads when there is enough work */
     const int group = num_heads / num_kv_heads;
-    int64_t max_context = 0, work = 0;
+    int64_t max_context = 0, work = 0, max_rows = 1;
     for (int b = 0; b < num_seqs; b++) {
+        max_rows = query_start_loc[b + 1] - query_start_loc[b] > max_rows ? query_start_loc[b + 1] - query_start_loc[b]
+                                                                           : max_rows;
         max_context = context_lens[b] > max_context ? context_lens[b] : max_context;
         work += context_lens[b] * (query_start_loc[b + 1] - query_start_loc[b]);
     }
@@ -329,8 +356,10 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_pairs > 1 && work * num_heads * D > PARALLEL_WORK)
     {
-        float *scores = (float *)malloc((size_t)(max_context + 1 + group * D) * sizeof(float)
-                                        + 2 * (size_t)(max_context + 1) * sizeof(void *));
+        /* scores, then the heads' sums, then the key and value row pointers (at an 8-byte boundary) */
+        const size_t score_len = ((size_t)max_rows * group * (max_context + 1) + 1) & ~(size_t)1;
+        const size_t acc_len = ((size_t)group * D + 1) & ~(size_t)1;
+        float *scores = (float *)malloc((score_len + acc_len) * sizeof(float) + 2 * (size_t)(max_context + 1) * sizeof(void *));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -339,8 +368,8 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
         for (int64_t pair = 0; pair < num_pairs; pair++) {
             if (!scores) continue;
             const int b = (int)(pair / num_kv_heads), g = (int)(pair % num_kv_heads);
-            float *acc = scores + max_context + 1;
-            const void **keys = (const void **)(acc + group * D), **values = keys + max_context + 1;
+            float *acc = scores + score_len;
+            const void **keys = (const void **)(acc + acc_len), **values = keys + max_context + 1;
             const int64_t first = query_start_loc[b], last = query_start_loc[b + 1], context = context_lens[b];
             if (last <= first) continue;
             const int64_t *table = block_tables + b * table_stride;
@@ -352,24 +381,27 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
                 keys[p - lo] = (const char *)key_cache + at;
                 values[p - lo] = (const char *)value_cache + at;
             }
+            /* every query row of this kv head against every key any of them sees, then each row's own range */
+            const int rows_here = (int)(last - first) * group;
+            const int64_t span = context - lo;
+            score_rows(dtype, queries + (first * num_heads + (int64_t)g * group) * D, (int64_t)num_heads * D, group,
+                       rows_here, keys, span, D, scale, scores, span);
             for (int64_t t = first; t < last; t++) {
                 const int64_t pos = context - (last - t);  /* this query's position */
                 const int64_t start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                 const int64_t n = pos + 1 - start;
-                const void *const *k = keys + (start - lo), *const *v = values + (start - lo);
                 for (int h = 0; h < group; h++) {
-                    const float *q = queries + (t * num_heads + (int64_t)g * group + h) * D;
+                    float *sc = scores + ((t - first) * group + h) * span + (start - lo);
                     float best = -INFINITY, total = 0.0f;
-                    for (int64_t j = 0; j < n; j++) scores[j] = dot(dtype, q, k[j], D) * scale;
 #pragma omp simd reduction(max : best)
-                    for (int64_t j = 0; j < n; j++) best = scores[j] > best ? scores[j] : best;
-                    for (int64_t j = 0; j < n; j++) scores[j] -= best;
-                    exp_inplace(scores, n);
+                    for (int64_t j = 0; j < n; j++) best = sc[j] > best ? sc[j] : best;
+                    for (int64_t j = 0; j < n; j++) sc[j] -= best;
+                    exp_inplace(sc, n);
 #pragma omp simd reduction(+ : total)
-                    for (int64_t j = 0; j < n; j++) total += scores[j];
+                    for (int64_t j = 0; j < n; j++) total += sc[j];
                     const float inv = 1.0f / total;
-                    for (int64_t j = 0; j < n; j++) scores[j] *= inv;
-                    weighted_rows(dtype, scores, v, n, D, acc + h * D);
+                    for (int64_t j = 0; j < n; j++) sc[j] *= inv;
+                    weighted_rows(dtype, sc, values + (start - lo), n, D, acc + h * D);
                 }
                 from_f32(dtype, acc, (char *)out + (t * num_heads + (int64_t)g * group) * D * esize, (int64_t)group * D);
             }

@@ -133,6 +133,23 @@ def test_rope_cache_attention_spread_over_threads_matches_the_references():
     assert_close(step["key_cache"], expected_keys)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_verification_rows_bits_are_those_of_one_row_decode_steps(dtype):
+    # Speculative decoding: a k+1-row verification must score each row as decode steps one at a time would.
+    step = _paged_step([5], [60], 9, 3, 64, dtype)
+    key_cache, value_cache = step["key_cache"].clone(), step["value_cache"].clone()
+    together = native.rope_cache_attention(**step)
+    rows = []
+    for row in range(5):
+        position = 55 + row
+        one = dict(step, qkv=step["qkv"][row:row + 1], positions=step["positions"][row:row + 1],
+                   slot_mapping=step["slot_mapping"][row:row + 1], key_cache=key_cache, value_cache=value_cache,
+                   query_start_loc=torch.tensor([0, 1]), context_lens=torch.tensor([position + 1]))
+        rows.append(native.rope_cache_attention(**one))
+    assert torch.equal(together, torch.cat(rows))
+    assert torch.equal(step["key_cache"], key_cache) and torch.equal(step["value_cache"], value_cache)
+
+
 def test_attention_step_binds_the_metadata_once_for_every_layer():
     step = _paged_step([5], [50], 4, 2, 32, torch.float32)
     expected, _, _ = _reference(step)
