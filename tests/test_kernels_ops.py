@@ -443,6 +443,19 @@ def sorted_filter_probs(logits, temperatures, top_ks, top_ps, min_ps):
     return probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_cpu_argmax_takes_each_rows_first_maximum_with_nan_largest(rows, dtype):
+    x = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    x[0, 7] = x[0, 40000] = 100.0  # a tie: the first one
+    if rows > 1:
+        x[1, 30000] = x[1, 20] = float("nan")  # NaN beats every number: the first NaN
+        x[1, 10] = float("inf")
+    got = cpu_sampling.argmax(x)
+    assert got.dtype == torch.int64 and got.tolist() == reference_sampling.argmax(x).tolist()
+    assert got[0] == 7 and (rows == 1 or got[1] == 20)
+
+
 @pytest.mark.parametrize("implementation", ["reference", "cpu", "triton"])
 def test_sample_rows_with_caller_noise_races_the_filtered_probabilities(implementation):
     generator = torch.Generator().manual_seed(0)

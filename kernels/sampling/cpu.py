@@ -13,6 +13,10 @@ _MIN_ROWS_FOR_CHUNKED_SEARCH = 4
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """As :func:`reference.argmax`: the index of each row's first maximum (NaN counts as largest)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        # numpy's argmax has the same rule and is vectorized: 5 vs 50 us for one row of 49152,
+        # 29 us vs 2-3 ms for 8 rows (torch's scan, on two shared cores)
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
     rows, width = x.shape
     chunk = _chunk_size(width)
     if rows < _MIN_ROWS_FOR_CHUNKED_SEARCH or chunk == 1:
