@@ -84,10 +84,12 @@ def supports_silu_and_mul(x: torch.Tensor) -> bool:
     return x.dtype in DTYPE_IDS and x.dim() == 2 and x.shape[1] % 2 == 0 and _contiguous_rows(x)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``activation.reference.silu_and_mul`` of a 2-D ``[rows, 2 * I]`` tensor :func:`supports_silu_and_mul` takes."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``activation.reference.silu_and_mul`` of a 2-D ``[rows, 2 * I]`` tensor :func:`supports_silu_and_mul` takes;
+    into ``out`` (contiguous ``[rows, I]``, x's dtype) when given."""
     inter = x.shape[1] // 2
-    out = x.new_empty(x.shape[0], inter)
+    if out is None or out.shape != (x.shape[0], inter) or out.dtype != x.dtype or not out.is_contiguous():
+        out = x.new_empty(x.shape[0], inter)
     if _library().step_silu_and_mul(DTYPE_IDS[x.dtype], x.data_ptr(), x.shape[0], inter, out.data_ptr()):
         raise MemoryError("step_silu_and_mul: out of memory")
     return out
@@ -154,16 +156,19 @@ class AttentionStep:
         return step
 
     def attend(self, qkv, cos_sin_cache, key_cache, value_cache, num_heads, num_kv_heads, scale,
-               sliding_window=None) -> torch.Tensor:
+               sliding_window=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`rope_cache_attention` of this step for one layer (the caller checked
-        :func:`supports_rope_cache_attention` for the tables and caches; ``qkv`` is checked here)."""
+        :func:`supports_rope_cache_attention` for the tables and caches; ``qkv`` is checked here), into
+        ``out`` when it is a contiguous ``[T, H * D]`` tensor of qkv's dtype."""
         num_tokens, positions, slots, num_seqs, query_start_loc, context_lens, tables, table_stride = self._args
         head_dim = key_cache.shape[-1]
         if (qkv.shape[0] != num_tokens or qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.dtype != key_cache.dtype
                 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim):
             raise ValueError(f"qkv of {tuple(qkv.shape)} {qkv.dtype} does not fit this step of {num_tokens} tokens "
                              f"and a {key_cache.dtype} cache")
-        out = qkv.new_empty(num_tokens, num_heads * head_dim)
+        if (out is None or out.shape != (num_tokens, num_heads * head_dim) or out.dtype != qkv.dtype
+                or not out.is_contiguous()):
+            out = qkv.new_empty(num_tokens, num_heads * head_dim)
         status = _library().step_rope_cache_attention(
             DTYPE_IDS[qkv.dtype], qkv.data_ptr(), qkv.stride(0), num_tokens, num_heads, num_kv_heads, head_dim,
             positions, cos_sin_cache.data_ptr(), cos_sin_cache.shape[-1], key_cache.data_ptr(), value_cache.data_ptr(),

@@ -98,8 +98,9 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
         return None
     rms_norm, silu_and_mul, attend = cpu_step_native.rms_norm, cpu_step_native.silu_and_mul, step.attend
     # The norms update the residual in place and write their rows into one buffer, which each
-    # projection reads before the next norm runs.
+    # projection reads before the next norm runs; so do the attention and SwiGLU (their matmul reads them).
     residual, normed = torch.empty_like(hidden), torch.empty_like(hidden)
+    heads = act = None
     has_residual = False
     for layer, (key_cache, value_cache) in zip(layers, kv_caches):
         norm = layer.input_norm
@@ -107,12 +108,13 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
         has_residual = True
         qkv = _same_dtype(layer.qkv_proj.forward(normed), dtype)
         heads = attend(qkv, layer.rotary.cos_sin_cache, key_cache, value_cache, layer.num_heads, layer.num_kv_heads,
-                       layer.scale, layer.sliding_window)
+                       layer.scale, layer.sliding_window, heads)
         hidden = _same_dtype(layer.o_proj.forward(heads), dtype)
         norm = layer.post_norm
         rms_norm(hidden, norm.weight, norm.eps, residual, out=normed, sum_out=residual)
         gate_up = layer.gate_up_proj.forward(normed)
-        hidden = _same_dtype(layer.down_proj.forward(silu_and_mul(gate_up.contiguous())), dtype)
+        act = silu_and_mul(gate_up.contiguous(), act)
+        hidden = _same_dtype(layer.down_proj.forward(act), dtype)
     return hidden, residual
 
 
