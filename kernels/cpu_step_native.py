@@ -3,9 +3,13 @@ of ``x + residual``, SwiGLU, and rotary + cache write + attention of a few query
 built with the system's C compiler on first use and called through ctypes.
 
 Why: on a small model (SmolLM2-135M, 1 thread, AVX-512 EPYC) these ops cost more than the quantized
-matmuls: ~270 µs a layer as torch ops (each op ~1.5 µs of dispatch, the norm ~12 µs, rotary, cache
-write and attention ~135 µs with their per-layer index and mask bookkeeping) against ~210 µs for the
-four GEMVs. One C call each does the same arithmetic in one pass over the rows.
+matmuls: ~270-350 µs a layer as torch ops (each op ~1.5 µs of dispatch, the norm ~12 µs, rotary, cache
+write and attention ~160 µs with their per-layer index and mask bookkeeping) against ~230 µs for the
+four GEMVs. One C call each does the same arithmetic in one pass over the rows (norm ~1.5 µs, SwiGLU
+~2 µs, attention of one row over 200 positions ~23 µs hot, 35-45 in a step; see engine/models/cpu_step.py).
+The attention computes each query row exactly as a one-row call would (a verification's rows get a
+decode step's bits), reads the cache in place, and spreads (sequence, kv head) pairs over torch's
+OpenMP threads when the work is large.
 
 The values are the torch references' (``norm/reference.py``, ``activation/reference.py``,
 ``rotary``/``kv_cache``/``attention`` references): float32 arithmetic, rounded to bf16 at the points

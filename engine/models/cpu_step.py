@@ -2,11 +2,13 @@
 in C (``kernels/cpu_step_native.py``): one call for RMSNorm of ``x + residual`` (the residual updated in
 place), one for rotary + cache write + attention, one for SwiGLU.
 
-On a small model the step outside the matmuls is most of the time as torch ops (SmolLM2-135M, 1
-thread, bf16, AVX-512 EPYC, µs per layer: norms 51, rotary + cache 54, attention 82, SwiGLU 16,
-Python between them ~60, against ~210 for the four GEMVs). Here each layer is four C calls beside
-its four linear layers, the step's metadata is checked once for all layers, and the layers' weights,
-caches and settings are gathered once per model.
+On a small model the step outside the matmuls is more than half the time as torch ops (SmolLM2-135M
+Q4_1, 1 thread, bf16, AVX-512 EPYC, 200 cached positions, CPU µs per layer, one row: norms 81,
+rotary + cache 67, attention 96, SwiGLU 24, Python between them ~80, against ~230 for the four
+GEMVs). Here each layer is four C calls beside its four linear layers (norms 16, attention with rotary
+and cache 34-45, SwiGLU 8, Python ~35), the step's metadata is checked once for all layers, and the
+layers' parts are gathered once per model: a one-row step 15.2 -> 9.7 ms of CPU, five rows (a
+speculative verification) 28.9 -> 19.8 ms, measured in one process, alternating.
 
 It takes a step when every layer is the plain :class:`~.decoder.DecoderLayer` (RMSNorm, attention
 without q/k norm or soft cap, NeoX rotary, SwiGLU MLP), the tensors are CPU float32 or bf16 with an
