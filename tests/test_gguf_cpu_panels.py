@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from hearth_llm.engine import LLM, SamplingParams
 from hearth_llm.engine.loader import load_checkpoint
-from hearth_llm.engine.models.cpu_weights import CpuBlockEmbedding, CpuBlockLogitsHead
+from hearth_llm.engine.models.cpu_weights import CpuBlockEmbedding, CpuBlockLogitsHead, int4_layout_is_the_tiles_one
 from hearth_llm.engine.models.gguf_linear_method import GGUFInt4LinearMethod
 from hearth_llm.engine.models.linear import linear_layers
 from hearth_llm.kernels.quant import gguf_cpu_native, gguf_reference
@@ -155,3 +155,25 @@ def test_panel_layer_routine_equals_the_dense_copy_for_steps_and_batches(q4_file
             x = torch.randn(rows, HIDDEN, generator=generator)
             expected = x.double() @ layer.weight.double().T
             torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+
+
+def test_without_the_c_kernels_a_bf16_q8_0_layer_keeps_its_dense_copy(q4_file, monkeypatch):
+    """No C compiler: Q4 layers take the int4 kernel; a layer with a Q8_0 shard (int4 cannot hold it)
+    multiplies its dense copy of the dequantized weight, all rows."""
+    path, _ = q4_file
+    monkeypatch.setattr(gguf_cpu_native, "_library", lambda: None)
+    with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False) as llm:
+        layers = dict(linear_layers(llm.engine.runner.model))
+        down = layers["layers.1.mlp.down_proj"]  # Q8_0
+        assert isinstance(down.method, GGUFInt4LinearMethod) and down.method.block_runs(down) is None
+        assert down.cpu_weight is None or down.cpu_weight.int4 is None
+        assert layers["layers.0.mlp.down_proj"].cpu_weight.int4 is not None  # Q4_1: the int4 kernel
+        blocks = load_checkpoint(str(path), torch.float32, progress=False)
+        weight = dict(blocks.weights())["model.layers.1.mlp.down_proj.weight"].dequantized(torch.float32)
+        x = torch.randn(3, INTERMEDIATE, generator=torch.Generator().manual_seed(2)).bfloat16()
+        expected = x.float() @ weight.bfloat16().float().T
+        torch.testing.assert_close(down(x).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+        outputs = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                               use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 3
+    int4_layout_is_the_tiles_one.cache_clear()  # in case it was asked while the kernels were "missing"
