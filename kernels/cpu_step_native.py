@@ -141,9 +141,13 @@ class AttentionStep:
     __slots__ = ("_tensors", "_args")
 
     @classmethod
-    def of(cls, positions, slot_mapping, query_start_loc, context_lens, block_tables) -> "AttentionStep | None":
+    def of(cls, positions, slot_mapping, query_start_loc, context_lens, block_tables,
+           cache_shape: tuple | None = None, max_position: int | None = None) -> "AttentionStep | None":
         """The bound step, or None where the metadata is not contiguous int64 CPU tensors (block tables:
-        unit-stride rows) or the lengths do not agree."""
+        unit-stride rows) or the lengths do not agree. With ``cache_shape`` (``[blocks, block_size, ...]``)
+        and ``max_position`` (the rotary table's rows), also None unless every slot, block id, context
+        length and position lies inside them (the C kernel indexes without checks; the torch routines
+        then raise their own errors)."""
         tensors = (positions, slot_mapping, query_start_loc, context_lens, block_tables)
         if not all(t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() for t in tensors[:4]):
             return None
@@ -151,6 +155,9 @@ class AttentionStep:
                 or block_tables.stride(1) != 1 or positions.dim() != 1 or positions.shape != slot_mapping.shape
                 or query_start_loc.shape[0] != context_lens.shape[0] + 1
                 or block_tables.shape[0] < context_lens.shape[0]):
+            return None
+        if cache_shape is not None and not _inside(positions, slot_mapping, context_lens, block_tables, cache_shape,
+                                                   max_position):
             return None
         step = cls()
         step._tensors = tensors  # keeps them alive while the pointers are bound
@@ -181,6 +188,22 @@ class AttentionStep:
         if status:
             raise MemoryError("step_rope_cache_attention: out of memory")
         return out
+
+
+def _inside(positions, slot_mapping, context_lens, block_tables, cache_shape, max_position) -> bool:
+    num_blocks, block_size = cache_shape[0], cache_shape[1]
+    if positions.numel() == 0 or context_lens.numel() == 0:
+        return False
+    slots_low, slots_high = torch.aminmax(slot_mapping)
+    positions_low, positions_high = torch.aminmax(positions)
+    contexts_low, contexts_high = torch.aminmax(context_lens)
+    used_columns = -(-int(contexts_high) // block_size)
+    if used_columns > block_tables.shape[1]:
+        return False
+    blocks_low, blocks_high = torch.aminmax(block_tables[:context_lens.shape[0], :used_columns])
+    return (0 <= int(slots_low) and int(slots_high) < num_blocks * block_size and 0 <= int(positions_low)
+            and (max_position is None or int(positions_high) < max_position) and int(contexts_low) >= 0
+            and 0 <= int(blocks_low) and int(blocks_high) < num_blocks)
 
 
 @functools.cache

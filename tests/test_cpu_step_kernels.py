@@ -165,6 +165,15 @@ def test_attention_step_is_none_for_int32_metadata():
                                    step["context_lens"], step["block_tables"]) is None
 
 
+def test_attention_step_is_none_for_a_slot_outside_the_cache():
+    step = _paged_step([1], [10], 2, 1, 32, torch.float32)
+    outside = torch.tensor([step["key_cache"].shape[0] * step["key_cache"].shape[1]])
+    assert native.AttentionStep.of(step["positions"], outside, step["query_start_loc"], step["context_lens"],
+                                   step["block_tables"], step["key_cache"].shape, 1024) is None
+    assert native.AttentionStep.of(step["positions"], step["slot_mapping"], step["query_start_loc"],
+                                   step["context_lens"], step["block_tables"], step["key_cache"].shape, 1024) is not None
+
+
 def test_attention_step_refuses_qkv_rows_of_another_width():
     step = _paged_step([1], [10], 2, 1, 32, torch.float32)
     bound = native.AttentionStep.of(step["positions"], step["slot_mapping"], step["query_start_loc"],

@@ -95,7 +95,7 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
             or meta.max_context_len > meta.block_tables.shape[1] * key_cache.shape[1]):
         return None
     step = cpu_step_native.AttentionStep.of(positions, meta.slot_mapping, meta.query_start_loc, meta.context_lens,
-                                            meta.block_tables)
+                                            meta.block_tables, key_cache.shape, first.rotary.cos_sin_cache.shape[0])
     if step is None:
         return None
     rms_norm, silu_and_mul, attend = cpu_step_native.rms_norm, cpu_step_native.silu_and_mul, step.attend
