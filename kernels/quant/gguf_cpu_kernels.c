@@ -522,14 +522,16 @@ GEMV_FN(gemv_w4g128, decode_w4g128, 128, 68)
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-/* ---- bf16 activations (the CPU engine's compute dtype): Q4_K and Q6_K by bf16 dot products -----
+/* ---- bf16 activations (the CPU engine's compute dtype): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K by bf16 dot products
  *
  * A code (Q4_K's 0..15, Q6_K's q - 32) is a small integer, exact in bf16, and so is every bf16 x, so
  * vdpbf16ps multiplies them exactly and adds in float32: 32 products per instruction. The block's
  * float32 scales are then applied to those sums, w x = scale (q x) - min x, so the math still uses
  * the exactly decoded weights; only where the float32 roundings of the sums fall differs (as for any
  * summation order; vdpbf16ps also treats float32 denormals as zero). A code becomes its bf16 value
- * by one vpermw/vpermt2w from a table of bf16 integers. */
+ * by one vpermw/vpermt2w from a table of bf16 integers (Q8_0's by a float conversion). Every row of x
+ * runs the same operations whatever M is (1-8 rows in one pass over the blocks), so a speculative
+ * verify step's rows get the bits a one-row step gives them. */
 #define HAS_BF16_KERNELS 1
 
 static inline uint16_t bf16_of_int(int v) {
@@ -991,7 +993,7 @@ int gguf_dequant(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, 
     return 0;
 }
 
-/* bf16 x: 1 if this build has a bf16 kernel for qtype (Q4_K, Q6_K). */
+/* bf16 x: 1 if this build has a bf16 kernel for qtype (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K). */
 int gguf_has_bf16(int qtype) {
 #if defined(HAS_BF16_KERNELS)
     return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K;
