@@ -349,23 +349,25 @@ def _library():
     return library
 
 
-def _built_library() -> Path | None:
+def _built_library(source_path: Path = SOURCE, prefix: str = "gguf_cpu") -> Path | None:
+    """The shared library of ``source_path`` (built now unless cached), or None where it cannot be built.
+    Also builds ``gguf_cpu_q8x_kernels.c`` (``gguf_cpu_q8x.py``), with the same flags and cache."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     flags = (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(),
                                      _compiler_version(compiler), _cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("HEARTH_LLM_KERNEL_CACHE", "~/.cache/hearth_llm/kernels")).expanduser()
-    path = cache / f"gguf_cpu_{key}.so"
+    path = cache / f"{prefix}_{key}.so"
     if path.exists():
         return path
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / path.name
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, str(source_path), "-o", str(built)], check=True, capture_output=True,
                            timeout=300)
             os.replace(built, path)  # atomic: a concurrent process sees the whole library or none
     except (OSError, subprocess.SubprocessError) as error:

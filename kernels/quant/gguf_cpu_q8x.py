@@ -1,0 +1,192 @@
+"""Int8-activation GEMVs of GGUF Q4_0 / Q4_1 / Q8_0 block rows on the CPU (``gguf_cpu_q8x_kernels.c``), as
+llama.cpp computes them: opt-in (``EngineConfig.cpu_int8_activations``), NOT the exact bf16/float32 math.
+
+Each row of x is quantized per block of 32 values: scale ``d = max|x| / 127`` (float32), codes
+``q = round_half_even(x / d)`` (int8, as ``x * (1 / d)``), and ``xsum = d * sum(q)``. Then, per output
+row, ``sum_b (dw_b * d_b) * isum_b + mw_b * xsum_b`` with ``isum_b`` the exact integer dot product of the
+file's codes and x's codes (Q4_1: ``mw`` the file's fp16 minimum; Q4_0: ``mw = -8 dw``; Q8_0: none),
+integer dot products by AVX-512 VNNI (``vpdpbusd``, 64 int8 products an instruction) or AVX2
+(``vpmaddubsw``), else plain C. Each row of x gets the same bits whatever the number of rows in the call
+(1..:data:`MAX_ROWS`) and the thread count. :func:`reference` is the same math in torch: bit-equal to
+the plain-C path (:func:`gemv_scalar`); the vector paths sum the same float32 block terms in lanes.
+
+The library is built on first use by ``gguf_cpu_native``'s builder (same flags, cache, and
+``HEARTH_LLM_KERNEL_CFLAGS``; e.g. ``-mno-avx512f`` builds the AVX2 path here).
+
+>>> out = gemv(x, data, "Q4_1")        # float32 [M, N]; x float32 or bf16 [M, K], M <= 8
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import gguf_cpu_native
+
+SOURCE = gguf_cpu_native.SOURCE.with_name("gguf_cpu_q8x_kernels.c")
+QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 4}
+TYPES = tuple(QTYPE_IDS)
+MAX_ROWS = 8
+BLOCK = 32
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def available() -> bool:
+    """Whether the int8-activation kernels are built (or can be built now) here."""
+    return _library() is not None
+
+
+def path() -> str | None:
+    """Which path this build runs: ``"avx512_vnni"``, ``"avx2"``, ``"c"``; None where not built."""
+    library = _library()
+    if library is None:
+        return None
+    return "avx512_vnni" if library.q8x_has_vnni() else "avx2" if library.q8x_has_avx2() else "c"
+
+
+def _check(x: torch.Tensor | None, data: torch.Tensor, quant_type: str) -> tuple[int, int]:
+    if quant_type not in QTYPE_IDS:
+        raise ValueError(f"quant_type must be one of {TYPES} for the int8-activation kernels, got {quant_type!r}")
+    size = _BLOCK_BYTES[quant_type]
+    if (data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % size or data.device.type != "cpu"
+            or (data.shape[0] > 1 and data.stride(1) != 1)):
+        raise ValueError(f"data must be CPU uint8 rows of whole {size}-byte {quant_type} blocks (contiguous rows), "
+                         f"got {data.dtype} {tuple(data.shape)} on {data.device}")
+    num_columns = data.shape[1] // size * BLOCK
+    if x is not None and (x.dim() != 2 or x.shape[1] != num_columns or not 1 <= x.shape[0] <= MAX_ROWS
+                          or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"):
+        raise ValueError(f"x must be CPU float32/bf16 [1..{MAX_ROWS}, {num_columns}] for this {quant_type} weight, "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    return data.shape[0], num_columns
+
+
+def _require():
+    library = _library()
+    if library is None:
+        raise RuntimeError("the int8-activation GGUF CPU kernels are not built here (no working C compiler)")
+    return library
+
+
+def gemv(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads: int | None = None,
+         bf16_out: bool = False) -> torch.Tensor:
+    """``x @ W.T`` with x quantized to int8 per block (module docstring): float32 ``[M, N]`` (bf16 with
+    ``bf16_out``: the float32 sums rounded to nearest even) for float32 or bf16 ``x`` ``[M, K]``."""
+    library = _require()
+    num_rows, _ = _check(x, data, quant_type)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], num_rows, dtype=torch.bfloat16 if bf16_out else torch.float32)
+    status = library.q8x_gemv(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, x.shape[1],
+                              x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], out.data_ptr(), num_rows,
+                              int(bf16_out), num_threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"q8x_gemv failed for {quant_type} (status {status})")
+    return out
+
+
+def gemv_scalar(x: torch.Tensor, data: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """:func:`gemv` on the plain-C path whatever this build's vector path (float32 out; for tests)."""
+    library = _require()
+    num_rows, _ = _check(x, data, quant_type)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], num_rows, dtype=torch.float32)
+    if library.q8x_gemv_scalar(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, x.shape[1],
+                               x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], out.data_ptr(), num_rows):
+        raise RuntimeError(f"q8x_gemv_scalar failed for {quant_type}")
+    return out
+
+
+def gemv_routine(data: torch.Tensor, quant_type: str, bf16_out: bool = False):
+    """:func:`gemv` with the weight bound and checked once: ``routine(x)`` for contiguous float32/bf16 ``x``
+    ``[M, K]``, 1 <= M <= :data:`MAX_ROWS` (the caller's contract: not checked per call)."""
+    library = _require()
+    num_rows, _ = _check(None, data, quant_type)
+    call, qtype, pointer, stride = library.q8x_gemv, QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0)
+    get_num_threads, out_dtype, bf16_flag = torch.get_num_threads, torch.bfloat16 if bf16_out else torch.float32, \
+        int(bf16_out)
+    bfloat16 = torch.bfloat16
+
+    def routine(x: torch.Tensor, _data=data) -> torch.Tensor:  # _data: keeps the weight alive
+        out = torch.empty(x.shape[0], num_rows, dtype=out_dtype)
+        call(qtype, pointer, stride, num_rows, x.shape[1], x.data_ptr(), int(x.dtype == bfloat16), x.shape[0],
+             out.data_ptr(), num_rows, bf16_flag, get_num_threads())
+        return out
+
+    return routine
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C quantizer's ``(codes int8 [M, K], scales float32 [M, K / 32], xsums float32 [M, K / 32])``."""
+    library = _require()
+    if x.dim() != 2 or x.shape[1] % BLOCK or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32/bf16 [M, K] with K % {BLOCK} == 0, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0], x.shape[1] // BLOCK)
+    sums = torch.empty_like(scales)
+    library.q8x_quantize(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], codes.data_ptr(),
+                         scales.data_ptr(), sums.data_ptr())
+    return codes, scales, sums
+
+
+# ---- the same math in torch ---------------------------------------------------------------------------
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` in torch (bit-equal): per row and block of 32, ``d = max|x| / 127``,
+    ``q = round(x * (1 / d))`` (half to even; 0 where d is 0), ``xsum = d * sum(q)``."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round(blocks * inverse[..., None]).clamp_(-127, 127)
+    sums = d * codes.sum(-1)  # the integer sum is exact in float32 (|sum| <= 32 * 127)
+    return codes.to(torch.int8).reshape(x.shape), d, sums
+
+
+def block_codes(data: torch.Tensor, quant_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The file's ``(codes int32 [N, K / 32, 32], dw float32 [N, K / 32], mw float32 [N, K / 32] or None)``
+    (Q4 codes 0..15 with ``mw`` the minimum, Q4_0's ``-8 dw``; Q8_0 signed codes, no minimum)."""
+    _check(None, data, quant_type)
+    blocks = data.reshape(data.shape[0], -1, _BLOCK_BYTES[quant_type])
+
+    def f16(offset):
+        return blocks[..., offset:offset + 2].contiguous().view(torch.float16)[..., 0].float()
+
+    dw = f16(0)
+    if quant_type == "Q8_0":
+        return blocks[..., 2:].contiguous().view(torch.int8).int(), dw, None
+    qs = blocks[..., 4 if quant_type == "Q4_1" else 2:].int()
+    codes = torch.cat((qs & 15, qs >> 4), dim=-1)
+    return codes, dw, f16(2) if quant_type == "Q4_1" else -8.0 * dw
+
+
+def reference(x: torch.Tensor, data: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """:func:`gemv` in torch, float32 ``[M, N]``: bit-equal to :func:`gemv_scalar` (the block terms added
+    in block order in float32, the plain-C path's order)."""
+    codes, dw, mw = block_codes(data, quant_type)
+    q, d, sums = quantize_rows_reference(x)
+    q = q.reshape(x.shape[0], -1, BLOCK).int()
+    isum = torch.einsum("nbj,mbj->mnb", codes, q).float()  # exact integers (|isum| < 2^24)
+    acc = torch.zeros(x.shape[0], data.shape[0])
+    for b in range(codes.shape[1]):
+        acc = acc + (dw[None, :, b] * d[:, None, b]) * isum[:, :, b]
+        if mw is not None:
+            acc = acc + mw[None, :, b] * sums[:, None, b]
+    return acc
+
+
+@functools.cache
+def _library():
+    with gguf_cpu_native._lock:
+        built = gguf_cpu_native._built_library(SOURCE, "gguf_cpu_q8x")
+    if built is None:
+        return None
+    library = ctypes.CDLL(str(built))
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    library.q8x_gemv.argtypes = (c_int, ptr, i64, i64, i64, ptr, c_int, c_int, ptr, i64, c_int, c_int)
+    library.q8x_gemv_scalar.argtypes = (c_int, ptr, i64, i64, i64, ptr, c_int, c_int, ptr, i64)
+    library.q8x_quantize.argtypes = (ptr, c_int, c_int, i64, ptr, ptr, ptr)
+    for function in (library.q8x_gemv, library.q8x_gemv_scalar, library.q8x_quantize, library.q8x_has_vnni,
+                     library.q8x_has_avx2):
+        function.restype = c_int
+    library.q8x_has_vnni.argtypes = library.q8x_has_avx2.argtypes = ()
+    return library

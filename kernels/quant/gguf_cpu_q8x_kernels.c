@@ -1,0 +1,343 @@
+/* Int8-activation GEMV kernels for llama.cpp block rows (Q4_0, Q4_1, Q8_0), as llama.cpp computes them.
+ *
+ * Built at first use by gguf_cpu_q8x.py (the builder of gguf_cpu_native.py, same flags) and called
+ * through ctypes. Opt-in (EngineConfig.cpu_int8_activations): not the exact bf16/float32 math.
+ *
+ *   q8x_quantize: x [M, K] (float32 or bf16) -> per row, per block of 32: scale d = max|x| / 127
+ *                 (float32), id = d ? 1 / d : 0, codes q = round-to-nearest-even(x * id) (int8),
+ *                 and xsum = d * sum(q) (float32, for the types with a minimum).
+ *   q8x_gemv:     out[m, n] = sum over blocks b of (dw_b * d_b) * isum_b + mw_b * xsum_b, isum_b the
+ *                 exact integer dot product of the file's codes and x's codes (Q4_0: mw = -8 dw;
+ *                 Q8_0: no minimum). float32 sums (or bf16 out, rounded to nearest even).
+ *
+ * Paths: AVX-512 VNNI (vpdpbusd, two blocks per instruction: u8 weight codes x s8 x codes; Q8_0's
+ * signed codes as |w| times x with w's sign), AVX2 (vpmaddubsw + vpmaddwd, one block), plain C.
+ * Every row of x runs the same operations whatever M is (1..8), so a row's result does not depend on
+ * the other rows of the call (a speculative verify row gets a one-row decode step's bits), and the
+ * result does not depend on the thread count (threads split the output rows).
+ * The float32 accumulation differs between the paths (lanes vs one scalar), not the integer sums.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 4 };
+#define QK 32
+#define MAX_M 8
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8X_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8X_AVX2 1
+#endif
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) {
+        exponent = 113;
+        while (!(mantissa & 1024)) { mantissa <<= 1; exponent--; }
+        bits = sign | (exponent << 23) | ((mantissa & 1023) << 13);
+    } else {
+        bits = sign;
+    }
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline uint16_t f32_to_bf16(float v) {  /* round to nearest even (NaN kept quiet) */
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFFu + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+int q8x_has_vnni(void) {
+#ifdef Q8X_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int q8x_has_avx2(void) {
+#if defined(Q8X_AVX512) || defined(Q8X_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One row of x (K values, K % 32 == 0) -> codes, scales, xsums; also the kernels' expanded scales
+   (8 lanes per block: d and xsum / 8, the latter exact: a power of two). */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *d_out, float *s_out,
+                         float *d8, float *s8) {
+    const int64_t nb = K / QK;
+    float v[QK];
+    for (int64_t b = 0; b < nb; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
+            float a = fabsf(v[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int c = (int)nearbyintf(v[j] * id);  /* default rounding mode: to nearest even */
+            c = c > 127 ? 127 : c < -127 ? -127 : c;
+            q[b * QK + j] = (int8_t)c;
+            sum += c;
+        }
+        const float s = d * (float)sum;
+        if (d_out) d_out[b] = d;
+        if (s_out) s_out[b] = s;
+        if (d8) for (int j = 0; j < 8; j++) { d8[b * 8 + j] = d; s8[b * 8 + j] = s * 0.125f; }
+    }
+}
+
+int q8x_quantize(const void *x, int x_bf16, int M, int64_t K, int8_t *q, float *d, float *s) {
+    if (K % QK || M < 0) return 1;
+    for (int m = 0; m < M; m++)
+        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K),
+                     x_bf16, K, q + m * K, d + m * (K / QK), s + m * (K / QK), NULL, NULL);
+    return 0;
+}
+
+static inline int block_bytes(int qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34; }
+
+/* One output row n: the plain C path. Not auto-vectorized: gcc 12-13 -O2 -march=native turned the
+   signed x signed Q8_0 loop into vpdpbusd (unsigned x signed) here, wrong sums (seen on Zen 4). */
+__attribute__((optimize("no-tree-vectorize")))
+static void row_scalar(int qtype, const uint8_t *w, int64_t nb, int M, const int8_t *q, int64_t K,
+                       const float *dx, const float *sx, float *acc) {
+    const int bb = block_bytes(qtype);
+    for (int m = 0; m < M; m++) {
+        const int8_t *xq = q + m * K;
+        float a = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * bb;
+            const float dw = f16(blk);
+            int isum = 0;
+            float mw = 0.0f;
+            if (qtype == Q8_0) {
+                for (int j = 0; j < QK; j++) isum += (int)(int8_t)blk[2 + j] * xq[b * QK + j];
+            } else {
+                const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
+                mw = qtype == Q4_1 ? f16(blk + 2) : -8.0f * dw;
+                for (int j = 0; j < 16; j++)
+                    isum += (int)(qs[j] & 15) * xq[b * QK + j] + (int)(qs[j] >> 4) * xq[b * QK + j + 16];
+            }
+            a += (dw * dx[m * nb + b]) * (float)isum;
+            if (qtype != Q8_0) a += mw * sx[m * nb + b];
+        }
+        acc[m] = a;
+    }
+}
+
+#ifdef Q8X_AVX512
+static inline __m512i q4_pair(const uint8_t *q0, const uint8_t *q1) {
+    /* [q0 | q1] -> [lo0, hi0, lo1, hi1] (16 bytes each): block b's values 0..15 then 16..31 */
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q0)),
+                                              _mm_loadu_si128((const __m128i *)q1), 1);
+    const __m256i mask = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* lo0 lo1 hi0 hi1 */
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+static inline float hsum512(__m512 v) {
+    /* fixed order: 16 -> 8 -> 4 -> 2 -> 1 */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 f = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    f = _mm_add_ps(f, _mm_movehl_ps(f, f));
+    f = _mm_add_ss(f, _mm_movehdup_ps(f));
+    return _mm_cvtss_f32(f);
+}
+
+static void row_avx512(int qtype, const uint8_t *w, int64_t nb, int M, const int8_t *q, int64_t K,
+                       const float *d8, const float *s8, float *out) {
+    const int bb = block_bytes(qtype);
+    __m512 acc[MAX_M];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *b0 = w + b * bb, *b1 = b0 + bb;
+        const float dw0 = f16(b0), dw1 = f16(b1);
+        const __m512 dwv = _mm512_insertf32x8(_mm512_set1_ps(dw0), _mm256_set1_ps(dw1), 1);
+        if (qtype == Q8_0) {
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                                  _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+            const __m512i wa = _mm512_abs_epi8(wv);
+            const __mmask64 neg = _mm512_movepi8_mask(wv);
+            for (int m = 0; m < M; m++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(q + m * K + b * QK));
+                const __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, xs);
+                const __m512 scale = _mm512_mul_ps(dwv, _mm512_loadu_ps(d8 + m * nb * 8 + b * 8));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[m]);
+            }
+        } else {
+            const int off = qtype == Q4_1 ? 4 : 2;
+            const __m512i wv = q4_pair(b0 + off, b1 + off);
+            const float mw0 = qtype == Q4_1 ? f16(b0 + 2) : -8.0f * dw0, mw1 = qtype == Q4_1 ? f16(b1 + 2) : -8.0f * dw1;
+            const __m512 mwv = _mm512_insertf32x8(_mm512_set1_ps(mw0), _mm256_set1_ps(mw1), 1);
+            for (int m = 0; m < M; m++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(q + m * K + b * QK));
+                const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+                const __m512 scale = _mm512_mul_ps(dwv, _mm512_loadu_ps(d8 + m * nb * 8 + b * 8));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[m]);
+                acc[m] = _mm512_fmadd_ps(mwv, _mm512_loadu_ps(s8 + m * nb * 8 + b * 8), acc[m]);
+            }
+        }
+    }
+    if (b < nb) {  /* an odd last block: the upper half's weights and scales zero */
+        const uint8_t *b0 = w + b * bb;
+        const float dw0 = f16(b0);
+        const __m512 dwv = _mm512_insertf32x8(_mm512_set1_ps(dw0), _mm256_setzero_ps(), 1);
+        __m512i wv;
+        __m512 mwv = _mm512_setzero_ps();
+        __mmask64 neg = 0;
+        if (qtype == Q8_0) {
+            const __m512i raw = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2)));
+            wv = _mm512_maskz_mov_epi8(0xFFFFFFFFull, _mm512_abs_epi8(raw));
+            neg = _mm512_movepi8_mask(raw) & 0xFFFFFFFFull;
+        } else {
+            const int off = qtype == Q4_1 ? 4 : 2;
+            wv = _mm512_maskz_mov_epi8(0xFFFFFFFFull, q4_pair(b0 + off, b0 + off));
+            const float mw0 = qtype == Q4_1 ? f16(b0 + 2) : -8.0f * dw0;
+            mwv = _mm512_insertf32x8(_mm512_set1_ps(mw0), _mm256_setzero_ps(), 1);
+        }
+        for (int m = 0; m < M; m++) {
+            __m512i xv = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, (const void *)(q + m * K + b * QK));
+            if (qtype == Q8_0) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+            const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+            const __m512 d8v = _mm512_maskz_loadu_ps(0xFF, d8 + m * nb * 8 + b * 8);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv, d8v), acc[m]);
+            if (qtype != Q8_0)
+                acc[m] = _mm512_fmadd_ps(mwv, _mm512_maskz_loadu_ps(0xFF, s8 + m * nb * 8 + b * 8), acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = hsum512(acc[m]);
+}
+#endif
+
+#ifdef Q8X_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 f = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    f = _mm_add_ps(f, _mm_movehl_ps(f, f));
+    f = _mm_add_ss(f, _mm_movehdup_ps(f));
+    return _mm_cvtss_f32(f);
+}
+
+static void row_avx2(int qtype, const uint8_t *w, int64_t nb, int M, const int8_t *q, int64_t K,
+                     const float *dx, const float *sx, float *out) {
+    const int bb = block_bytes(qtype);
+    const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(15);
+    __m256 acc[MAX_M];
+    float macc[MAX_M];
+    for (int m = 0; m < M; m++) { acc[m] = _mm256_setzero_ps(); macc[m] = 0.0f; }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const float dw = f16(blk);
+        if (qtype == Q8_0) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i wa = _mm256_sign_epi8(wv, wv);
+            for (int m = 0; m < M; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + m * K + b * QK));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)), ones);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[m * nb + b]), acc[m]);
+            }
+        } else {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2)));
+            const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+            const __m256i wv = _mm256_and_si256(v, mask);
+            const float mw = qtype == Q4_1 ? f16(blk + 2) : -8.0f * dw;
+            for (int m = 0; m < M; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + m * K + b * QK));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[m * nb + b]), acc[m]);
+                macc[m] += mw * sx[m * nb + b];
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = hsum256(acc[m]) + macc[m];
+}
+#endif
+
+/* out[m * ldo + n] (float32, or bf16 with out_bf16) for M <= 8 rows of x (float32, or bf16 with
+   x_bf16), W's N block rows at w + n * stride. Returns 0, or 1 for bad arguments. */
+int q8x_gemv(int qtype, const uint8_t *w, int64_t stride, int64_t N, int64_t K, const void *x, int x_bf16, int M,
+             void *out, int64_t ldo, int out_bf16, int num_threads) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK || M < 1 || M > MAX_M) return 1;
+    const int64_t nb = K / QK;
+    /* x's codes (padded by 64 bytes: the AVX-512 loads of an odd last block stay in bounds) and scales */
+    int8_t *q = (int8_t *)malloc((size_t)(M * K + 64));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb * 2));
+    float *d8 = (float *)malloc(sizeof(float) * (size_t)(M * nb * 16 + 16));
+    if (!q || !dx || !d8) { free(q); free(dx); free(d8); return 2; }
+    float *sx = dx + M * nb, *s8 = d8 + M * nb * 8;
+    for (int m = 0; m < M; m++)
+        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K),
+                     x_bf16, K, q + m * K, dx + m * nb, sx + m * nb, d8 + m * nb * 8, s8 + m * nb * 8);
+    (void)d8; (void)s8;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= (1 << 18))
+    for (int64_t n = 0; n < N; n++) {
+        float r[MAX_M];
+#if defined(Q8X_AVX512)
+        row_avx512(qtype, w + n * stride, nb, M, q, K, d8, s8, r);
+#elif defined(Q8X_AVX2)
+        row_avx2(qtype, w + n * stride, nb, M, q, K, dx, sx, r);
+#else
+        row_scalar(qtype, w + n * stride, nb, M, q, K, dx, sx, r);
+#endif
+        for (int m = 0; m < M; m++) {
+            if (out_bf16) ((uint16_t *)out)[m * ldo + n] = f32_to_bf16(r[m]);
+            else ((float *)out)[m * ldo + n] = r[m];
+        }
+    }
+    free(q); free(dx); free(d8);
+    return 0;
+}
+
+/* The plain C path whatever this build has (to test the vector paths against). */
+int q8x_gemv_scalar(int qtype, const uint8_t *w, int64_t stride, int64_t N, int64_t K, const void *x, int x_bf16,
+                    int M, float *out, int64_t ldo) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK || M < 1 || M > MAX_M) return 1;
+    const int64_t nb = K / QK;
+    int8_t *q = (int8_t *)malloc((size_t)(M * K));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb * 2));
+    if (!q || !dx) { free(q); free(dx); return 2; }
+    float *sx = dx + M * nb;
+    for (int m = 0; m < M; m++)
+        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K),
+                     x_bf16, K, q + m * K, dx + m * nb, sx + m * nb, NULL, NULL);
+    for (int64_t n = 0; n < N; n++) {
+        float r[MAX_M];
+        row_scalar(qtype, w + n * stride, nb, M, q, K, dx, sx, r);
+        for (int m = 0; m < M; m++) out[m * ldo + n] = r[m];
+    }
+    free(q); free(dx);
+    return 0;
+}

@@ -1,0 +1,100 @@
+"""The int8-activation GGUF CPU kernels (``kernels/quant/gguf_cpu_q8x.py``, opt-in): x's quantizer bit-equal
+to the torch reference, the plain-C path bit-equal to the torch reference of the same math, this build's
+vector path (AVX-512 VNNI, AVX2 under ``HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f``) equal to it up to float32
+summation order, each row's bits independent of the row count and thread count, and the result within
+x's quantization error of gguf-py's dequantized weights."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from hearth_llm.kernels.quant import gguf_cpu_q8x
+
+from test_quant_gguf import random_blocks
+
+pytestmark = pytest.mark.skipif(not gguf_cpu_q8x.available(), reason="no C compiler: the int8-activation kernels "
+                                "are not built")
+TYPES = list(gguf_cpu_q8x.TYPES)
+
+
+def _x(rows, columns, seed=3, dtype=torch.float32):
+    x = torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    x[-1, 40] = 50.0  # an outlier: its block's scale follows it
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizer_is_bit_equal_to_the_torch_reference(dtype):
+    x = _x(5, 7 * 32, dtype=dtype)
+    codes, scales, sums = gguf_cpu_q8x.quantize_rows(x)
+    ref_codes, ref_scales, ref_sums = gguf_cpu_q8x.quantize_rows_reference(x)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales) and torch.equal(sums, ref_sums)
+    assert codes.abs().max() == 127 and scales[0, 0] == 0 and torch.all(codes[0, :32] == 0)
+    # the codes times their scale are x within half a step
+    step = scales.repeat_interleave(32, dim=1)
+    assert torch.all((codes.float() * step - x.float()).abs() <= step * 0.5 * (1 + 1e-5) + 1e-30)
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_c_path_is_bit_equal_to_the_torch_reference(quant_type, dtype):
+    data = random_blocks(quant_type, 19, 5 * 32, seed=1)
+    x = _x(8, 5 * 32, dtype=dtype)
+    for rows in (1, 3, 8):
+        out = gguf_cpu_q8x.gemv_scalar(x[:rows], data, quant_type)
+        assert torch.equal(out.view(torch.int32), gguf_cpu_q8x.reference(x[:rows], data, quant_type).view(torch.int32))
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+@pytest.mark.parametrize("num_columns", [5 * 32, 8 * 32])  # an odd and an even block count
+def test_vector_path_matches_the_reference_and_is_row_invariant(quant_type, num_columns):
+    data = random_blocks(quant_type, 45, num_columns, seed=2)  # 45 rows: uneven thread chunks
+    x = _x(8, num_columns)
+    codes, dw, mw = gguf_cpu_q8x.block_codes(data, quant_type)
+    q, d, sums = gguf_cpu_q8x.quantize_rows_reference(x)
+    # the float32 block terms' magnitudes bound the summation-order difference
+    terms = torch.einsum("nbj,mbj->mnb", codes.double(), q.reshape(8, -1, 32).double()).abs() \
+        * (dw[None] * d[:, None]).double()
+    if mw is not None:
+        terms = terms + (mw[None] * sums[:, None]).double().abs()
+    bound = terms.sum(-1) * 2e-6 + 1e-30
+    full = gguf_cpu_q8x.gemv(x, data, quant_type)
+    assert ((full.double() - gguf_cpu_q8x.reference(x, data, quant_type).double()).abs() <= bound).all()
+    for rows in range(1, 9):  # each row's bits whatever the rows beside it
+        assert torch.equal(gguf_cpu_q8x.gemv(x[:rows], data, quant_type), full[:rows])
+    assert torch.equal(gguf_cpu_q8x.gemv(x[5:6], data, quant_type), full[5:6])
+    assert torch.equal(gguf_cpu_q8x.gemv(x, data, quant_type, num_threads=2),
+                       gguf_cpu_q8x.gemv(x, data, quant_type, num_threads=1))
+    xb = x.bfloat16()
+    assert torch.equal(gguf_cpu_q8x.gemv(xb, data, quant_type, bf16_out=True),
+                       gguf_cpu_q8x.gemv(xb, data, quant_type).bfloat16())
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_result_is_within_the_quantization_error_of_gguf_py(quant_type):
+    data = random_blocks(quant_type, 33, 6 * 32, seed=4)
+    x = _x(4, 6 * 32, seed=5)
+    weight = torch.from_numpy(np.ascontiguousarray(
+        gguf_dequantize(data.numpy(), GGMLQuantizationType[quant_type]).reshape(33, -1).astype(np.float64)))
+    exact = x.double() @ weight.T
+    out = gguf_cpu_q8x.gemv(x, data, quant_type).double()
+    _, scales, _ = gguf_cpu_q8x.quantize_rows(x)
+    # |x - q d| <= d / 2 per value: the error is at most sum_k |w_nk| d_k / 2 (plus float32 slop)
+    bound = weight.abs() @ (scales.double().repeat_interleave(32, dim=1) * 0.5).T
+    assert ((out - exact).abs() <= bound.T * (1 + 1e-4) + 1e-6 * exact.abs()).all()
+    assert (out - exact).abs().max() > 0  # int8 x: not the exact product
+    assert (out - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    data = random_blocks("Q4_1", 4, 64, seed=1)
+    with pytest.raises(ValueError, match="quant_type"):
+        gguf_cpu_q8x.gemv(torch.zeros(1, 64), data, "Q4_K")
+    with pytest.raises(ValueError, match="x must be"):
+        gguf_cpu_q8x.gemv(torch.zeros(9, 64), data, "Q4_1")
+    with pytest.raises(ValueError, match="x must be"):
+        gguf_cpu_q8x.gemv(torch.zeros(1, 96), data, "Q4_1")
