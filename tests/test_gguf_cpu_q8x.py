@@ -49,10 +49,32 @@ def test_plain_c_path_is_bit_equal_to_the_torch_reference(quant_type, dtype):
         assert torch.equal(out.view(torch.int32), gguf_cpu_q8x.reference(x[:rows], data, quant_type).view(torch.int32))
 
 
+def _kernel(kernel, data, quant_type):
+    if kernel == "rows":
+        return lambda x, num_threads=None, bf16_out=False: gguf_cpu_q8x.gemv(x, data, quant_type, num_threads, bf16_out)
+    if not gguf_cpu_q8x.has_panels():
+        pytest.skip("no AVX-512 VNNI: the panel kernels are not in this build")
+    panels = gguf_cpu_q8x.pack(data, quant_type)
+    routines = {bf16_out: gguf_cpu_q8x.panel_gemv_routine(panels, quant_type, bf16_out) for bf16_out in (False, True)}
+
+    def run(x, num_threads=None, bf16_out=False):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(num_threads or previous)
+        try:
+            return routines[bf16_out](x.contiguous())
+        finally:
+            torch.set_num_threads(previous)
+
+    return run
+
+
 @pytest.mark.parametrize("quant_type", TYPES)
 @pytest.mark.parametrize("num_columns", [5 * 32, 8 * 32])  # an odd and an even block count
-def test_vector_path_matches_the_reference_and_is_row_invariant(quant_type, num_columns):
-    data = random_blocks(quant_type, 45, num_columns, seed=2)  # 45 rows: uneven thread chunks
+@pytest.mark.parametrize("kernel", ["rows", "panels"])
+def test_vector_path_matches_the_reference_and_is_row_invariant(quant_type, num_columns, kernel):
+    # 48 rows: uneven thread chunks for the row kernel, three panels of 16
+    data = random_blocks(quant_type, 48, num_columns, seed=2)
+    gemv = _kernel(kernel, data, quant_type)
     x = _x(8, num_columns)
     codes, dw, mw = gguf_cpu_q8x.block_codes(data, quant_type)
     q, d, sums = gguf_cpu_q8x.quantize_rows_reference(x)
@@ -62,16 +84,14 @@ def test_vector_path_matches_the_reference_and_is_row_invariant(quant_type, num_
     if mw is not None:
         terms = terms + (mw[None] * sums[:, None]).double().abs()
     bound = terms.sum(-1) * 2e-6 + 1e-30
-    full = gguf_cpu_q8x.gemv(x, data, quant_type)
+    full = gemv(x)
     assert ((full.double() - gguf_cpu_q8x.reference(x, data, quant_type).double()).abs() <= bound).all()
     for rows in range(1, 9):  # each row's bits whatever the rows beside it
-        assert torch.equal(gguf_cpu_q8x.gemv(x[:rows], data, quant_type), full[:rows])
-    assert torch.equal(gguf_cpu_q8x.gemv(x[5:6], data, quant_type), full[5:6])
-    assert torch.equal(gguf_cpu_q8x.gemv(x, data, quant_type, num_threads=2),
-                       gguf_cpu_q8x.gemv(x, data, quant_type, num_threads=1))
+        assert torch.equal(gemv(x[:rows]), full[:rows])
+    assert torch.equal(gemv(x[5:6]), full[5:6])
+    assert torch.equal(gemv(x, num_threads=2), gemv(x, num_threads=1))
     xb = x.bfloat16()
-    assert torch.equal(gguf_cpu_q8x.gemv(xb, data, quant_type, bf16_out=True),
-                       gguf_cpu_q8x.gemv(xb, data, quant_type).bfloat16())
+    assert torch.equal(gemv(xb, bf16_out=True), gemv(xb).bfloat16())
 
 
 @pytest.mark.parametrize("quant_type", TYPES)
@@ -88,6 +108,21 @@ def test_result_is_within_the_quantization_error_of_gguf_py(quant_type):
     assert ((out - exact).abs() <= bound.T * (1 + 1e-4) + 1e-6 * exact.abs()).all()
     assert (out - exact).abs().max() > 0  # int8 x: not the exact product
     assert (out - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_panels_hold_the_same_bytes_rearranged():
+    if not gguf_cpu_q8x.available():
+        pytest.skip("not built")
+    data = random_blocks("Q4_1", 32, 64, seed=6)
+    panels = gguf_cpu_q8x.pack(data, "Q4_1")
+    assert panels.shape == (2, 2 * 320)
+    blocks = data.reshape(32, 2, 20)
+    first = panels[0, :320]  # panel 0, block 0: 16 fp16 d, 16 fp16 m, then 4-byte groups of the codes
+    assert torch.equal(first[:32].reshape(16, 2), blocks[:16, 0, :2])
+    assert torch.equal(first[32:64].reshape(16, 2), blocks[:16, 0, 2:4])
+    assert torch.equal(first[64:128].reshape(16, 4), blocks[:16, 0, 4:8])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        gguf_cpu_q8x.pack(data[:8], "Q4_1")
 
 
 def test_bad_arguments_raise_value_errors_naming_them():

@@ -129,6 +129,67 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes, scales, sums
 
 
+PANEL_ROWS = 16
+
+
+def has_panels() -> bool:
+    """Whether this build runs the 16-row panel kernels (:func:`pack`; AVX-512 VNNI): one int32 lane
+    per output row, so no horizontal sums; the fast path (the row kernel :func:`gemv` elsewhere)."""
+    library = _library()
+    return library is not None and bool(library.q8x_has_vnni())
+
+
+def pack(data: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """Block rows ``data`` ``[N, row_bytes]`` (``N % 16 == 0``) rearranged into panels of 16 rows (the C
+    file's layout: each block's 16 fp16 scales, Q4_1's minimums or Q8_0's code sums, then the codes in
+    4-byte groups), uint8 ``[N / 16, num_blocks * panel_bytes]`` for :func:`panel_gemv_routine`."""
+    library = _require()
+    num_rows, num_columns = _check(None, data, quant_type)
+    if num_rows % PANEL_ROWS:
+        raise ValueError(f"panels need rows in multiples of {PANEL_ROWS}, got {num_rows}")
+    size = library.q8x_panel_bytes(QTYPE_IDS[quant_type])
+    out = torch.empty(num_rows // PANEL_ROWS, num_columns // BLOCK * size, dtype=torch.uint8)
+    if library.q8x_pack(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
+                        out.data_ptr()):
+        raise RuntimeError(f"q8x_pack failed for {quant_type}")
+    return out
+
+
+def panel_gemv_routine(panels: torch.Tensor, quant_type: str, bf16_out: bool = False):
+    """``routine(x)``: :func:`gemv` (same quantization of x, same integer sums; float32 lanes per output
+    row) on :func:`pack`'s ``panels``, for contiguous float32/bf16 ``x`` ``[M, K]``, 1 <= M <=
+    :data:`MAX_ROWS` (not checked per call), where :func:`has_panels`."""
+    if not has_panels():
+        raise ValueError("no int8-activation panel kernels in this build (needs AVX-512 VNNI)")
+    library = _library()
+    size = library.q8x_panel_bytes(QTYPE_IDS.get(quant_type, -1))
+    if (not size or panels.dtype != torch.uint8 or panels.dim() != 2 or panels.shape[1] % size
+            or not panels.is_contiguous()):
+        raise ValueError(f"panels must be contiguous uint8 [N / 16, blocks * {size}] of {quant_type} from pack, got "
+                         f"{panels.dtype} {tuple(panels.shape)}")
+    num_rows, num_columns = panels.shape[0] * PANEL_ROWS, panels.shape[1] // size * BLOCK
+    call, qtype, pointer = library.q8x_panel_gemv, QTYPE_IDS[quant_type], panels.data_ptr()
+    get_num_threads, out_dtype, bf16_flag = torch.get_num_threads, torch.bfloat16 if bf16_out else torch.float32, \
+        int(bf16_out)
+    bfloat16 = torch.bfloat16
+
+    def routine(x: torch.Tensor, _panels=panels) -> torch.Tensor:  # _panels: keeps the weight alive
+        out = torch.empty(x.shape[0], num_rows, dtype=out_dtype)
+        call(qtype, pointer, num_rows, num_columns, x.data_ptr(), int(x.dtype == bfloat16), x.shape[0],
+             out.data_ptr(), num_rows, bf16_flag, get_num_threads())
+        return out
+
+    return routine
+
+
+def weight_routine(data: torch.Tensor, quant_type: str, bf16_out: bool = False):
+    """The fastest int8-activation ``routine(x)`` for block rows ``data`` here: the panels (a packed copy
+    made now) where :func:`has_panels` and ``N % 16 == 0``, else the row kernel on ``data``."""
+    if has_panels() and data.shape[0] % PANEL_ROWS == 0:
+        return panel_gemv_routine(pack(data, quant_type), quant_type, bf16_out)
+    return gemv_routine(data, quant_type, bf16_out)
+
+
 # ---- the same math in torch ---------------------------------------------------------------------------
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,8 +246,11 @@ def _library():
     library.q8x_gemv.argtypes = (c_int, ptr, i64, i64, i64, ptr, c_int, c_int, ptr, i64, c_int, c_int)
     library.q8x_gemv_scalar.argtypes = (c_int, ptr, i64, i64, i64, ptr, c_int, c_int, ptr, i64)
     library.q8x_quantize.argtypes = (ptr, c_int, c_int, i64, ptr, ptr, ptr)
+    library.q8x_pack.argtypes = (c_int, ptr, i64, i64, i64, ptr)
+    library.q8x_panel_gemv.argtypes = (c_int, ptr, i64, i64, ptr, c_int, c_int, ptr, i64, c_int, c_int)
+    library.q8x_panel_bytes.argtypes = (c_int,)
     for function in (library.q8x_gemv, library.q8x_gemv_scalar, library.q8x_quantize, library.q8x_has_vnni,
-                     library.q8x_has_avx2):
+                     library.q8x_has_avx2, library.q8x_pack, library.q8x_panel_gemv, library.q8x_panel_bytes):
         function.restype = c_int
     library.q8x_has_vnni.argtypes = library.q8x_has_avx2.argtypes = ()
     return library

@@ -286,6 +286,140 @@ static void row_avx2(int qtype, const uint8_t *w, int64_t nb, int M, const int8_
 }
 #endif
 
+
+/* ---- panels of 16 output rows (AVX-512 VNNI): one int32 lane per output row ------------------------
+ * Per panel p (rows 16p..16p+15) and block b, PANEL_BYTES(qtype) bytes: the 16 rows' fp16 d (32 B), then
+ * Q4_1: their fp16 m (32 B); Q8_0: their int16 code sums (32 B); then the codes as 64-byte vectors, vector t
+ * holding, at bytes 4r..4r+3, row r's block bytes 4t..4t+3 (Q4: 4 vectors, whose low nibbles are values
+ * 4t..4t+3 and high ones 16+4t..; Q8_0: 8 vectors). So vpdpbusd of vector t and x's 4 codes 4t..4t+3
+ * (broadcast) adds each row's 4 products into its own lane: no horizontal sums, one float scale per
+ * block per 16 rows. Q8_0's signed codes take x's codes + 128 (unsigned), minus 128 * the code sum. */
+#define PANEL 16
+static inline int panel_bytes(int qtype) { return qtype == Q4_0 ? 32 + 256 : qtype == Q4_1 ? 64 + 256 : 64 + 512; }
+
+int q8x_panel_bytes(int qtype) {
+    return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) ? panel_bytes(qtype) : 0;
+}
+
+int q8x_pack(int qtype, const uint8_t *w, int64_t stride, int64_t N, int64_t K, uint8_t *out) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK || N % PANEL) return 1;
+    const int64_t nb = K / QK;
+    const int bb = block_bytes(qtype), pb = panel_bytes(qtype), off = qtype == Q4_1 ? 4 : 2;
+    const int vectors = qtype == Q8_0 ? 8 : 4;
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = out + (p * nb + b) * pb;
+            for (int r = 0; r < PANEL; r++) {
+                const uint8_t *blk = w + (p * PANEL + r) * stride + b * bb;
+                memcpy(dst + 2 * r, blk, 2);
+                if (qtype == Q4_1) memcpy(dst + 32 + 2 * r, blk + 2, 2);
+                if (qtype == Q8_0) {
+                    int16_t sum = 0;
+                    for (int j = 0; j < QK; j++) sum = (int16_t)(sum + (int8_t)blk[2 + j]);
+                    memcpy(dst + 32 + 2 * r, &sum, 2);
+                }
+                uint8_t *codes = dst + (qtype == Q4_0 ? 32 : 64);
+                for (int t = 0; t < vectors; t++) memcpy(codes + t * 64 + 4 * r, blk + off + 4 * t, 4);
+            }
+        }
+    return 0;
+}
+
+#ifdef Q8X_AVX512
+static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, const int8_t *q, const uint8_t *qu,
+                         int64_t K, const float *dx, const float *sx, float *out, int64_t ldo) {
+    const int pb = panel_bytes(qtype);
+    __m512 acc0[MAX_M], acc1[MAX_M];
+    for (int m = 0; m < M; m++) { acc0[m] = _mm512_setzero_ps(); acc1[m] = _mm512_setzero_ps(); }
+    const __m512i mask = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + b * pb;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        if (qtype == Q8_0) {
+            const __m512i corr = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32))), 7);
+            __m512i wv[8];
+            for (int t = 0; t < 8; t++) wv[t] = _mm512_loadu_si512((const void *)(blk + 64 + 64 * t));
+            for (int m = 0; m < M; m++) {
+                const int32_t *xb = (const int32_t *)(qu + m * K + b * QK);
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int t = 0; t < 8; t += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(xb[t]), wv[t]);
+                    s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(xb[t + 1]), wv[t + 1]);
+                }
+                const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b]));
+                if (b & 1) acc1[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc1[m]);
+                else acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc0[m]);
+            }
+        } else {
+            const __m512 mw = qtype == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                            : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+            const uint8_t *codes = blk + (qtype == Q4_0 ? 32 : 64);
+            __m512i lo[4], hi[4];
+            for (int t = 0; t < 4; t++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * t));
+                lo[t] = _mm512_and_si512(v, mask);
+                hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            }
+            for (int m = 0; m < M; m++) {
+                const int32_t *xb = (const int32_t *)(q + m * K + b * QK);
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++) {
+                    s0 = _mm512_dpbusd_epi32(s0, lo[t], _mm512_set1_epi32(xb[t]));
+                    s1 = _mm512_dpbusd_epi32(s1, hi[t], _mm512_set1_epi32(xb[t + 4]));
+                }
+                const __m512i isum = _mm512_add_epi32(s0, s1);
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b]));
+                __m512 a = b & 1 ? acc1[m] : acc0[m];
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, a);
+                a = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[m * nb + b]), a);
+                if (b & 1) acc1[m] = a; else acc0[m] = a;
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc0[m], acc1[m]));
+}
+#endif
+
+/* As q8x_gemv on q8x_pack's panels (AVX-512 VNNI builds; returns 3 elsewhere). */
+int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const void *x, int x_bf16, int M,
+                   void *out, int64_t ldo, int out_bf16, int num_threads) {
+#ifdef Q8X_AVX512
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK || N % PANEL || M < 1 || M > MAX_M) return 1;
+    const int64_t nb = K / QK;
+    int8_t *q = (int8_t *)malloc((size_t)(M * K) * 2);
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb * 2));
+    if (!q || !dx) { free(q); free(dx); return 2; }
+    uint8_t *qu = (uint8_t *)(q + M * K);
+    float *sx = dx + M * nb;
+    for (int m = 0; m < M; m++)
+        quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K),
+                     x_bf16, K, q + m * K, dx + m * nb, sx + m * nb, NULL, NULL);
+    if (qtype == Q8_0)
+        for (int64_t i = 0; i < M * K; i++) qu[i] = (uint8_t)(q[i] + 128);
+    const int pb = panel_bytes(qtype);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= (1 << 18))
+    for (int64_t p = 0; p < N / PANEL; p++) {
+        float r[MAX_M * PANEL];
+        panel_avx512(qtype, panels + p * nb * pb, nb, M, q, qu, K, dx, sx, r, PANEL);
+        for (int m = 0; m < M; m++) {
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + m * ldo + p * PANEL;
+                for (int i = 0; i < PANEL; i++) o[i] = f32_to_bf16(r[m * PANEL + i]);
+            } else {
+                memcpy((float *)out + m * ldo + p * PANEL, r + m * PANEL, sizeof(float) * PANEL);
+            }
+        }
+    }
+    free(q); free(dx);
+    return 0;
+#else
+    (void)qtype; (void)panels; (void)N; (void)K; (void)x; (void)x_bf16; (void)M; (void)out; (void)ldo;
+    (void)out_bf16; (void)num_threads;
+    return 3;
+#endif
+}
+
 /* out[m * ldo + n] (float32, or bf16 with out_bf16) for M <= 8 rows of x (float32, or bf16 with
    x_bf16), W's N block rows at w + n * stride. Returns 0, or 1 for bad arguments. */
 int q8x_gemv(int qtype, const uint8_t *w, int64_t stride, int64_t N, int64_t K, const void *x, int x_bf16, int M,
