@@ -85,6 +85,13 @@ class EngineConfig:
       its own torch work left behind, :mod:`~.openmp_threads`), so the engine thread's team keeps spinning
       between its parallel regions instead of sleeping in each; the caller's next parallel op starts a new
       team. ``False`` (the default until measured on a quiet CPU): leave the caller's threads alone.
+    - ``cpu_int8_activations``: opt-in, CPU GGUF models in bfloat16 only: decode and speculative-verify steps
+      (up to 8 rows) of the Q4_0/Q4_1/Q8_0 layers and block LM head quantize their input to int8 per row per
+      block of 32 (scale max|x| / 127) and take integer dot products with the file's codes, as llama.cpp
+      computes (:mod:`~hearth_llm.kernels.quant.gguf_cpu_q8x`): faster, but not the exact bf16 math of the
+      default (logits move by the activations' quantization error; each row's result is independent of the
+      step's other rows, so speculative greedy output equals plain greedy output with the option). Prefill
+      is unchanged. ``False`` (default): exact block math.
     """
 
     model: str = "default"
@@ -118,6 +125,7 @@ class EngineConfig:
     engine_core: str = "thread"
     kv_cache_dtype: str = "auto"
     release_caller_threads: bool = False
+    cpu_int8_activations: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -142,7 +150,7 @@ class EngineConfig:
             self.num_threads = default_num_threads()
         _positive_int("num_threads", self.num_threads)
         for name in ("enable_prefix_caching", "allow_pickle", "trust_remote_code", "show_progress", "cuda_graphs",
-                     "adaptive_threads", "release_caller_threads"):
+                     "adaptive_threads", "release_caller_threads", "cpu_int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -161,6 +169,24 @@ class EngineConfig:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         self._validate_engine_core()
         self._validate_kv_cache_dtype()
+        self._validate_cpu_int8_activations()
+
+    def _validate_cpu_int8_activations(self) -> None:
+        if not self.cpu_int8_activations:
+            return
+        if self.torch_device.type != "cpu":
+            raise ValueError(f"cpu_int8_activations=True is for the CPU engine; the device is "
+                             f"{self.torch_device.type}: leave it False")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"cpu_int8_activations=True is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}; leave it False")
+        if self.quantization is not None and self.quantization != "gguf":
+            raise ValueError(f"cpu_int8_activations=True needs a GGUF model's blocks, not quantization="
+                             f"{self.quantization!r}")
+        name = self.model.lower()
+        if name != "default" and os.path.exists(self.model) and not name.endswith(".gguf"):
+            raise ValueError(f"cpu_int8_activations=True needs a GGUF model (a .gguf file or 'default'), got "
+                             f"{self.model!r}")
 
     def _validate_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

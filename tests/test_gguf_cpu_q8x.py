@@ -133,3 +133,53 @@ def test_bad_arguments_raise_value_errors_naming_them():
         gguf_cpu_q8x.gemv(torch.zeros(9, 64), data, "Q4_1")
     with pytest.raises(ValueError, match="x must be"):
         gguf_cpu_q8x.gemv(torch.zeros(1, 96), data, "Q4_1")
+
+
+# ---- the engine option ------------------------------------------------------------------------------
+
+def test_engine_option_is_validated():
+    from hearth_llm.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_int8_activations"):
+        EngineConfig(model="default", cpu_int8_activations="yes")
+    with pytest.raises(ValueError, match="cpu_int8_activations"):
+        EngineConfig(model="default", device="cuda", cpu_int8_activations=True)
+    with pytest.raises(ValueError, match="cpu_int8_activations"):
+        EngineConfig(model="default", tensor_parallel_size=2, cpu_int8_activations=True)
+    assert EngineConfig(model="default").cpu_int8_activations is False
+
+
+def test_engine_option_refuses_a_model_without_gguf_blocks(tmp_path):
+    from hearth_llm.engine.config import EngineConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="cpu_int8_activations"):
+        EngineConfig(model=str(tmp_path), cpu_int8_activations=True)
+
+
+def test_default_model_runs_int8_steps_and_speculative_greedy_equals_plain_greedy():
+    from hearth_llm.engine import LLM, SamplingParams
+    from hearth_llm.engine.models.cpu_weights import CpuBlockLogitsHead
+
+    exact = LLM("default", show_progress=False, num_threads=1)
+    if exact.engine.runner.dtype != torch.bfloat16:
+        pytest.skip("the int8 path is for bf16 CPU engines (AVX-512 BF16 or AMX); this one runs float32")
+    llm = LLM("default", show_progress=False, num_threads=1, cpu_int8_activations=True)
+    head = llm.engine.runner.model.lm_head
+    assert isinstance(head, CpuBlockLogitsHead) and head.int8_gemv is not None
+    from hearth_llm.engine.models.linear import linear_layers
+
+    routines = {layer.routine.__name__ for _, layer in linear_layers(llm.engine.runner.model)}
+    assert routines == {"int8_or_fallback"}  # all 120 Q4_1 linears
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    plain = llm.generate(prompts, params)
+    reference = exact.generate(prompts, params)
+    # int8 activations move the logits a little: the greedy answer starts the same here
+    assert [out.outputs[0].token_ids[:4] for out in plain] == [out.outputs[0].token_ids[:4] for out in reference]
+    del exact
+    spec = LLM("default", show_progress=False, num_threads=1, cpu_int8_activations=True,
+               speculative={"method": "ngram", "num_speculative_tokens": 4})
+    # verify rows get a one-row step's bits: speculative greedy is plain greedy, token for token
+    assert [out.outputs[0].token_ids for out in spec.generate(prompts, params)] == \
+        [out.outputs[0].token_ids for out in plain]

@@ -23,10 +23,15 @@ def make_executor(config, checkpoint, lora_config=None):
         return MultiprocExecutor(config, checkpoint, size, lora_config=lora_config)
     from ..model_runner import ModelRunner
 
-    return ModelRunner(checkpoint, config.torch_device, config.torch_dtype, config.block_size,
-                       config.kv_cache_memory, lora_config=lora_config,
-                       max_num_batched_tokens=config.max_num_batched_tokens,
-                       kv_cache_dtype=config.kv_cache_torch_dtype)
+    runner = ModelRunner(checkpoint, config.torch_device, config.torch_dtype, config.block_size,
+                         config.kv_cache_memory, lora_config=lora_config,
+                         max_num_batched_tokens=config.max_num_batched_tokens,
+                         kv_cache_dtype=config.kv_cache_torch_dtype)
+    if getattr(config, "cpu_int8_activations", False):  # opt-in: see EngineConfig
+        from ..models.gguf_linear_method import use_int8_activations
+
+        use_int8_activations(runner.model)
+    return runner
 
 
 __all__ = ["make_executor", "MultiprocExecutor"]

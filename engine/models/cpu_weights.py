@@ -179,9 +179,23 @@ class CpuBlockLogitsHead(nn.Module):
         # bf16 hidden states straight into the bf16 kernel (Q4_K/Q6_K), float32 logits out
         self.bf16_gemv = gguf_cpu_native.gemv_routine(self.blocks, self.quant_type, bf16=True) \
             if gguf_cpu_native.has_bf16(self.quant_type) else None
+        self.int8_gemv = None  # use_int8_activations
+
+    def use_int8_activations(self) -> bool:
+        """``EngineConfig.cpu_int8_activations``: steps of up to ``gguf_cpu_q8x.MAX_ROWS`` rows multiply the
+        blocks by x quantized to int8 per block of 32 (``kernels/quant/gguf_cpu_q8x.py``; not exact, each
+        row's bits independent of the step's rows), float32 logits. False where the type has no such kernel."""
+        from hearth_llm.kernels.quant import gguf_cpu_q8x
+
+        if self.quant_type not in gguf_cpu_q8x.TYPES or not gguf_cpu_q8x.available():
+            return False
+        self.int8_gemv = gguf_cpu_q8x.weight_routine(self.blocks, self.quant_type)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.reshape(-1, x.shape[-1]).shape[0]
+        if self.int8_gemv is not None and 0 < num_rows <= 8 and x.dtype in (torch.bfloat16, torch.float32):
+            return self.int8_gemv(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], self.out_features)
         if self.bf16_gemv is not None and x.dtype == torch.bfloat16 and 0 < num_rows <= gguf_cpu.BF16_MAX_ROWS:
             # the bf16 kernels give each row the same bits in any batch: all rows in one pass
             return self.bf16_gemv(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], self.out_features)

@@ -264,3 +264,56 @@ def _int4_parts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 GGUF_INT4 = GGUFInt4LinearMethod()
+
+
+def use_int8_activations(model) -> int:
+    """``EngineConfig.cpu_int8_activations``: steps of up to ``gguf_cpu_q8x.MAX_ROWS`` rows (decode,
+    speculative verification) of the loaded ``model``'s GGUF layers whose blocks are kept (bf16 engines)
+    and of Q4_0/Q4_1/Q8_0 types, and of its block LM head, run the int8-activation kernels
+    (``kernels/quant/gguf_cpu_q8x.py``: x quantized per row per block of 32, integer dot products, as
+    llama.cpp computes): not the exact bf16 math, each row's bits independent of the step's rows. Larger
+    steps (prefill) keep the layer's routine. Returns how many layers (and head) were switched; raises
+    ValueError naming the option where none could be (no GGUF blocks kept here, or no kernels built)."""
+    from hearth_llm.kernels.quant import gguf_cpu_q8x
+
+    from .cpu_weights import CpuBlockLogitsHead
+    from .linear import linear_layers
+
+    if not gguf_cpu_q8x.available():
+        raise ValueError("cpu_int8_activations=True needs the int8-activation C kernels, which are not built here "
+                         "(no working C compiler)")
+    switched = 0
+    for _, layer in linear_layers(model):
+        if not isinstance(layer.method, GGUFInt4LinearMethod) or getattr(layer, "routine", None) is None:
+            continue
+        runs = layer.method.block_runs(layer)
+        if not runs or any(quant_type not in gguf_cpu_q8x.TYPES for quant_type, _ in runs):
+            continue
+        layer.routine = _int8_routine(runs, layer.bias, layer.routine)
+        switched += 1
+    for module in list(model.modules()):
+        if isinstance(module, CpuBlockLogitsHead) and module.use_int8_activations():
+            switched += 1
+    if not switched:
+        raise ValueError("cpu_int8_activations=True found no GGUF Q4_0/Q4_1/Q8_0 layer kept in its blocks: it needs "
+                         "a GGUF model on a CPU engine in bfloat16 (AVX-512 BF16 or AMX; float32 engines repack the "
+                         "blocks into panels)")
+    return switched
+
+
+def _int8_routine(runs, bias: torch.Tensor | None, fallback):
+    """``x -> x @ W.T + bias``: 2-D contiguous bf16 ``x`` of 1..MAX_ROWS rows on the int8-activation kernels
+    (bf16 out, as the exact routine's), anything else on ``fallback`` (the layer's routine before)."""
+    from hearth_llm.kernels.quant import gguf_cpu_q8x
+
+    max_rows = gguf_cpu_q8x.MAX_ROWS
+    gemvs = [gguf_cpu_q8x.weight_routine(data, quant_type, bf16_out=True) for quant_type, data in runs]
+    bfloat16 = torch.bfloat16
+
+    def int8_or_fallback(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.dtype == bfloat16 and x.is_contiguous():
+            out = gemvs[0](x) if len(gemvs) == 1 else torch.cat([gemv(x) for gemv in gemvs], dim=-1)
+            return out if bias is None else out.add_(bias)
+        return fallback(x)
+
+    return int8_or_fallback
