@@ -217,13 +217,16 @@ class _LlamaCppWorker:
 
 
 class _HearthWorker:
-    """Our engine on the file; ``quantization`` None is the default path, "gguf" keeps the blocks."""
+    """Our engine on the file; ``quantization`` None is the default path, "gguf" keeps the blocks;
+    ``int8``: ``cpu_int8_activations=True`` (decode steps on int8 activations, as llama.cpp)."""
 
-    def __init__(self, model: str, num_threads: int, quantization: str | None):
+    def __init__(self, model: str, num_threads: int, quantization: str | None, int8: bool = False):
         from hearth_llm.engine import LLM, SamplingParams, get_engine
 
         options = dict(num_threads=num_threads, adaptive_threads=False, quantization=quantization,
                        show_progress=False, kv_cache_memory=KV_CACHE_MEMORY)
+        if int8:
+            options["cpu_int8_activations"] = True
         self.llm = LLM(model, **options)
         self.core = get_engine(model, **options)  # the engine llm drives, for its token stream
         self.params = SamplingParams
@@ -274,7 +277,7 @@ def worker_main(args) -> None:
             from hearth_llm.kernels.quant import gguf_cpu_native
 
             gguf_cpu_native.has_panels = lambda quant_type: False
-        worker = _HearthWorker(args.model, threads, args.quantization)
+        worker = _HearthWorker(args.model, threads, args.quantization, args.int8)
     load_s = time.perf_counter() - started
     worker.single(prompt_ids(7, 8, worker.vocab_size), 4)  # warm-up: first-call costs out of the numbers
     print(json.dumps({"ready": True, "vocab_size": worker.vocab_size, "rss_bytes": _rss_bytes(),
@@ -334,7 +337,8 @@ def worker_commands(path: Path, threads: int, args) -> dict[str, list[str]]:
     commands = {"hearth": [sys.executable, this_file, "--worker", "hearth", *common],
                 "hearth gguf": [sys.executable, this_file, "--worker", "hearth", "--quantization", "gguf", *common],
                 "hearth int4pack": [sys.executable, this_file, "--worker", "hearth", "--int4pack", *common],
-                "hearth dense": [sys.executable, this_file, "--worker", "hearth", "--no-panels", *common]}
+                "hearth dense": [sys.executable, this_file, "--worker", "hearth", "--no-panels", *common],
+                "hearth int8": [sys.executable, this_file, "--worker", "hearth", "--int8", *common]}
     if not args.skip_llama_cpp:
         commands[LLAMA_CPP] = [args.llama_cpp_python, this_file, "--worker", "llama", *common]
     return {name: command for name, command in commands.items() if name in args.systems or name == LLAMA_CPP}
@@ -384,7 +388,8 @@ def parse_args(argv=None):
     parser.add_argument("--systems", default="hearth,hearth gguf",
                         help="ours to run: 'hearth', 'hearth gguf', 'hearth int4pack' (pure Q4_0/Q4_1 layers on "
                              "torch's int4 kernel, the path before the exact Q4 kernels), 'hearth dense' (on a "
-                             "float32 CPU: dense float32 weights, the path before the AVX2 panel kernels)")
+                             "float32 CPU: dense float32 weights, the path before the AVX2 panel kernels), 'hearth int8' "
+                             "(cpu_int8_activations=True: decode steps on int8 activations, not exact)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated, from {list(MEASURES)}")
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens per stream, SmolLM2")
@@ -400,6 +405,7 @@ def parse_args(argv=None):
     parser.add_argument("--quantization", help=argparse.SUPPRESS)
     parser.add_argument("--int4pack", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-panels", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--int8", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",")]
     args.measures = [m.strip() for m in args.measures.split(",")]
