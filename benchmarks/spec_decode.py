@@ -127,6 +127,7 @@ def make_engine(model: str, speculative: dict | None, args, checkpoint=None):
                           kv_cache_memory=args.kv_cache_memory, show_progress=False, speculative=speculative,
                           adaptive_threads=getattr(args, "adaptive_threads", False),
                           **({"max_num_seqs": args.max_num_seqs} if getattr(args, "max_num_seqs", None) else {}),
+                          **({"cpu_int8_activations": True} if getattr(args, "cpu_int8_activations", False) else {}),
                           num_threads=getattr(args, "num_threads", None))
     return LLMEngine(config, checkpoint=checkpoint)
 
@@ -303,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also the older RAG variant: the whole handbook as context, 'quote it word for word'")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="the engine's max_num_seqs (fewer CUDA graphs to capture; default: the engine's)")
+    parser.add_argument("--cpu-int8-activations", action="store_true",
+                        help="EngineConfig.cpu_int8_activations=True (decode/verify steps on int8 activations)")
     args = parser.parse_args(argv)
     if args.clock in ("cpu", "both"):
         if args.num_threads != 1 or args.device != "cpu":
