@@ -326,11 +326,15 @@ int q8x_pack(int qtype, const uint8_t *w, int64_t stride, int64_t N, int64_t K, 
 }
 
 #ifdef Q8X_AVX512
-static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, const int8_t *q, const uint8_t *qu,
-                         int64_t K, const float *dx, const float *sx, float *out, int64_t ldo) {
+/* M a constant in each instance (panel_avx512 below) and the loops over it unrolled: the accumulators
+   then live in registers (a rolled loop keeps them on the stack). */
+#define UNROLL _Pragma("GCC unroll 8")
+static inline __attribute__((always_inline)) void panel_avx512_m(
+        int qtype, const uint8_t *panel, int64_t nb, const int M, const int8_t *q, const uint8_t *qu, int64_t K,
+        const float *dx, const float *sx, float *out, int64_t ldo) {
     const int pb = panel_bytes(qtype);
     __m512 acc0[MAX_M], acc1[MAX_M];
-    for (int m = 0; m < M; m++) { acc0[m] = _mm512_setzero_ps(); acc1[m] = _mm512_setzero_ps(); }
+    UNROLL for (int m = 0; m < M; m++) { acc0[m] = _mm512_setzero_ps(); acc1[m] = _mm512_setzero_ps(); }
     const __m512i mask = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel + b * pb;
@@ -338,11 +342,11 @@ static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, con
         if (qtype == Q8_0) {
             const __m512i corr = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32))), 7);
             __m512i wv[8];
-            for (int t = 0; t < 8; t++) wv[t] = _mm512_loadu_si512((const void *)(blk + 64 + 64 * t));
-            for (int m = 0; m < M; m++) {
+            UNROLL for (int t = 0; t < 8; t++) wv[t] = _mm512_loadu_si512((const void *)(blk + 64 + 64 * t));
+            UNROLL for (int m = 0; m < M; m++) {
                 const int32_t *xb = (const int32_t *)(qu + m * K + b * QK);
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-                for (int t = 0; t < 8; t += 2) {
+                UNROLL for (int t = 0; t < 8; t += 2) {
                     s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(xb[t]), wv[t]);
                     s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(xb[t + 1]), wv[t + 1]);
                 }
@@ -356,15 +360,15 @@ static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, con
                                             : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
             const uint8_t *codes = blk + (qtype == Q4_0 ? 32 : 64);
             __m512i lo[4], hi[4];
-            for (int t = 0; t < 4; t++) {
+            UNROLL for (int t = 0; t < 4; t++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * t));
                 lo[t] = _mm512_and_si512(v, mask);
                 hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             }
-            for (int m = 0; m < M; m++) {
+            UNROLL for (int m = 0; m < M; m++) {
                 const int32_t *xb = (const int32_t *)(q + m * K + b * QK);
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-                for (int t = 0; t < 4; t++) {
+                UNROLL for (int t = 0; t < 4; t++) {
                     s0 = _mm512_dpbusd_epi32(s0, lo[t], _mm512_set1_epi32(xb[t]));
                     s1 = _mm512_dpbusd_epi32(s1, hi[t], _mm512_set1_epi32(xb[t + 4]));
                 }
@@ -377,7 +381,16 @@ static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, con
             }
         }
     }
-    for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc0[m], acc1[m]));
+    UNROLL for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc0[m], acc1[m]));
+}
+
+static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, const int8_t *q, const uint8_t *qu,
+                         int64_t K, const float *dx, const float *sx, float *out, int64_t ldo) {
+    switch (M) {
+#define CASE(m) case m: panel_avx512_m(qtype, panel, nb, m, q, qu, K, dx, sx, out, ldo); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
 }
 #endif
 
