@@ -162,8 +162,10 @@ def test_default_model_runs_int8_steps_and_speculative_greedy_equals_plain_greed
     from hearth_llm.engine.models.cpu_weights import CpuBlockLogitsHead
 
     exact = LLM("default", show_progress=False, num_threads=1)
-    if exact.engine.runner.dtype != torch.bfloat16:
-        pytest.skip("the int8 path is for bf16 CPU engines (AVX-512 BF16 or AMX); this one runs float32")
+    from hearth_llm.kernels.quant import gguf_cpu_native
+
+    if exact.engine.runner.dtype != torch.bfloat16 or not gguf_cpu_native.has_bf16("Q4_1"):
+        pytest.skip("the int8 linears are for bf16 CPU engines that keep the blocks (AVX-512 BF16 kernels)")
     llm = LLM("default", show_progress=False, num_threads=1, cpu_int8_activations=True)
     head = llm.engine.runner.model.lm_head
     assert isinstance(head, CpuBlockLogitsHead) and head.int8_gemv is not None
