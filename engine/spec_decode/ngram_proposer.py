@@ -7,7 +7,10 @@ dearer than a decode step. So where the engine gives it the device's step costs 
 :mod:`.proposal_lengths`), the proposer keeps only as many of the match's tokens as pay for
 their verification, judged by how often such matches were accepted (a prior, then the request's
 own verified proposals): a weak match (one token whose earlier occurrences disagree) usually
-proposes nothing, a long one up to ``k``. With ``backoff`` (off by default) a request whose last
+proposes nothing, a long one up to ``k``; a proposal must promise 10 % more tokens per unit of cost
+than a decode step (``proposal_lengths.MIN_GAIN``), and a request whose proposals keep missing
+while its speculation is in the red pauses them, then re-probes with one token
+(:class:`.AcceptanceEstimate`). With ``backoff`` (off by default) a request whose last
 verified proposal was rejected outright needs a match one token longer for its next proposal;
 one accepted proposal token lifts that again. A step with no proposal is an ordinary decode step.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import proposal_lengths
 from .proposal_lengths import AcceptanceEstimate, best_length
 
 
@@ -110,19 +114,23 @@ class NgramProposer:
         backed_off = self.backoff and self._is_backed_off(request, sent)
         estimate = self._learn(sent) if self.step_cost is not None else None
         min_n = min(self.min_n + 1, self.max_n) if backed_off else self.min_n
-        match = self.find_match(request.token_ids, min_n) if max_num_tokens > 0 else None
+        match = None
+        if estimate is not None and estimate.idle > 0:  # paused after misses (AcceptanceEstimate)
+            estimate.idle -= 1
+        elif max_num_tokens > 0:
+            match = self.find_match(request.token_ids, min_n)
         proposal, kinds = [], []
         if match is not None:
             proposal = list(request.token_ids[match.start:match.start + max_num_tokens])
             if estimate is not None:
+                del proposal[proposal_lengths.PROBE_LENGTH if estimate.is_probing else len(proposal):]
                 probabilities = estimate.probabilities(match.length, match.is_ambiguous, len(proposal))
-                del proposal[best_length(probabilities, self.step_cost):]
+                del proposal[best_length(probabilities, self.step_cost, proposal_lengths.MIN_GAIN):]
                 kinds = estimate.kinds(match.length, match.is_ambiguous, len(proposal))
         self._sent[request.request_id] = _Sent(request, len(request.token_ids), proposal, backed_off, kinds, estimate)
         return proposal
 
-    @staticmethod
-    def _learn(sent: _Sent | None) -> AcceptanceEstimate:
+    def _learn(self, sent: _Sent | None) -> AcceptanceEstimate:
         """The request's estimate, with its last proposal's fate counted once it is known."""
         if sent is None or sent.estimate is None:
             return AcceptanceEstimate()
@@ -133,7 +141,8 @@ class NgramProposer:
             while num_accepted < len(verified) and verified[num_accepted] == proposal[num_accepted]:
                 num_accepted += 1
             # the tokens after the first mismatch, and any the step did not reach, were not tested
-            sent.estimate.record(sent.kinds[:len(verified)], num_accepted)
+            extra_cost = self.step_cost(1 + len(proposal)) - self.step_cost(1)
+            sent.estimate.record(sent.kinds[:len(verified)], num_accepted, extra_cost)
             sent.is_counted = True
         return sent.estimate
 

@@ -55,13 +55,16 @@ class MeasuredStepCosts:
     A verify step's cost is its time over the median of the latest decode steps (so a shared
     machine's load, which drifts, is the same in both), and a row count's cost the median of its
     recent ratios. A row count not measured yet costs what the nearest measured smaller count
-    does (optimistic, so it is tried and then measured); before decode steps are measured,
-    :func:`cpu_step_cost`.
+    does times the table's growth from there (:func:`cpu_step_cost`, measured on the AVX-512 bf16
+    path, whose extra rows are the cheapest measured: so it is tried, and then measured), and with
+    no smaller count measured, the table's cost; before decode steps are measured, the table. (It
+    once cost what the smaller count did, 1.0 with none: a fresh float32 engine's first proposals
+    took the longest matches whole, at up to 3.3 decode steps a verify step, as if free.)
 
     >>> costs = MeasuredStepCosts()
     >>> for _ in range(8): costs.observe(1, 0.010); costs.observe(3, 0.021)
-    >>> costs(1), costs(2), round(costs(3), 6), round(costs(4), 6)
-    (1.0, 1.0, 2.1, 2.1)
+    >>> costs(1), costs(2), round(costs(3), 6), round(costs(4), 3)
+    (1.0, 1.12, 2.1, 2.35)
     """
 
     # Ratios of a row count before its cost is trusted, how many recent ones are kept, and how
@@ -95,8 +98,14 @@ class MeasuredStepCosts:
             return 1.0
         if len(self._decodes) < self.NUM_RECENT_DECODES:
             return cpu_step_cost(num_rows)
-        measured = [rows for rows in self._costs if rows <= num_rows]
-        return self._costs[max(measured)] if measured else 1.0
+        cost = self._costs.get(num_rows)
+        if cost is not None:
+            return cost
+        smaller = [rows for rows in self._costs if rows < num_rows]
+        if not smaller:
+            return cpu_step_cost(num_rows)
+        rows = max(smaller)
+        return self._costs[rows] * cpu_step_cost(num_rows) / cpu_step_cost(rows)
 
     def measured(self) -> dict[int, float]:
         """``{rows: cost}`` for each row count measured so far (for benchmarks and logs)."""
@@ -109,16 +118,20 @@ def _median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def best_length(probabilities: list[float], step_cost) -> int:
+def best_length(probabilities: list[float], step_cost, min_gain: float = 0.0) -> int:
     """The proposal length ``L`` (0 .. len(probabilities)) with the most expected tokens per unit
     of step cost; ``probabilities[j]``: the chance token ``j`` is accepted given those before were.
+    With ``min_gain`` a proposal must promise that much more than a plain decode step (0.1: 10 %
+    more tokens per unit of cost), else 0.
 
     >>> best_length([0.9, 0.9, 0.9, 0.9], cpu_step_cost)   # a 5th row: another pass of the weights
     3
     >>> best_length([0.1, 0.9], cpu_step_cost)    # unlikely first token: a plain decode step
     0
+    >>> best_length([0.2], cpu_step_cost), best_length([0.2], cpu_step_cost, min_gain=0.1)
+    (1, 0)
     """
-    best, best_rate = 0, 1.0 / step_cost(1)
+    best, best_rate = 0, (1.0 + min_gain) / step_cost(1)
     expected, chance = 1.0, 1.0
     for length, probability in enumerate(probabilities, start=1):
         chance *= probability
@@ -139,21 +152,46 @@ FIRST_TOKEN_PRIOR = {(1, False): 0.40, (1, True): 0.14, (2, False): 0.67, (2, Tr
 LATER_TOKEN_PRIOR = {1: 0.65, 2: 0.75, 3: 0.75, 4: 0.90}
 # How many verified tokens the prior weighs as: a request's own outcomes take over after a few steps.
 PRIOR_WEIGHT = 4.0
+# The gain a proposal must promise over a decode step (best_length's min_gain): the estimates are
+# rough, and at the break-even a proposal earns nothing while a misjudged one loses.
+MIN_GAIN = 0.10
+# Steps without proposals after a miss that left the request's balance negative; doubled at each
+# such miss, up to MAX_PAUSE; the first proposal after a pause (the re-probe) is one token.
+FIRST_PAUSE, MAX_PAUSE = 2, 16
+PROBE_LENGTH = 1
+# Outright rejections in a row that pause proposals (while the balance is negative).
+PAUSE_AFTER_MISSES = 2
 
 
 class AcceptanceEstimate:
     """One request's acceptance probabilities per kind of proposal token, from the prior and the
-    request's verified proposals.
+    request's verified proposals, and its speculation balance.
+
+    The balance (:attr:`net`) is what the request's speculation has earned so far, in decode steps:
+    accepted tokens minus each verify step's cost over a decode step's. Two proposals in a row
+    rejected outright while the balance is negative (or a re-probe rejected) pause proposals for a
+    few steps (:attr:`idle`), each such pause twice the last, and the proposal after a pause is one
+    token (a cheap re-probe); an accepted token ends the probing, and the pauses start short again
+    once the balance is back above zero. So a request whose matches keep missing spends little on
+    them, whatever the prior promised.
 
     >>> estimate = AcceptanceEstimate()
     >>> estimate.probabilities(match_length=2, is_ambiguous=False, num_tokens=3)
     [0.67, 0.75, 0.75]
+    >>> for _ in range(2): estimate.record(estimate.kinds(2, False, 1), num_accepted=0, extra_cost=0.3)
+    >>> estimate.net, estimate.idle, estimate.is_probing
+    (-0.6, 2, True)
     """
 
-    __slots__ = ("counts",)
+    __slots__ = ("counts", "net", "idle", "pause", "is_probing", "misses")
 
     def __init__(self) -> None:
         self.counts: dict[tuple, list[float]] = {}   # kind → [accepted, verified]
+        self.net = 0.0              # accepted tokens minus verify steps' extra cost, in decode steps
+        self.idle = 0               # steps left without proposals
+        self.pause = FIRST_PAUSE    # the next pause's length
+        self.is_probing = False     # after a pause: one-token proposals until one is accepted
+        self.misses = 0             # proposals rejected outright in a row
 
     @staticmethod
     def kinds(match_length: int, is_ambiguous: bool, num_tokens: int) -> list[tuple]:
@@ -164,17 +202,27 @@ class AcceptanceEstimate:
     def probabilities(self, match_length: int, is_ambiguous: bool, num_tokens: int) -> list[float]:
         return [self._rate(kind) for kind in self.kinds(match_length, is_ambiguous, num_tokens)]
 
-    def record(self, kinds: list[tuple], num_accepted: int) -> None:
+    def record(self, kinds: list[tuple], num_accepted: int, extra_cost: float = 0.0) -> None:
         """A verified proposal of ``len(kinds)`` tokens whose first ``num_accepted`` were accepted
-        (the tokens after the first rejected one were not tested)."""
+        (the tokens after the first rejected one were not tested), in a step that cost
+        ``extra_cost`` decode steps more than a decode step."""
         for position, kind in enumerate(kinds[:num_accepted + 1]):
             count = self.counts.setdefault(kind, [0.0, 0.0])
             count[0] += position < num_accepted
             count[1] += 1
+        self.net += num_accepted - extra_cost
+        self.misses = 0 if num_accepted else self.misses + 1
+        if num_accepted:
+            self.is_probing = False
+            if self.net >= 0:
+                self.pause = FIRST_PAUSE
+        elif self.net < 0 and (self.misses >= PAUSE_AFTER_MISSES or self.is_probing):
+            self.idle, self.pause, self.is_probing = self.pause, min(2 * self.pause, MAX_PAUSE), True
 
     def _rate(self, kind: tuple) -> float:
-        prior = FIRST_TOKEN_PRIOR[kind[1:]] if kind[0] == "first" else LATER_TOKEN_PRIOR[kind[1]]
         accepted, verified = self.counts.get(kind, (0.0, 0.0))
-        if not verified:
-            return prior
-        return (prior * PRIOR_WEIGHT + accepted) / (PRIOR_WEIGHT + verified)
+        return (_prior(kind) * PRIOR_WEIGHT + accepted) / (PRIOR_WEIGHT + verified)
+
+
+def _prior(kind: tuple) -> float:
+    return FIRST_TOKEN_PRIOR[kind[1:]] if kind[0] == "first" else LATER_TOKEN_PRIOR[kind[1]]
