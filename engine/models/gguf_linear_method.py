@@ -268,8 +268,8 @@ GGUF_INT4 = GGUFInt4LinearMethod()
 
 def use_int8_activations(model) -> int:
     """``EngineConfig.cpu_int8_activations``: steps of up to ``gguf_cpu_q8x.MAX_ROWS`` rows (decode,
-    speculative verification) of the loaded ``model``'s GGUF layers whose blocks are kept (bf16 engines)
-    and of Q4_0/Q4_1/Q8_0 types, and of its block LM head, run the int8-activation kernels
+    speculative verification) of the loaded ``model``'s GGUF layers whose blocks are kept (this method's
+    in bf16 engines, and ``GGUFBlockLinearMethod``'s) and all of Q4_0/Q4_1/Q8_0 types, and of its block LM head, run the int8-activation kernels
     (``kernels/quant/gguf_cpu_q8x.py``: x quantized per row per block of 32, integer dot products, as
     llama.cpp computes): not the exact bf16 math, each row's bits independent of the step's rows. Larger
     steps (prefill) keep the layer's routine. Returns how many layers (and head) were switched; raises
@@ -278,15 +278,22 @@ def use_int8_activations(model) -> int:
 
     from .cpu_weights import CpuBlockLogitsHead
     from .linear import linear_layers
+    from .quant import GGUFBlockLinearMethod
 
     if not gguf_cpu_q8x.available():
         raise ValueError("cpu_int8_activations=True needs the int8-activation C kernels, which are not built here "
                          "(no working C compiler)")
     switched = 0
     for _, layer in linear_layers(model):
-        if not isinstance(layer.method, GGUFInt4LinearMethod) or getattr(layer, "routine", None) is None:
+        if getattr(layer, "routine", None) is None:
             continue
-        runs = layer.method.block_runs(layer)
+        if isinstance(layer.method, GGUFInt4LinearMethod):
+            runs = layer.method.block_runs(layer)
+        elif isinstance(layer.method, GGUFBlockLinearMethod) and getattr(layer, "gguf_input_order", None) is None:
+            # other GGUF layers' blocks (e.g. a Q8_0 model's), read through the method's own accessor
+            runs = [(weight.quant_type, weight.data) for weight in layer.method.block_weights(layer)]
+        else:
+            continue
         if not runs or any(quant_type not in gguf_cpu_q8x.TYPES for quant_type, _ in runs):
             continue
         layer.routine = _int8_routine(runs, layer.bias, layer.routine)
