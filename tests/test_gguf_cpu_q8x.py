@@ -185,3 +185,35 @@ def test_default_model_runs_int8_steps_and_speculative_greedy_equals_plain_greed
     # verify rows get a one-row step's bits: speculative greedy is plain greedy, token for token
     assert [out.outputs[0].token_ids for out in spec.generate(prompts, params)] == \
         [out.outputs[0].token_ids for out in plain]
+
+
+def test_q8_0_block_layers_of_a_tiny_gguf_run_int8_steps(tmp_path):
+    from gguf_writer import add_block_layers, add_q8_0_embedding_and_norm, tiny_llama_writer, write_and_close
+    from test_quant_gguf import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, _layer_blocks
+
+    from conftest import TINY_VOCAB
+    from hearth_llm.engine import LLM, SamplingParams
+    from hearth_llm.engine.models.linear import linear_layers
+    from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
+    from hearth_llm.kernels.quant import gguf_cpu_native
+
+    if not gguf_cpu_native.has_bf16("Q8_0"):
+        pytest.skip("bf16 block layers need the AVX-512 BF16 kernels")
+    path = tmp_path / "q8_0.gguf"
+    writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
+    add_q8_0_embedding_and_norm(writer, TINY_VOCAB, HIDDEN)  # tied head: Q8_0 blocks
+    add_block_layers(writer, [("Q8_0",) * 7] * LAYERS, HIDDEN, _layer_blocks)
+    write_and_close(writer)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False, num_threads=1,
+             cpu_int8_activations=True) as llm:
+        layers = dict(linear_layers(llm.engine.runner.model))
+        assert {type(layer.method) for layer in layers.values()} == {GGUFBlockLinearMethod}
+        assert {layer.routine.__name__ for layer in layers.values()} == {"int8_or_fallback"}
+        assert llm.engine.runner.model.lm_head.int8_gemv is not None
+        plain = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False, num_threads=1,
+             cpu_int8_activations=True, speculative={"method": "ngram", "num_speculative_tokens": 4,
+                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain
