@@ -217,3 +217,29 @@ def test_q8_0_block_layers_of_a_tiny_gguf_run_int8_steps(tmp_path):
              cpu_int8_activations=True, speculative={"method": "ngram", "num_speculative_tokens": 4,
                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
         assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain
+
+
+def test_q4_k_panels_match_the_reference_and_gguf_py():
+    if not gguf_cpu_q8x.has_panels():
+        pytest.skip("no AVX-512 VNNI: the panel kernels are not in this build")
+    data = random_blocks("Q4_K", 32, 3 * 256, seed=7)
+    x = _x(8, 3 * 256, seed=8)
+    codes, dw, mw = gguf_cpu_q8x.block_codes(data, "Q4_K")
+    # the reference's sub-block terms are the file's weights: (d sc) q - dmin mn, bit for bit
+    dequantized = torch.from_numpy(np.ascontiguousarray(
+        gguf_dequantize(data.numpy(), GGMLQuantizationType.Q4_K).reshape(32, -1).astype(np.float32)))
+    assert torch.equal((dw[..., None] * codes.float() + mw[..., None]).reshape(32, -1), dequantized)
+    assert gguf_cpu_q8x.supports("Q4_K", 32) and not gguf_cpu_q8x.supports("Q4_K", 8)
+    gemv = gguf_cpu_q8x.panel_gemv_routine(gguf_cpu_q8x.pack(data, "Q4_K"), "Q4_K")
+    full = gemv(x)
+    reference = gguf_cpu_q8x.reference(x, data, "Q4_K")
+    q, d, sums = gguf_cpu_q8x.quantize_rows_reference(x)
+    terms = (torch.einsum("nbj,mbj->mnb", codes.double(), q.reshape(8, -1, 32).double()).abs()
+             * (dw[None] * d[:, None]).double() + (mw[None] * sums[:, None]).double().abs())
+    assert ((full.double() - reference.double()).abs() <= terms.sum(-1) * 2e-6 + 1e-30).all()
+    for rows in (1, 2, 5):
+        assert torch.equal(gemv(x[:rows]), full[:rows])
+    exact = x.double() @ dequantized.double().T
+    _, scales, _ = gguf_cpu_q8x.quantize_rows(x)
+    bound = dequantized.double().abs() @ (scales.double().repeat_interleave(32, dim=1) * 0.5).T
+    assert ((full.double() - exact).abs() <= bound.T * (1 + 1e-4) + 1e-6 * exact.abs()).all()

@@ -187,7 +187,7 @@ class CpuBlockLogitsHead(nn.Module):
         row's bits independent of the step's rows), float32 logits. False where the type has no such kernel."""
         from hearth_llm.kernels.quant import gguf_cpu_q8x
 
-        if self.quant_type not in gguf_cpu_q8x.TYPES or not gguf_cpu_q8x.available():
+        if not gguf_cpu_q8x.supports(self.quant_type, self.blocks.shape[0]):
             return False
         self.int8_gemv = gguf_cpu_q8x.weight_routine(self.blocks, self.quant_type)
         return True

@@ -269,7 +269,7 @@ GGUF_INT4 = GGUFInt4LinearMethod()
 def use_int8_activations(model) -> int:
     """``EngineConfig.cpu_int8_activations``: steps of up to ``gguf_cpu_q8x.MAX_ROWS`` rows (decode,
     speculative verification) of the loaded ``model``'s GGUF layers whose blocks are kept (this method's
-    in bf16 engines, and ``GGUFBlockLinearMethod``'s) and all of Q4_0/Q4_1/Q8_0 types, and of its block LM head, run the int8-activation kernels
+    in bf16 engines, and ``GGUFBlockLinearMethod``'s) and all of Q4_0/Q4_1/Q8_0 types (and Q4_K where the AVX-512 VNNI panels run), and of its block LM head, run the int8-activation kernels
     (``kernels/quant/gguf_cpu_q8x.py``: x quantized per row per block of 32, integer dot products, as
     llama.cpp computes): not the exact bf16 math, each row's bits independent of the step's rows. Larger
     steps (prefill) keep the layer's routine. Returns how many layers (and head) were switched; raises
@@ -294,7 +294,7 @@ def use_int8_activations(model) -> int:
             runs = [(weight.quant_type, weight.data) for weight in layer.method.block_weights(layer)]
         else:
             continue
-        if not runs or any(quant_type not in gguf_cpu_q8x.TYPES for quant_type, _ in runs):
+        if not runs or not all(gguf_cpu_q8x.supports(quant_type, data.shape[0]) for quant_type, data in runs):
             continue
         layer.routine = _int8_routine(runs, layer.bias, layer.routine)
         switched += 1

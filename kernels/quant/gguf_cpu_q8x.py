@@ -25,11 +25,15 @@ import torch
 from . import gguf_cpu_native
 
 SOURCE = gguf_cpu_native.SOURCE.with_name("gguf_cpu_q8x_kernels.c")
-QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 4}
-TYPES = tuple(QTYPE_IDS)
+QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 4, "Q4_K": 5}
+# Types of the row kernel (:func:`gemv`, every build); the panels (:func:`pack`, AVX-512 VNNI) also take Q4_K
+# (x's blocks of 32 are its sub-blocks: scale d * sc, minimum -dmin * mn, as Q4_1's d and m).
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+PANEL_TYPES = TYPES + ("Q4_K",)
 MAX_ROWS = 8
 BLOCK = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# bytes and values per block (Q4_K: a superblock of 256)
+_FORMATS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256)}
 
 
 def available() -> bool:
@@ -45,15 +49,24 @@ def path() -> str | None:
     return "avx512_vnni" if library.q8x_has_vnni() else "avx2" if library.q8x_has_avx2() else "c"
 
 
-def _check(x: torch.Tensor | None, data: torch.Tensor, quant_type: str) -> tuple[int, int]:
-    if quant_type not in QTYPE_IDS:
-        raise ValueError(f"quant_type must be one of {TYPES} for the int8-activation kernels, got {quant_type!r}")
-    size = _BLOCK_BYTES[quant_type]
+def supports(quant_type: str, num_rows: int) -> bool:
+    """Whether this build has an int8-activation kernel for ``num_rows`` block rows of ``quant_type``."""
+    if not available():
+        return False
+    if has_panels() and num_rows % PANEL_ROWS == 0:
+        return quant_type in PANEL_TYPES
+    return quant_type in TYPES
+
+
+def _check(x: torch.Tensor | None, data: torch.Tensor, quant_type: str, types=TYPES) -> tuple[int, int]:
+    if quant_type not in types:
+        raise ValueError(f"quant_type must be one of {types} for the int8-activation kernels, got {quant_type!r}")
+    size, values = _FORMATS[quant_type]
     if (data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % size or data.device.type != "cpu"
             or (data.shape[0] > 1 and data.stride(1) != 1)):
         raise ValueError(f"data must be CPU uint8 rows of whole {size}-byte {quant_type} blocks (contiguous rows), "
                          f"got {data.dtype} {tuple(data.shape)} on {data.device}")
-    num_columns = data.shape[1] // size * BLOCK
+    num_columns = data.shape[1] // size * values
     if x is not None and (x.dim() != 2 or x.shape[1] != num_columns or not 1 <= x.shape[0] <= MAX_ROWS
                           or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"):
         raise ValueError(f"x must be CPU float32/bf16 [1..{MAX_ROWS}, {num_columns}] for this {quant_type} weight, "
@@ -144,11 +157,11 @@ def pack(data: torch.Tensor, quant_type: str) -> torch.Tensor:
     file's layout: each block's 16 fp16 scales, Q4_1's minimums or Q8_0's code sums, then the codes in
     4-byte groups), uint8 ``[N / 16, num_blocks * panel_bytes]`` for :func:`panel_gemv_routine`."""
     library = _require()
-    num_rows, num_columns = _check(None, data, quant_type)
+    num_rows, num_columns = _check(None, data, quant_type, PANEL_TYPES)
     if num_rows % PANEL_ROWS:
         raise ValueError(f"panels need rows in multiples of {PANEL_ROWS}, got {num_rows}")
     size = library.q8x_panel_bytes(QTYPE_IDS[quant_type])
-    out = torch.empty(num_rows // PANEL_ROWS, num_columns // BLOCK * size, dtype=torch.uint8)
+    out = torch.empty(num_rows // PANEL_ROWS, num_columns // _FORMATS[quant_type][1] * size, dtype=torch.uint8)
     if library.q8x_pack(QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0), num_rows, num_columns,
                         out.data_ptr()):
         raise RuntimeError(f"q8x_pack failed for {quant_type}")
@@ -167,7 +180,7 @@ def panel_gemv_routine(panels: torch.Tensor, quant_type: str, bf16_out: bool = F
             or not panels.is_contiguous()):
         raise ValueError(f"panels must be contiguous uint8 [N / 16, blocks * {size}] of {quant_type} from pack, got "
                          f"{panels.dtype} {tuple(panels.shape)}")
-    num_rows, num_columns = panels.shape[0] * PANEL_ROWS, panels.shape[1] // size * BLOCK
+    num_rows, num_columns = panels.shape[0] * PANEL_ROWS, panels.shape[1] // size * _FORMATS[quant_type][1]
     call, qtype, pointer = library.q8x_panel_gemv, QTYPE_IDS[quant_type], panels.data_ptr()
     get_num_threads, out_dtype, bf16_flag = torch.get_num_threads, torch.bfloat16 if bf16_out else torch.float32, \
         int(bf16_out)
@@ -185,7 +198,7 @@ def panel_gemv_routine(panels: torch.Tensor, quant_type: str, bf16_out: bool = F
 def weight_routine(data: torch.Tensor, quant_type: str, bf16_out: bool = False):
     """The fastest int8-activation ``routine(x)`` for block rows ``data`` here: the panels (a packed copy
     made now) where :func:`has_panels` and ``N % 16 == 0``, else the row kernel on ``data``."""
-    if has_panels() and data.shape[0] % PANEL_ROWS == 0:
+    if has_panels() and data.shape[0] % PANEL_ROWS == 0 and quant_type in PANEL_TYPES:
         return panel_gemv_routine(pack(data, quant_type), quant_type, bf16_out)
     return gemv_routine(data, quant_type, bf16_out)
 
@@ -206,13 +219,22 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def block_codes(data: torch.Tensor, quant_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The file's ``(codes int32 [N, K / 32, 32], dw float32 [N, K / 32], mw float32 [N, K / 32] or None)``
     (Q4 codes 0..15 with ``mw`` the minimum, Q4_0's ``-8 dw``; Q8_0 signed codes, no minimum)."""
-    _check(None, data, quant_type)
-    blocks = data.reshape(data.shape[0], -1, _BLOCK_BYTES[quant_type])
+    _check(None, data, quant_type, PANEL_TYPES)
+    blocks = data.reshape(data.shape[0], -1, _FORMATS[quant_type][0])
 
     def f16(offset):
         return blocks[..., offset:offset + 2].contiguous().view(torch.float16)[..., 0].float()
 
     dw = f16(0)
+    if quant_type == "Q4_K":
+        from .gguf_reference import k_scales_and_mins
+
+        num_rows, num_super = blocks.shape[:2]
+        sc, mn = k_scales_and_mins(blocks[..., 4:16].reshape(-1, 12).int())
+        sc, mn = sc.reshape(num_rows, num_super, 8).float(), mn.reshape(num_rows, num_super, 8).float()
+        chunks = blocks[..., 16:].int().reshape(num_rows, num_super, 4, 1, 32)
+        codes = torch.cat((chunks & 15, chunks >> 4), dim=3).reshape(num_rows, num_super * 8, 32)
+        return codes, (dw[..., None] * sc).reshape(num_rows, -1), (-(f16(2)[..., None] * mn)).reshape(num_rows, -1)
     if quant_type == "Q8_0":
         return blocks[..., 2:].contiguous().view(torch.int8).int(), dw, None
     qs = blocks[..., 4 if quant_type == "Q4_1" else 2:].int()

@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 4 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 4, Q4_K = 5 };
 #define QK 32
 #define MAX_M 8
 
@@ -297,11 +297,40 @@ static void row_avx2(int qtype, const uint8_t *w, int64_t nb, int M, const int8_
 #define PANEL 16
 static inline int panel_bytes(int qtype) { return qtype == Q4_0 ? 32 + 256 : qtype == Q4_1 ? 64 + 256 : 64 + 512; }
 
-int q8x_panel_bytes(int qtype) {
-    return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) ? panel_bytes(qtype) : 0;
+int q8x_panel_bytes(int qtype) {  /* per panel and block (Q4_K: per superblock of 256) */
+    return qtype == Q4_K ? 64 + 256 + 2048 : (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) ? panel_bytes(qtype) : 0;
+}
+
+/* Q4_K panels, per superblock: 16 fp16 d, 16 fp16 dmin, then sub-block s's 16 6-bit scales (uint8, 8 x 16),
+   its 16 mins (8 x 16), then the codes: chunk c (sub-blocks 2c, 2c+1: 32 bytes a row, low nibbles 2c's,
+   high 2c+1's) as 8 vectors of 64 bytes, vector t holding row r's chunk bytes 4t..4t+3 at 4r. */
+static int pack_q4_k(const uint8_t *w, int64_t stride, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / 256;
+    const int pb = 64 + 256 + 2048;
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = out + (p * nb + b) * pb;
+            for (int r = 0; r < PANEL; r++) {
+                const uint8_t *blk = w + (p * PANEL + r) * stride + b * 144, *q = blk + 4;
+                memcpy(dst + 2 * r, blk, 2);
+                memcpy(dst + 32 + 2 * r, blk + 2, 2);
+                for (int j = 0; j < 8; j++) {
+                    uint8_t sc, mn;
+                    if (j < 4) { sc = q[j] & 63; mn = q[j + 4] & 63; }
+                    else { sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4); mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+                    dst[64 + j * 16 + r] = sc;
+                    dst[64 + 128 + j * 16 + r] = mn;
+                }
+                for (int c = 0; c < 4; c++)
+                    for (int t = 0; t < 8; t++)
+                        memcpy(dst + 320 + c * 512 + t * 64 + 4 * r, blk + 16 + c * 32 + 4 * t, 4);
+            }
+        }
+    return 0;
 }
 
 int q8x_pack(int qtype, const uint8_t *w, int64_t stride, int64_t N, int64_t K, uint8_t *out) {
+    if (qtype == Q4_K) return K % 256 || N % PANEL ? 1 : pack_q4_k(w, stride, N, K, out);
     if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK || N % PANEL) return 1;
     const int64_t nb = K / QK;
     const int bb = block_bytes(qtype), pb = panel_bytes(qtype), off = qtype == Q4_1 ? 4 : 2;
@@ -384,8 +413,60 @@ static inline __attribute__((always_inline)) void panel_avx512_m(
     UNROLL for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc0[m], acc1[m]));
 }
 
+static inline __attribute__((always_inline)) void panel_q4_k_m(
+        const uint8_t *panel, int64_t nsb, const int M, const int8_t *q, int64_t K, const float *dx, const float *sx,
+        float *out, int64_t ldo) {
+    const int pb = 64 + 256 + 2048;
+    const int64_t nb = nsb * 8;  /* x's blocks of 32 */
+    __m512 acc0[MAX_M], acc1[MAX_M];
+    UNROLL for (int m = 0; m < M; m++) { acc0[m] = _mm512_setzero_ps(); acc1[m] = _mm512_setzero_ps(); }
+    const __m512i mask = _mm512_set1_epi8(15);
+    for (int64_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = panel + B * pb;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        for (int s = 0; s < 8; s++) {
+            /* sub-block s: (d * sc) and -(dmin * mn) in float32, as the reference decodes */
+            const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + 64 + s * 16)))));
+            const __m512 mw = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192 + s * 16))))));
+            const uint8_t *codes = blk + 320 + (s >> 1) * 512;
+            __m512i wv[8];
+            UNROLL for (int t = 0; t < 8; t++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * t));
+                wv[t] = _mm512_and_si512(s & 1 ? _mm512_srli_epi16(v, 4) : v, mask);
+            }
+            const int64_t xb = B * 8 + s;
+            UNROLL for (int m = 0; m < M; m++) {
+                const int32_t *xq = (const int32_t *)(q + m * K + xb * QK);
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                UNROLL for (int t = 0; t < 8; t += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[t], _mm512_set1_epi32(xq[t]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[t + 1], _mm512_set1_epi32(xq[t + 1]));
+                }
+                const __m512i isum = _mm512_add_epi32(s0, s1);
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + xb]));
+                __m512 a = s & 1 ? acc1[m] : acc0[m];
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, a);
+                a = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[m * nb + xb]), a);
+                if (s & 1) acc1[m] = a; else acc0[m] = a;
+            }
+        }
+    }
+    UNROLL for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc0[m], acc1[m]));
+}
+
 static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, const int8_t *q, const uint8_t *qu,
                          int64_t K, const float *dx, const float *sx, float *out, int64_t ldo) {
+    if (qtype == Q4_K) {
+        switch (M) {
+#define CASE(m) case m: panel_q4_k_m(panel, nb / 8, m, q, K, dx, sx, out, ldo); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        }
+        return;
+    }
     switch (M) {
 #define CASE(m) case m: panel_avx512_m(qtype, panel, nb, m, q, qu, K, dx, sx, out, ldo); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
@@ -398,7 +479,8 @@ static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, con
 int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const void *x, int x_bf16, int M,
                    void *out, int64_t ldo, int out_bf16, int num_threads) {
 #ifdef Q8X_AVX512
-    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK || N % PANEL || M < 1 || M > MAX_M) return 1;
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0 && qtype != Q4_K) || K % (qtype == Q4_K ? 256 : QK)
+            || N % PANEL || M < 1 || M > MAX_M) return 1;
     const int64_t nb = K / QK;
     int8_t *q = (int8_t *)malloc((size_t)(M * K) * 2);
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb * 2));
@@ -410,11 +492,12 @@ int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const
                      x_bf16, K, q + m * K, dx + m * nb, sx + m * nb, NULL, NULL);
     if (qtype == Q8_0)
         for (int64_t i = 0; i < M * K; i++) qu[i] = (uint8_t)(q[i] + 128);
-    const int pb = panel_bytes(qtype);
+    /* bytes per panel */
+    const int64_t panel_stride = qtype == Q4_K ? K / 256 * (64 + 256 + 2048) : nb * panel_bytes(qtype);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= (1 << 18))
     for (int64_t p = 0; p < N / PANEL; p++) {
         float r[MAX_M * PANEL];
-        panel_avx512(qtype, panels + p * nb * pb, nb, M, q, qu, K, dx, sx, r, PANEL);
+        panel_avx512(qtype, panels + p * panel_stride, nb, M, q, qu, K, dx, sx, r, PANEL);
         for (int m = 0; m < M; m++) {
             if (out_bf16) {
                 uint16_t *o = (uint16_t *)out + m * ldo + p * PANEL;
