@@ -219,23 +219,30 @@ def test_q8_0_block_layers_of_a_tiny_gguf_run_int8_steps(tmp_path):
         assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain
 
 
-def test_q4_k_panels_match_the_reference_and_gguf_py():
+@pytest.mark.parametrize("quant_type", ["Q4_K", "Q6_K"])
+def test_k_quant_panels_match_the_reference_and_gguf_py(quant_type):
     if not gguf_cpu_q8x.has_panels():
         pytest.skip("no AVX-512 VNNI: the panel kernels are not in this build")
-    data = random_blocks("Q4_K", 32, 3 * 256, seed=7)
+    data = random_blocks(quant_type, 32, 3 * 256, seed=7)
     x = _x(8, 3 * 256, seed=8)
-    codes, dw, mw = gguf_cpu_q8x.block_codes(data, "Q4_K")
-    # the reference's sub-block terms are the file's weights: (d sc) q - dmin mn, bit for bit
     dequantized = torch.from_numpy(np.ascontiguousarray(
-        gguf_dequantize(data.numpy(), GGMLQuantizationType.Q4_K).reshape(32, -1).astype(np.float32)))
-    assert torch.equal((dw[..., None] * codes.float() + mw[..., None]).reshape(32, -1), dequantized)
-    assert gguf_cpu_q8x.supports("Q4_K", 32) and not gguf_cpu_q8x.supports("Q4_K", 8)
-    gemv = gguf_cpu_q8x.panel_gemv_routine(gguf_cpu_q8x.pack(data, "Q4_K"), "Q4_K")
-    full = gemv(x)
-    reference = gguf_cpu_q8x.reference(x, data, "Q4_K")
+        gguf_dequantize(data.numpy(), GGMLQuantizationType[quant_type]).reshape(32, -1).astype(np.float32)))
     q, d, sums = gguf_cpu_q8x.quantize_rows_reference(x)
-    terms = (torch.einsum("nbj,mbj->mnb", codes.double(), q.reshape(8, -1, 32).double()).abs()
-             * (dw[None] * d[:, None]).double() + (mw[None] * sums[:, None]).double().abs())
+    if quant_type == "Q4_K":
+        codes, dw, mw = gguf_cpu_q8x.block_codes(data, "Q4_K")
+        # the reference's sub-block factors are the file's weights: (d sc) q - dmin mn, bit for bit
+        assert torch.equal((dw[..., None] * codes.float() + mw[..., None]).reshape(32, -1), dequantized)
+        terms = (torch.einsum("nbj,mbj->mnb", codes.double(), q.reshape(8, -1, 32).double()).abs()
+                 * (dw[None] * d[:, None]).double() + (mw[None] * sums[:, None]).double().abs())
+    else:
+        codes, scale = gguf_cpu_q8x.q6_k_codes(data)
+        assert torch.equal((scale[..., None] * codes.float()).reshape(32, -1), dequantized)  # (d sc) (q - 32)
+        terms = (torch.einsum("nbj,mbj->mnb", codes.double(), q.reshape(8, -1, 16).double()).abs()
+                 * (scale[None] * d.repeat_interleave(2, dim=1)[:, None]).double().abs())
+    assert gguf_cpu_q8x.supports(quant_type, 32) and not gguf_cpu_q8x.supports(quant_type, 8)
+    gemv = gguf_cpu_q8x.panel_gemv_routine(gguf_cpu_q8x.pack(data, quant_type), quant_type)
+    full = gemv(x)
+    reference = gguf_cpu_q8x.reference(x, data, quant_type)
     assert ((full.double() - reference.double()).abs() <= terms.sum(-1) * 2e-6 + 1e-30).all()
     for rows in (1, 2, 5):
         assert torch.equal(gemv(x[:rows]), full[:rows])

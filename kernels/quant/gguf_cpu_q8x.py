@@ -25,15 +25,16 @@ import torch
 from . import gguf_cpu_native
 
 SOURCE = gguf_cpu_native.SOURCE.with_name("gguf_cpu_q8x_kernels.c")
-QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 4, "Q4_K": 5}
+QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 4, "Q4_K": 5, "Q6_K": 7}
 # Types of the row kernel (:func:`gemv`, every build); the panels (:func:`pack`, AVX-512 VNNI) also take Q4_K
-# (x's blocks of 32 are its sub-blocks: scale d * sc, minimum -dmin * mn, as Q4_1's d and m).
+# (x's blocks of 32 are its sub-blocks: scale d * sc, minimum -dmin * mn, as Q4_1's d and m) and Q6_K (two
+# sub-blocks of 16 per block of x: (d * sc) * d_x * (isum - 32 * the 16 codes' sum of x)).
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
-PANEL_TYPES = TYPES + ("Q4_K",)
+PANEL_TYPES = TYPES + ("Q4_K", "Q6_K")
 MAX_ROWS = 8
 BLOCK = 32
 # bytes and values per block (Q4_K: a superblock of 256)
-_FORMATS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256)}
+_FORMATS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
 
 
 def available() -> bool:
@@ -242,9 +243,32 @@ def block_codes(data: torch.Tensor, quant_type: str) -> tuple[torch.Tensor, torc
     return codes, dw, f16(2) if quant_type == "Q4_1" else -8.0 * dw
 
 
+def q6_k_codes(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q6_K weight's ``(codes - 32 int32 [N, K / 16, 16], d * sc float32 [N, K / 16])`` (the reference's
+    factors: their product is its dequantized weight)."""
+    _check(None, data, "Q6_K", PANEL_TYPES)
+    blocks = data.reshape(-1, 210)
+    low = blocks[:, :128].reshape(-1, 2, 1, 64)
+    low = torch.cat((low & 0x0F, low >> 4), dim=2).reshape(-1, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    high = ((blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
+    codes = (low | (high << 4)).int() - 32
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float()
+    scale = d * blocks[:, 192:208].contiguous().view(torch.int8).float()
+    return codes.reshape(data.shape[0], -1, 16), scale.reshape(data.shape[0], -1)
+
+
 def reference(x: torch.Tensor, data: torch.Tensor, quant_type: str) -> torch.Tensor:
     """:func:`gemv` in torch, float32 ``[M, N]``: bit-equal to :func:`gemv_scalar` (the block terms added
     in block order in float32, the plain-C path's order)."""
+    if quant_type == "Q6_K":
+        codes, scale = q6_k_codes(data)
+        q, d, _ = quantize_rows_reference(x)
+        isum = torch.einsum("nbj,mbj->mnb", codes, q.reshape(x.shape[0], -1, 16).int()).float()
+        acc = torch.zeros(x.shape[0], data.shape[0])
+        for b in range(codes.shape[1]):
+            acc = acc + (scale[None, :, b] * d[:, None, b // 2]) * isum[:, :, b]
+        return acc
     codes, dw, mw = block_codes(data, quant_type)
     q, d, sums = quantize_rows_reference(x)
     q = q.reshape(x.shape[0], -1, BLOCK).int()

@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 4, Q4_K = 5 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 4, Q4_K = 5, Q6_K = 7 };
 #define QK 32
 #define MAX_M 8
 
@@ -297,8 +297,9 @@ static void row_avx2(int qtype, const uint8_t *w, int64_t nb, int M, const int8_
 #define PANEL 16
 static inline int panel_bytes(int qtype) { return qtype == Q4_0 ? 32 + 256 : qtype == Q4_1 ? 64 + 256 : 64 + 512; }
 
-int q8x_panel_bytes(int qtype) {  /* per panel and block (Q4_K: per superblock of 256) */
-    return qtype == Q4_K ? 64 + 256 + 2048 : (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) ? panel_bytes(qtype) : 0;
+#define Q6K_PANEL (32 + 256 + 4096)
+int q8x_panel_bytes(int qtype) {  /* per panel and block (Q4_K, Q6_K: per superblock of 256) */
+    return qtype == Q6_K ? Q6K_PANEL : qtype == Q4_K ? 64 + 256 + 2048 : (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) ? panel_bytes(qtype) : 0;
 }
 
 /* Q4_K panels, per superblock: 16 fp16 d, 16 fp16 dmin, then sub-block s's 16 6-bit scales (uint8, 8 x 16),
@@ -329,7 +330,37 @@ static int pack_q4_k(const uint8_t *w, int64_t stride, int64_t N, int64_t K, uin
     return 0;
 }
 
+/* Q6_K panels, per superblock: 16 fp16 d, then sub-block s's (16 values) 16 int8 scales (16 x 16), then the
+   6-bit codes unpacked to bytes (0..63): x block j (values 32j..32j+31) as 8 vectors of 64 bytes, vector t
+   holding row r's values 32j+4t..32j+4t+3 at 4r (1 byte a value: 1.2x the file's bits, no unpacking). */
+static int pack_q6_k(const uint8_t *w, int64_t stride, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / 256;
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = out + (p * nb + b) * Q6K_PANEL;
+            for (int r = 0; r < PANEL; r++) {
+                const uint8_t *blk = w + (p * PANEL + r) * stride + b * 210;
+                uint8_t y[256];
+                for (int h = 0; h < 2; h++) {
+                    const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+                    for (int l = 0; l < 32; l++) {
+                        y[128 * h + l] = (uint8_t)((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4));
+                        y[128 * h + l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
+                        y[128 * h + l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                        y[128 * h + l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                    }
+                }
+                memcpy(dst + 2 * r, blk + 208, 2);
+                for (int sb = 0; sb < 16; sb++) dst[32 + sb * 16 + r] = blk[192 + sb];
+                for (int j = 0; j < 8; j++)
+                    for (int t = 0; t < 8; t++) memcpy(dst + 288 + j * 512 + t * 64 + 4 * r, y + 32 * j + 4 * t, 4);
+            }
+        }
+    return 0;
+}
+
 int q8x_pack(int qtype, const uint8_t *w, int64_t stride, int64_t N, int64_t K, uint8_t *out) {
+    if (qtype == Q6_K) return K % 256 || N % PANEL ? 1 : pack_q6_k(w, stride, N, K, out);
     if (qtype == Q4_K) return K % 256 || N % PANEL ? 1 : pack_q4_k(w, stride, N, K, out);
     if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK || N % PANEL) return 1;
     const int64_t nb = K / QK;
@@ -457,8 +488,54 @@ static inline __attribute__((always_inline)) void panel_q4_k_m(
     UNROLL for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc0[m], acc1[m]));
 }
 
+/* xs32[m * K / 16 + i]: 32 * the sum of x's codes i*16..i*16+15 (Q6_K's -32 offset, in integers). */
+static inline __attribute__((always_inline)) void panel_q6_k_m(
+        const uint8_t *panel, int64_t nsb, const int M, const int8_t *q, int64_t K, const float *dx,
+        const int32_t *xs32, float *out, int64_t ldo) {
+    const int64_t nb = nsb * 8;
+    __m512 acc0[MAX_M], acc1[MAX_M];
+    UNROLL for (int m = 0; m < M; m++) { acc0[m] = _mm512_setzero_ps(); acc1[m] = _mm512_setzero_ps(); }
+    for (int64_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = panel + B * Q6K_PANEL;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        for (int j = 0; j < 8; j++) {
+            const __m512 dw0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + 32 + (2 * j) * 16)))));
+            const __m512 dw1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + 32 + (2 * j + 1) * 16)))));
+            const uint8_t *codes = blk + 288 + j * 512;
+            __m512i wv[8];
+            UNROLL for (int t = 0; t < 8; t++) wv[t] = _mm512_loadu_si512((const void *)(codes + 64 * t));
+            const int64_t xb = B * 8 + j;
+            UNROLL for (int m = 0; m < M; m++) {
+                const int32_t *xq = (const int32_t *)(q + m * K + xb * QK);
+                __m512i s0 = _mm512_set1_epi32(-xs32[m * (K / 16) + 2 * xb]);
+                __m512i s1 = _mm512_set1_epi32(-xs32[m * (K / 16) + 2 * xb + 1]);
+                UNROLL for (int t = 0; t < 4; t++) {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[t], _mm512_set1_epi32(xq[t]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[t + 4], _mm512_set1_epi32(xq[t + 4]));
+                }
+                const __m512 xd = _mm512_set1_ps(dx[m * nb + xb]);
+                __m512 a = j & 1 ? acc1[m] : acc0[m];
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw0, xd), a);
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw1, xd), a);
+                if (j & 1) acc1[m] = a; else acc0[m] = a;
+            }
+        }
+    }
+    UNROLL for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc0[m], acc1[m]));
+}
+
 static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, const int8_t *q, const uint8_t *qu,
                          int64_t K, const float *dx, const float *sx, float *out, int64_t ldo) {
+    if (qtype == Q6_K) {  /* qu: the int32 sums xs32 */
+        switch (M) {
+#define CASE(m) case m: panel_q6_k_m(panel, nb / 8, m, q, K, dx, (const int32_t *)qu, out, ldo); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        }
+        return;
+    }
     if (qtype == Q4_K) {
         switch (M) {
 #define CASE(m) case m: panel_q4_k_m(panel, nb / 8, m, q, K, dx, sx, out, ldo); break;
@@ -479,10 +556,11 @@ static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, con
 int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const void *x, int x_bf16, int M,
                    void *out, int64_t ldo, int out_bf16, int num_threads) {
 #ifdef Q8X_AVX512
-    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0 && qtype != Q4_K) || K % (qtype == Q4_K ? 256 : QK)
+    const int super = qtype == Q4_K || qtype == Q6_K;
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0 && !super) || K % (super ? 256 : QK)
             || N % PANEL || M < 1 || M > MAX_M) return 1;
     const int64_t nb = K / QK;
-    int8_t *q = (int8_t *)malloc((size_t)(M * K) * 2);
+    int8_t *q = (int8_t *)malloc((size_t)(M * K) * 2 + sizeof(int32_t) * (size_t)(M * K / 16));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb * 2));
     if (!q || !dx) { free(q); free(dx); return 2; }
     uint8_t *qu = (uint8_t *)(q + M * K);
@@ -492,8 +570,18 @@ int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const
                      x_bf16, K, q + m * K, dx + m * nb, sx + m * nb, NULL, NULL);
     if (qtype == Q8_0)
         for (int64_t i = 0; i < M * K; i++) qu[i] = (uint8_t)(q[i] + 128);
+    if (qtype == Q6_K) {  /* 32 * the sums of x's codes per 16 (Q6_K's -32 offset), after the codes */
+        int32_t *xs32 = (int32_t *)(q + M * K * 2);
+        for (int64_t i = 0; i < M * K / 16; i++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) sum += q[i * 16 + j];
+            xs32[i] = 32 * sum;
+        }
+        qu = (uint8_t *)xs32;
+    }
     /* bytes per panel */
-    const int64_t panel_stride = qtype == Q4_K ? K / 256 * (64 + 256 + 2048) : nb * panel_bytes(qtype);
+    const int64_t panel_stride = qtype == Q6_K ? K / 256 * Q6K_PANEL : qtype == Q4_K ? K / 256 * (64 + 256 + 2048)
+                                                                      : nb * panel_bytes(qtype);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= (1 << 18))
     for (int64_t p = 0; p < N / PANEL; p++) {
         float r[MAX_M * PANEL];
