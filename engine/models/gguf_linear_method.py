@@ -272,7 +272,8 @@ def use_int8_activations(model) -> int:
     in bf16 engines, and ``GGUFBlockLinearMethod``'s) and all of Q4_0/Q4_1/Q8_0 types (and Q4_K where the AVX-512 VNNI panels run), and of its block LM head, run the int8-activation kernels
     (``kernels/quant/gguf_cpu_q8x.py``: x quantized per row per block of 32, integer dot products, as
     llama.cpp computes): not the exact bf16 math, each row's bits independent of the step's rows. Larger
-    steps (prefill) keep the layer's routine. Returns how many layers (and head) were switched; raises
+    steps (prefill) keep the layer's routine; the kernels' packed copy (``gguf_cpu_q8x.weight_routine``) stays
+    beside the blocks, which the other paths read. Returns how many layers (and head) were switched; raises
     ValueError naming the option where none could be (no GGUF blocks kept here, or no kernels built)."""
     from hearth_llm.kernels.quant import gguf_cpu_q8x
 

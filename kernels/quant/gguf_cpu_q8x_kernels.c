@@ -1,4 +1,5 @@
-/* Int8-activation GEMV kernels for llama.cpp block rows (Q4_0, Q4_1, Q8_0), as llama.cpp computes them.
+/* Int8-activation GEMV kernels for llama.cpp block rows (Q4_0, Q4_1, Q8_0; Q4_K and Q6_K in panels), as
+ * llama.cpp computes them.
  *
  * Built at first use by gguf_cpu_q8x.py (the builder of gguf_cpu_native.py, same flags) and called
  * through ctypes. Opt-in (EngineConfig.cpu_int8_activations): not the exact bf16/float32 math.
@@ -10,8 +11,10 @@
  *                 exact integer dot product of the file's codes and x's codes (Q4_0: mw = -8 dw;
  *                 Q8_0: no minimum). float32 sums (or bf16 out, rounded to nearest even).
  *
- * Paths: AVX-512 VNNI (vpdpbusd, two blocks per instruction: u8 weight codes x s8 x codes; Q8_0's
- * signed codes as |w| times x with w's sign), AVX2 (vpmaddubsw + vpmaddwd, one block), plain C.
+ * Paths: q8x_panel_gemv (AVX-512 VNNI, the fast one: the weight repacked by q8x_pack into panels of 16
+ * output rows, one int32 lane per row, see "panels" below; also Q4_K and Q6_K); q8x_gemv, the row kernel:
+ * AVX-512 VNNI (vpdpbusd, two blocks per instruction: u8 weight codes x s8 x codes; Q8_0's signed codes as
+ * |w| times x with w's sign), AVX2 (vpmaddubsw + vpmaddwd, one block), plain C.
  * Every row of x runs the same operations whatever M is (1..8), so a row's result does not depend on
  * the other rows of the call (a speculative verify row gets a one-row decode step's bits), and the
  * result does not depend on the thread count (threads split the output rows).
