@@ -85,16 +85,16 @@ class EngineConfig:
       its own torch work left behind, :mod:`~.openmp_threads`), so the engine thread's team keeps spinning
       between its parallel regions instead of sleeping in each; the caller's next parallel op starts a new
       team. ``False`` (the default until measured on a quiet CPU): leave the caller's threads alone.
-    - ``cpu_int8_activations``: opt-in, CPU GGUF models in bfloat16 only: decode and speculative-verify steps
-      (up to 8 rows) of the Q4_0/Q4_1/Q8_0 layers (Q4_K/Q6_K too with AVX-512 VNNI) and block LM head
-      quantize their input to int8 per row per
-      block of 32 (scale max|x| / 127) and take integer dot products with the file's codes, as llama.cpp
+    - ``cpu_int8_activations``: opt-in, CPU GGUF models, CPUs with AVX-512 VNNI: steps of up to 8 rows (decode, speculative verify,
+      a short prompt's prefill) of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K layers (those of bfloat16 engines, which keep
+      the blocks) and of the block LM head quantize their input to int8 per row
+      per block of 32 (scale max|x| / 127) and take integer dot products with the file's codes, as llama.cpp
       computes (:mod:`~hearth_llm.kernels.quant.gguf_cpu_q8x`): faster, but not the exact bf16 math of the
       default (logits move by the activations' quantization error; each row's result is independent of the
-      step's other rows, so speculative greedy output equals plain greedy output with the option). Prefill
-      is unchanged. The kernels' repacked copy of those weights stays beside the blocks (memory: ~2x the
-      file's tensors). Measured (1 thread, AMD EPYC Zen 4): SmolLM2 Q4_1 decode 1.2x -> 2.0x llama.cpp's.
-      ``False`` (default): exact block math.
+      step's other rows, so speculative greedy output equals plain greedy output with the option). Larger
+      steps are unchanged. The kernels' repacked copy of those weights stays beside the blocks (memory: up to
+      ~2x the file's tensors). Measured (1 thread, AMD EPYC Zen 4): SmolLM2 Q4_1 decode 1.2x -> 2.0x
+      llama.cpp's. ``False`` (default): exact block math.
     """
 
     model: str = "default"

@@ -149,6 +149,14 @@ def test_engine_option_is_validated():
     assert EngineConfig(model="default").cpu_int8_activations is False
 
 
+def test_engine_option_without_vnni_panels_raises_a_value_error(monkeypatch):
+    from hearth_llm.engine import LLM
+
+    monkeypatch.setattr(gguf_cpu_q8x, "has_panels", lambda: False)
+    with pytest.raises(ValueError, match="cpu_int8_activations=True needs"):
+        LLM("default", show_progress=False, num_threads=1, cpu_int8_activations=True)
+
+
 def test_engine_option_refuses_a_model_without_gguf_blocks(tmp_path):
     from hearth_llm.engine.config import EngineConfig
 
@@ -164,8 +172,10 @@ def test_default_model_runs_int8_steps_and_speculative_greedy_equals_plain_greed
     exact = LLM("default", show_progress=False, num_threads=1)
     from hearth_llm.kernels.quant import gguf_cpu_native
 
-    if exact.engine.runner.dtype != torch.bfloat16 or not gguf_cpu_native.has_bf16("Q4_1"):
-        pytest.skip("the int8 linears are for bf16 CPU engines that keep the blocks (AVX-512 BF16 kernels)")
+    if exact.engine.runner.dtype != torch.bfloat16 or not gguf_cpu_native.has_bf16("Q4_1") \
+            or not gguf_cpu_q8x.has_panels():
+        pytest.skip("the int8 linears are for bf16 CPU engines that keep the blocks (AVX-512 BF16 kernels), with "
+                    "AVX-512 VNNI")
     llm = LLM("default", show_progress=False, num_threads=1, cpu_int8_activations=True)
     head = llm.engine.runner.model.lm_head
     assert isinstance(head, CpuBlockLogitsHead) and head.int8_gemv is not None
@@ -197,8 +207,8 @@ def test_q8_0_block_layers_of_a_tiny_gguf_run_int8_steps(tmp_path):
     from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
     from hearth_llm.kernels.quant import gguf_cpu_native
 
-    if not gguf_cpu_native.has_bf16("Q8_0"):
-        pytest.skip("bf16 block layers need the AVX-512 BF16 kernels")
+    if not gguf_cpu_native.has_bf16("Q8_0") or not gguf_cpu_q8x.has_panels():
+        pytest.skip("bf16 block layers need the AVX-512 BF16 kernels; the int8 path AVX-512 VNNI")
     path = tmp_path / "q8_0.gguf"
     writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
     add_q8_0_embedding_and_norm(writer, TINY_VOCAB, HIDDEN)  # tied head: Q8_0 blocks
@@ -240,6 +250,7 @@ def test_k_quant_panels_match_the_reference_and_gguf_py(quant_type):
         terms = (torch.einsum("nbj,mbj->mnb", codes.double(), q.reshape(8, -1, 16).double()).abs()
                  * (scale[None] * d.repeat_interleave(2, dim=1)[:, None]).double().abs())
     assert gguf_cpu_q8x.supports(quant_type, 32) and not gguf_cpu_q8x.supports(quant_type, 8)
+    assert not gguf_cpu_q8x.supports("Q5_K", 32)
     gemv = gguf_cpu_q8x.panel_gemv_routine(gguf_cpu_q8x.pack(data, quant_type), quant_type)
     full = gemv(x)
     reference = gguf_cpu_q8x.reference(x, data, quant_type)

@@ -281,9 +281,9 @@ def use_int8_activations(model) -> int:
     from .linear import linear_layers
     from .quant import GGUFBlockLinearMethod
 
-    if not gguf_cpu_q8x.available():
-        raise ValueError("cpu_int8_activations=True needs the int8-activation C kernels, which are not built here "
-                         "(no working C compiler)")
+    if not gguf_cpu_q8x.has_panels():
+        raise ValueError("cpu_int8_activations=True needs the int8-activation C kernels with AVX-512 VNNI, which are "
+                         "not built here (no working C compiler, or no AVX-512 VNNI in this CPU or build)")
     switched = 0
     for _, layer in linear_layers(model):
         if getattr(layer, "routine", None) is None:
