@@ -37,9 +37,8 @@ def test_outright_misses_in_the_red_pause_proposals_for_longer_each_time():
     estimate = AcceptanceEstimate()
     kinds = estimate.kinds(2, False, 1)
     estimate.record(kinds, num_accepted=0, extra_cost=0.34)
-    assert estimate.idle == 0 and estimate.net == pytest.approx(-0.34)   # one miss: no pause yet
-    estimate.record(kinds, num_accepted=0, extra_cost=0.34)
-    assert estimate.idle == pl.FIRST_PAUSE and estimate.is_probing       # two in a row: paused
+    assert estimate.net == pytest.approx(-0.34)
+    assert estimate.idle == pl.FIRST_PAUSE and estimate.is_probing       # in the red: paused
     estimate.idle = 0
     estimate.record(kinds, num_accepted=0, extra_cost=0.34)              # the re-probe missed
     assert estimate.idle == 2 * pl.FIRST_PAUSE
@@ -60,7 +59,7 @@ def test_misses_while_speculation_is_in_the_black_do_not_pause():
         estimate.record(estimate.kinds(2, False, 1), num_accepted=0, extra_cost=0.34)
         misses += 1
         assert estimate.idle == 0 and not estimate.is_probing
-    assert misses == 4
+    assert misses == 4 and estimate.misses == 4
     estimate.record(estimate.kinds(2, False, 1), num_accepted=0, extra_cost=0.34)  # now in the red
     assert estimate.net < 0 and estimate.idle == pl.FIRST_PAUSE and estimate.is_probing
 
@@ -86,8 +85,7 @@ def test_a_paused_request_proposes_nothing_then_reprobes_with_one_token():
     request = periodic_request()
     assert proposer.propose([request], [0]) == [[]]
     estimate = proposer._sent["a"].estimate
-    for _ in range(2):   # two 4-token matches rejected outright, in the red
-        estimate.record(estimate.kinds(4, False, 1), num_accepted=0, extra_cost=0.34)
+    estimate.record(estimate.kinds(4, False, 1), num_accepted=0, extra_cost=0.34)   # rejected, in the red
     assert estimate.idle == pl.FIRST_PAUSE
     # paused, then a one-token probe (accepted: its balance is back above zero), then full proposals
     lengths = run_accepting(proposer, request, 5)
