@@ -146,6 +146,8 @@ def test_engine_option_is_validated():
         EngineConfig(model="default", device="cuda", cpu_int8_activations=True)
     with pytest.raises(ValueError, match="cpu_int8_activations"):
         EngineConfig(model="default", tensor_parallel_size=2, cpu_int8_activations=True)
+    with pytest.raises(ValueError, match="cpu_int8_activations"):
+        EngineConfig(model="default", sleep_level=2, cpu_int8_activations=True)
     assert EngineConfig(model="default").cpu_int8_activations is False
 
 
