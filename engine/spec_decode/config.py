@@ -34,7 +34,9 @@ class SpeculativeConfig:
     - ``adaptive_proposal_length`` (ngram only, default True): on the CPU, propose only as many of
       a match's tokens as pay for their verification (``proposal_lengths.best_length``: expected
       accepted tokens, from how often such matches were accepted, against the measured cost of a
-      verify step of so many rows; a weak match proposes nothing). ``num_speculative_tokens`` is
+      verify step of so many rows; a weak match proposes nothing; a proposal must promise 10 % over
+      a decode step, and a request whose speculation is in the red pauses its proposals after a
+      miss, then re-probes with one token: see ``proposal_lengths.AcceptanceEstimate``). ``num_speculative_tokens`` is
       the most it proposes. No effect on a GPU, where verifying k + 1 rows costs about one decode
       step. False: always the whole match, up to ``num_speculative_tokens``.
     - ``model``: the draft's path or hub id (draft_model only); it runs on the target's device
