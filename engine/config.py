@@ -183,9 +183,6 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ValueError(f"cpu_int8_activations=True is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size}; leave it False")
-        if self.sleep_level == 2:  # a level-2 wake reloads the model (memory/sleep.py) without the int8 kernels
-            raise ValueError("cpu_int8_activations=True cannot be combined with sleep_level=2 yet (the reloaded "
-                             "model would run the exact kernels); use sleep_level=1")
         if self.quantization is not None and self.quantization != "gguf":
             raise ValueError(f"cpu_int8_activations=True needs a GGUF model's blocks, not quantization="
                              f"{self.quantization!r}")

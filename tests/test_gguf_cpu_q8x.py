@@ -146,8 +146,7 @@ def test_engine_option_is_validated():
         EngineConfig(model="default", device="cuda", cpu_int8_activations=True)
     with pytest.raises(ValueError, match="cpu_int8_activations"):
         EngineConfig(model="default", tensor_parallel_size=2, cpu_int8_activations=True)
-    with pytest.raises(ValueError, match="cpu_int8_activations"):
-        EngineConfig(model="default", sleep_level=2, cpu_int8_activations=True)
+    assert EngineConfig(model="default", sleep_level=2, cpu_int8_activations=True).sleep_level == 2  # re-applied on wake
     assert EngineConfig(model="default").cpu_int8_activations is False
 
 
@@ -196,6 +195,13 @@ def test_default_model_runs_int8_steps_and_speculative_greedy_equals_plain_greed
                speculative={"method": "ngram", "num_speculative_tokens": 4})
     # verify rows get a one-row step's bits: speculative greedy is plain greedy, token for token
     assert [out.outputs[0].token_ids for out in spec.generate(prompts, params)] == \
+        [out.outputs[0].token_ids for out in plain]
+    # a level-2 sleep reloads the model: the wake puts the int8 kernels back (same tokens, same routines)
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert {layer.routine.__name__ for _, layer in linear_layers(llm.engine.runner.model)} == {"int8_or_fallback"}
+    assert llm.engine.runner.model.lm_head.int8_gemv is not None
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == \
         [out.outputs[0].token_ids for out in plain]
 
 

@@ -114,6 +114,10 @@ def _reload_model(engine):
                                  trust_remote_code=config.trust_remote_code, progress=False)
     checkpoint.quantization = getattr(config, "quantization", None)  # as LLMEngine loads it
     model, _ = load_model(checkpoint, engine.runner.device, engine.runner.dtype)
+    if getattr(config, "cpu_int8_activations", False):  # as make_executor applies it after the first load
+        from ..models.gguf_linear_method import use_int8_activations
+
+        use_int8_activations(model)
     return model
 
 
