@@ -186,14 +186,15 @@ def test_attention_step_refuses_qkv_rows_of_another_width():
 # The model's CPU step through the kernels, against its layers' own forward
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: per-head q/k norms before rotary
 @pytest.mark.parametrize("num_rows", [1, 5])
-def test_cpu_step_of_a_tiny_llama_matches_its_layers_forward(tiny_model_dirs, num_rows, monkeypatch):
+def test_cpu_step_of_a_tiny_llama_matches_its_layers_forward(tiny_model_dirs, num_rows, family, monkeypatch):
     from hearth_llm.engine.loader import load_checkpoint
     from hearth_llm.engine.loader.model_loader import load_model
     from hearth_llm.engine.models import cpu_step
     from hearth_llm.engine.models.attention import AttentionMetadata
 
-    model, arch = load_model(load_checkpoint(str(tiny_model_dirs["llama"]), torch.float32), torch.device("cpu"),
+    model, arch = load_model(load_checkpoint(str(tiny_model_dirs[family]), torch.float32), torch.device("cpu"),
                              torch.float32)
     block_size, context = 16, 40
     caches = [(torch.zeros(8, block_size, arch.num_key_value_heads, arch.head_dim),

@@ -11,7 +11,7 @@ layers' parts are gathered once per model: a one-row step 15.2 -> 9.7 ms of CPU,
 speculative verification) 28.9 -> 19.8 ms, measured in one process, alternating.
 
 It takes a step when every layer is the plain :class:`~.decoder.DecoderLayer` (RMSNorm, attention
-without q/k norm or soft cap, NeoX rotary, SwiGLU MLP), the tensors are CPU float32 or bf16 with an
+without soft cap, per-head q/k RMSNorms or none (Qwen3's: normed in C before the attention call), NeoX rotary, SwiGLU MLP), the tensors are CPU float32 or bf16 with an
 unquantized cache, and no sequence has more than :data:`MAX_QUERY_ROWS` new tokens (decode and
 speculative verification); anything else runs the layers' own forward. ``ENABLED = False`` (or
 ``HEARTH_LLM_CPU_STEP_KERNELS=0``) turns it off.
@@ -51,6 +51,8 @@ class _Layer:
     num_kv_heads: int
     scale: float
     sliding_window: int | None
+    q_norm: RMSNorm | None  # per-head q/k norms before rotary (Qwen3)
+    k_norm: RMSNorm | None
 
 
 def _plain_layer(layer) -> _Layer | None:
@@ -59,13 +61,19 @@ def _plain_layer(layer) -> _Layer | None:
     if type(layer) is not DecoderLayer or not layer._fuses_decode:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if (type(attn) is not Attention or attn.q_norm is not None or attn.soft_cap is not None
+    if (type(attn) is not Attention or attn.soft_cap is not None
+            or (attn.q_norm is not None and not _per_head_norms(attn))
             or not attn.rotary.is_neox_style or type(mlp) is not GatedMLP or mlp.act_and_mul is not kernels.silu_and_mul
             or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
         return None
     return _Layer(layer.input_layernorm, layer.post_attention_layernorm, attn.qkv_proj, attn.o_proj,
                   mlp.gate_up_proj, mlp.down_proj, attn.rotary, attn.qkv_proj.num_heads_per_rank,
-                  attn.qkv_proj.num_kv_heads_per_rank, attn.scale, attn.sliding_window)
+                  attn.qkv_proj.num_kv_heads_per_rank, attn.scale, attn.sliding_window, attn.q_norm, attn.k_norm)
+
+
+def _per_head_norms(attn) -> bool:
+    """RMSNorm q and k norms over one head each, as ``qk_norm_rope_and_cache`` applies them."""
+    return all(type(norm) is RMSNorm and norm.weight.shape == (attn.head_dim,) for norm in (attn.q_norm, attn.k_norm))
 
 
 def _plain_layers(model) -> list[_Layer] | None:
@@ -90,7 +98,8 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
     dtype = hidden.dtype
     key_cache, value_cache = kv_caches[0]
     first = layers[0]
-    if (first.input_norm.weight.dtype != dtype or not hidden.is_contiguous() or not cpu_step_native.supports_rope_cache_attention(
+    if (first.input_norm.weight.dtype != dtype or (first.q_norm is not None and first.q_norm.weight.dtype != dtype)
+            or not hidden.is_contiguous() or not cpu_step_native.supports_rope_cache_attention(
             hidden.new_empty(0, 0), first.rotary.cos_sin_cache, key_cache, value_cache, key_cache.shape[-1])
             or meta.max_context_len > meta.block_tables.shape[1] * key_cache.shape[1]):
         return None
@@ -109,6 +118,8 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
         rms_norm(hidden, norm.weight, norm.eps, residual if has_residual else None, out=normed, sum_out=residual)
         has_residual = True
         qkv = _same_dtype(layer.qkv_proj.forward(normed), dtype)
+        if layer.q_norm is not None:
+            _norm_heads(qkv, layer)
         heads = attend(qkv, layer.rotary.cos_sin_cache, key_cache, value_cache, layer.num_heads, layer.num_kv_heads,
                        layer.scale, layer.sliding_window, heads)
         hidden = _same_dtype(layer.o_proj.forward(heads), dtype)
@@ -118,6 +129,18 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
         act = silu_and_mul(gate_up.contiguous(), act)
         hidden = _same_dtype(layer.down_proj.forward(act), dtype)
     return hidden, residual
+
+
+def _norm_heads(qkv: torch.Tensor, layer: _Layer) -> None:
+    """RMS-norm each query and key head of ``qkv`` in place (before the attention call rotates them);
+    row by row in C, so a head's bits do not depend on how many rows the step has."""
+    head_dim = layer.q_norm.weight.shape[0]
+    num_tokens, query_width = qkv.shape[0], layer.num_heads * head_dim
+    key_width = layer.num_kv_heads * head_dim
+    for norm, part in ((layer.q_norm, qkv[:, :query_width]), (layer.k_norm, qkv[:, query_width:query_width + key_width])):
+        heads = part.reshape(-1, head_dim)  # a copy unless the step has one row
+        normed, _ = cpu_step_native.rms_norm(heads.contiguous(), norm.weight, norm.eps)
+        part.copy_(normed.view(num_tokens, -1))
 
 
 def _same_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
