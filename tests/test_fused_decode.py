@@ -4,7 +4,7 @@ fused path forced on CPU against HF greedy; on CUDA, bf16 closeness on real widt
 import pytest
 import torch
 
-from hearth_llm.engine.models import fused_decode
+from hearth_llm.engine.models import cpu_step, fused_decode
 from hearth_llm.kernels.gemv import reference
 
 from conftest import TINY_CONFIGS, random_prompts
@@ -87,6 +87,7 @@ def fused_on_this_device(monkeypatch):
 
         monkeypatch.setattr(triton_gemv, name, counted)
     monkeypatch.setattr(fused_decode, "DEVICE_TYPES", frozenset({DEVICE}))
+    monkeypatch.setattr(cpu_step, "ENABLED", False)  # on CPU the C step would take these steps first
     monkeypatch.setattr(fused_decode, "PLAIN_GEMV", True)
     monkeypatch.setattr(fused_decode, "LM_HEAD_GEMV", True)
     if DEVICE == "cpu":  # the interpreter runs programs one by one: a tile covers a tiny layer
