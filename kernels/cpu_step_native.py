@@ -25,23 +25,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import torch
+
+from .native_build import build_library
 
 SOURCE = Path(__file__).with_name("cpu_step_kernels.c")
 # -fopenmp: torch's libgomp is already loaded and the loader reuses it (same soname): one thread pool.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
 # Extra compiler flags, after FLAGS (shared with the GGUF kernels): ``HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f``
 # builds the AVX2 paths on an AVX-512 machine, to test them there.
-EXTRA_FLAGS_ENV = "HEARTH_LLM_KERNEL_CFLAGS"
 DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1}
 # A head wider than this does not fit the kernel's rotary scratch.
 MAX_HEAD_DIM = 512
@@ -225,43 +221,4 @@ def _library():
 
 
 def _built_library() -> Path | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        return None
-    flags = (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(),
-                                     _compiler_version(compiler), _cpu_flags()])).hexdigest()[:16]
-    cache = Path(os.environ.get("HEARTH_LLM_KERNEL_CACHE", "~/.cache/hearth_llm/kernels")).expanduser()
-    path = cache / f"cpu_step_{key}.so"
-    if path.exists():
-        return path
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as scratch:
-            built = Path(scratch) / path.name
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
-                           timeout=300)
-            os.replace(built, path)  # atomic: a concurrent process sees the whole library or none
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        warnings.warn(f"CPU step kernels not built ({error}; {detail.decode(errors='replace')[:500]}); the CPU "
-                      "decode step uses its torch routines", RuntimeWarning, stacklevel=3)
-        return None
-    return path
-
-
-def _compiler_version(compiler: str) -> bytes:
-    try:
-        return subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return b""
-
-
-def _cpu_flags() -> bytes:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return b""
+    return build_library(SOURCE, "cpu_step", FLAGS, "CPU step kernels", libraries=("-lm",))

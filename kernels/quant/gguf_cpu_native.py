@@ -40,16 +40,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import torch
+
+from ..native_build import build_library
 
 SOURCE = Path(__file__).with_name("gguf_cpu_kernels.c")
 QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "W4G128": 8}
@@ -61,7 +57,6 @@ MAX_ROWS = 8
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 # Extra compiler flags from the environment, after FLAGS: e.g. ``HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f``
 # builds the AVX2 paths (float32 panels, AVX2 row GEMVs) on an AVX-512 machine, to test them there.
-EXTRA_FLAGS_ENV = "HEARTH_LLM_KERNEL_CFLAGS"
 _lock = threading.Lock()
 
 
@@ -352,45 +347,4 @@ def _library():
 def _built_library(source_path: Path = SOURCE, prefix: str = "gguf_cpu") -> Path | None:
     """The shared library of ``source_path`` (built now unless cached), or None where it cannot be built.
     Also builds ``gguf_cpu_q8x_kernels.c`` (``gguf_cpu_q8x.py``), with the same flags and cache."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        return None
-    source = source_path.read_bytes()
-    flags = (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(),
-                                     _compiler_version(compiler), _cpu_flags()])).hexdigest()[:16]
-    cache = Path(os.environ.get("HEARTH_LLM_KERNEL_CACHE", "~/.cache/hearth_llm/kernels")).expanduser()
-    path = cache / f"{prefix}_{key}.so"
-    if path.exists():
-        return path
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as scratch:
-            built = Path(scratch) / path.name
-            subprocess.run([compiler, *flags, str(source_path), "-o", str(built)], check=True, capture_output=True,
-                           timeout=300)
-            os.replace(built, path)  # atomic: a concurrent process sees the whole library or none
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        warnings.warn(f"GGUF CPU kernels not built ({error}; {detail.decode(errors='replace')[:500]}); GGUF "
-                      "layers on the CPU use the slower torch path", RuntimeWarning, stacklevel=3)
-        return None
-    return path
-
-
-def _compiler_version(compiler: str) -> bytes:
-    try:
-        return subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return b""
-
-
-def _cpu_flags() -> bytes:
-    """This CPU's feature flags (``-march=native`` builds for them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return b""
+    return build_library(source_path, prefix, FLAGS, "GGUF CPU kernels")
