@@ -209,13 +209,19 @@ def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_we
         file_bytes = sum(size for name, size in tensor_bytes.items() if name not in ("blk.0.ffn_gate", "blk.0.ffn_up"))
         assert resident == file_bytes  # the file's bytes, no dense copy (goal: <= 1.15x)
         q4_layer = layers["layers.0.mlp.gate_up_proj"]
-        # pure Q4_0/Q4_1 layers keep their dense copy for prefill (gguf_linear_method.DROP_DENSE_COPY is off);
-        # decode steps read the file's blocks where the C bf16 Q4 kernels exist, else torch's int4 layout.
-        # Without oneDNN bf16 (no AVX-512 BF16 / AMX) there is no packed dense copy: batches run the int4 kernel.
-        assert (q4_layer.cpu_weight.packed_weight is not None) == cpu_ops.has_onednn_bf16()
+        # pure Q4_0/Q4_1 layers: with AMX, batches run on tiles of the kept blocks and no dense copy is made;
+        # else they keep their dense copy for prefill (gguf_linear_method.DROP_DENSE_COPY is off). Decode steps
+        # read the file's blocks where the C bf16 Q4 kernels exist, else torch's int4 layout. Without oneDNN
+        # bf16 (no AVX-512 BF16 / AMX) there is no packed dense copy: batches run the int4 kernel.
+        if gguf_cpu_native.has_amx():
+            assert q4_layer.cpu_weight is None and q4_layer.gguf_batches_on_amx
+            assert q4_layer.method.resident_bytes(q4_layer) == tensor_bytes["blk.0.ffn_gate"] + tensor_bytes["blk.0.ffn_up"]
+        else:
+            assert (q4_layer.cpu_weight.packed_weight is not None) == cpu_ops.has_onednn_bf16()
         if gguf_cpu_native.has_bf16("Q4_0"):
             runs = q4_layer.method.block_runs(q4_layer)
-            assert [quant_type for quant_type, _ in runs] == ["Q4_0", "Q4_1"] and q4_layer.cpu_weight.int4 is None
+            assert [quant_type for quant_type, _ in runs] == ["Q4_0", "Q4_1"]
+            assert q4_layer.cpu_weight is None or q4_layer.cpu_weight.int4 is None
             assert sum(data.numel() for _, data in runs) == tensor_bytes["blk.0.ffn_gate"] + tensor_bytes["blk.0.ffn_up"]
         else:
             assert q4_layer.cpu_weight.int4 is not None
@@ -225,8 +231,10 @@ def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_we
 
 def test_bundled_smollm2_in_bf16_shares_one_block_copy_of_its_tied_embedding_and_head():
     """The tied Q8_0 embedding and head are one shared block copy; the Q4_1 linears keep their blocks
-    (int4 codes where the C bf16 Q4 kernels are not built) plus their dense copy for prefill (``gguf_linear_method.DROP_DENSE_COPY`` is off: the int4 layout's bf16
-    scales changed the model's answers), so the whole model is not within 1.15x of the file."""
+    (int4 codes where the C bf16 Q4 kernels are not built). With AMX their batches run on tiles of the blocks
+    and the whole model is the file's bytes; without, they keep a dense copy for prefill
+    (``gguf_linear_method.DROP_DENSE_COPY`` is off: the int4 layout's bf16 scales changed the model's answers),
+    so the whole model is not within 1.15x of the file."""
     from gguf import GGUFReader
 
     from hearth_llm.engine.loader import default_model_path
@@ -239,10 +247,16 @@ def test_bundled_smollm2_in_bf16_shares_one_block_copy_of_its_tied_embedding_and
         assert model.embed_tokens.blocks.data_ptr() == model.lm_head.blocks.data_ptr()
         embedding_file_bytes = next(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
         assert model.embed_tokens.resident_bytes() <= 1.15 * embedding_file_bytes < tensor_bytes
+        resident = model.embed_tokens.resident_bytes()
         for _, layer in linear_layers(model):
-            assert (layer.cpu_weight.packed_weight is not None) == cpu_ops.has_onednn_bf16()  # no dense copy without it
+            resident += layer.method.resident_bytes(layer)
             assert (layer.method.block_runs(layer) is not None) == gguf_cpu_native.has_bf16("Q4_1")
+            if gguf_cpu_native.has_amx():
+                assert layer.cpu_weight is None
+                continue
+            assert (layer.cpu_weight.packed_weight is not None) == cpu_ops.has_onednn_bf16()  # no dense copy without it
             assert (layer.cpu_weight.int4 is None) == gguf_cpu_native.has_bf16("Q4_1")
+        assert (resident <= tensor_bytes) == gguf_cpu_native.has_amx()
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 

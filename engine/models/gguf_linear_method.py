@@ -10,7 +10,9 @@ uint8 buffer per run of same-type shards, as ``GGUFBlockLinearMethod``) and step
 ``gguf_cpu_native.MAX_ROWS`` rows (decode, speculative verification) multiply them in place: the
 file's fp16 block scales, not rounded. Elsewhere it packs the blocks' codes into torch's int4 CPU layout
 (``_weight_int4pack_mm_for_cpu``, whose scales and zeros are bf16: the file's fp16 scales rounded).
-Batches of more rows multiply a bf16 copy dequantized from the same blocks (``DROP_DENSE_COPY``).
+Batches of more rows: with AMX, tiles decoded from the kept blocks into L2 and multiplied there
+(:func:`amx_batches`; the same bf16 products as a dense copy), so the layer holds the file's bytes only;
+without AMX, a bf16 copy dequantized from the same blocks (``DROP_DENSE_COPY``, ``DENSE_COPY_WITH_AMX``).
 
 >>> configure_linears(model, lambda name, layer: GGUF_INT4 if GGUFInt4LinearMethod.supports(layer, "cpu", bf16) else None)
 """
@@ -58,7 +60,7 @@ class GGUFInt4LinearMethod(LinearMethod):
             raise ValueError(f"{layer.prefix} was set up for GGUF {'/'.join(self.quant_types)} blocks (from the "
                              f"file's tensor types), got {type(loaded).__name__}")
         rows = loaded.shape[0]
-        if param.numel():
+        if param.numel() and not _batches_on_amx(layer, param.dtype):  # (untouched, the copy is never resident)
             param.data.narrow(0, offset, rows).copy_(loaded.dequantized(torch.float32))
         if _exact_blocks(loaded.quant_type, param.dtype) and loaded.input_order is None:
             layer.__dict__.setdefault("_gguf_shards", []).append((offset, loaded.quant_type, loaded.data.clone()))
@@ -98,7 +100,8 @@ class GGUFInt4LinearMethod(LinearMethod):
                     layer.gguf_panel_runs.append((quant_type, name))
                 layer.cpu_weight = None
                 return
-        dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() else None
+        amx = shards is not None and "_int4_parts" not in layer.__dict__ and _batches_on_amx(layer, layer.weight.dtype)
+        dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() and not amx else None
         if shards is not None and "_int4_parts" not in layer.__dict__:
             layer.gguf_block_runs = []
             for index, (quant_type, parts) in enumerate(runs):
@@ -106,6 +109,7 @@ class GGUFInt4LinearMethod(LinearMethod):
                 layer.register_buffer(name, parts[0] if len(parts) == 1 else torch.cat(parts))
                 layer.gguf_block_runs.append((quant_type, name))
             layer.cpu_weight = CpuLinear(dense, None) if dense is not None else None
+            layer.gguf_batches_on_amx = amx
             del layer.weight
             return
         codes, scales, zeros = layer.__dict__.pop("_int4_parts")
@@ -146,6 +150,8 @@ class GGUFInt4LinearMethod(LinearMethod):
         if runs is None:
             return layer.cpu_weight(x, bias)
         flat = x.reshape(-1, x.shape[-1])
+        if getattr(layer, "gguf_batches_on_amx", False) and flat.shape[0] > gguf_cpu_native.MAX_ROWS:
+            return amx_batches(runs, bias)(x)
         if flat.shape[0] <= gguf_cpu_native.MAX_ROWS or layer.cpu_weight is None:
             outs = [gguf_cpu.gguf_linear(flat, data, quant_type) for quant_type, data in runs]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -160,7 +166,10 @@ class GGUFInt4LinearMethod(LinearMethod):
         if runs is None:
             return None if layer.cpu_weight is None else layer.cpu_weight.routine(layer.bias)
         exact = gguf_cpu.gguf_linear_routine(runs, layer.bias)
-        dense = None if layer.cpu_weight is None else layer.cpu_weight.routine(layer.bias)
+        if getattr(layer, "gguf_batches_on_amx", False):
+            dense = amx_batches(runs, layer.bias, exact)  # batches on tiles of the blocks: no dense copy
+        else:
+            dense = None if layer.cpu_weight is None else layer.cpu_weight.routine(layer.bias)
         if dense is None:
             return exact
         max_rows, bias = gguf_cpu_native.MAX_ROWS, layer.bias
@@ -195,6 +204,47 @@ DROP_DENSE_COPY = False
 # int4 kernel / dense bf16 9.23 / 9.06 / 23.97 at 1 row, 11.34 / 11.39 / 24.40 at 2, 21.81 / 21.56 / 25.18
 # at 5, 32.15 / 31.21 / 25.88 at 8. Prefill on tiles of the blocks instead of the dense copy
 # (layer 0's 7 matrices, ms): 2.33 vs 1.09 at 9 rows, 2.04 vs 1.51 at 64, 6.09 vs 4.83 at 512: the copy stays.
+
+
+# With AMX (and the blocks kept), batches multiply tiles decoded from the blocks (``amx_batches``) and no
+# dense copy is made: the layer holds the file's bytes only. Measured on the bundled SmolLM2 (Xeon with
+# AMX, 1 thread): see ``_batches_on_amx``.
+DENSE_COPY_WITH_AMX = False
+
+
+def _batches_on_amx(layer, dtype: torch.dtype) -> bool:
+    """Whether this layer's batches run on AMX tiles of its kept blocks instead of a dense copy: bf16, every
+    shard's type kept in blocks here, AMX granted, each shard's rows in 16s."""
+    return (not DENSE_COPY_WITH_AMX and dtype == torch.bfloat16
+            and all(_exact_blocks(quant_type, dtype) for quant_type in GGUFInt4LinearMethod.quant_types)
+            and all(rows % 16 == 0 for rows in layer.output_sizes_per_rank) and gguf_cpu_native.has_amx())
+
+
+def amx_batches(runs, bias: torch.Tensor | None, fallback=None):
+    """``x -> x @ W.T + bias`` for a weight of block runs ``[(quant_type, data), ...]`` (rows in 16s): bf16
+    ``x`` on AMX tiles decoded from each run (``gguf_cpu_native.amx_routine``: the exactly dequantized
+    weights in bf16, as a dense copy holds them), each run's columns written in place; other dtypes on
+    ``fallback`` (else the runs' exact routine)."""
+    routines = [(gguf_cpu_native.amx_routine(data, quant_type), data.shape[0]) for quant_type, data in runs]
+    fallback = fallback or gguf_cpu.gguf_linear_routine(runs, bias)
+    num_outputs = sum(rows for _, rows in routines)
+
+    def batch(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.numel() == 0:
+            return fallback(x)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        if len(routines) == 1:
+            out = routines[0][0](flat)
+        else:
+            out = torch.empty(flat.shape[0], num_outputs, dtype=torch.bfloat16)
+            start = 0
+            for routine, rows in routines:
+                routine(flat, out=out[:, start:start + rows])
+                start += rows
+        out = out if bias is None else out.add_(bias)
+        return out.reshape(*x.shape[:-1], num_outputs)
+
+    return batch
 
 
 def _tiles_from_codes(layer) -> bool:

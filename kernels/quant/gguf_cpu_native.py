@@ -293,6 +293,85 @@ def int4pack_dequantize_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, 
     return out
 
 
+# ---- batches on AMX: gguf_cpu_amx.c ----------------------------------------------------------------
+
+AMX_SOURCE = Path(__file__).with_name("gguf_cpu_amx.c")
+# Weight rows decoded per tile: about this many bytes of bf16 (the tile and x's 32-row block share L2).
+AMX_TILE_BYTES = 256 << 10
+
+
+def has_amx() -> bool:
+    """Whether batches can run on AMX tiles decoded from the blocks (:func:`amx_linear`): the CPU and
+    Linux grant AMX's tile state, this build has AMX-BF16, and the bf16 block decoder is built."""
+    return _amx_dequant_pointer() is not None
+
+
+def amx_linear(x: torch.Tensor, data: torch.Tensor, quant_type: str, bf16_out: bool = True,
+               num_threads: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` for bf16 ``x`` ``[M, K]`` (any M) and block rows ``data`` ``[N, row_bytes]`` (``N % 16 ==
+    0``), where :func:`has_amx`: each tile of ``W``'s rows decoded exactly to bf16 (:func:`dequantize_bf16`'s
+    values, those of a bf16 dense copy) in L2 and multiplied on AMX with float32 sums; no copy of ``W``
+    is kept. bf16 out (the float32 sums rounded to nearest even), or float32."""
+    return amx_routine(data, quant_type, bf16_out)(x.contiguous(), num_threads)
+
+
+def amx_routine(data: torch.Tensor, quant_type: str, bf16_out: bool = True):
+    """:func:`amx_linear` with the weight bound and checked once: ``routine(x)`` for contiguous bf16 ``x``
+    ``[M, K]``, ``M >= 1`` (the caller's contract: not checked per call); ``routine(x, out=view)`` writes
+    into ``view`` (``[M, N]`` of the output dtype, unit column stride: e.g. a run's columns of a fused layer)."""
+    dequant = _amx_dequant_pointer()
+    if dequant is None:
+        raise RuntimeError("AMX batches are not available here (no AMX-BF16 CPU or kernel permission, or no "
+                           "C compiler)")
+    num_rows, num_columns = _check(None, data, quant_type)
+    if num_rows % 16 or data.stride(0) < data.shape[1]:
+        raise ValueError(f"amx_routine needs rows in multiples of 16, got {num_rows}")
+    tile_rows = max(32, AMX_TILE_BYTES // (2 * num_columns) // 32 * 32)
+    call, qtype, pointer, stride = _amx_library().gguf_amx_linear, QTYPE_IDS[quant_type], data.data_ptr(), data.stride(0)
+    out_dtype = torch.bfloat16 if bf16_out else torch.float32
+    get_num_threads = torch.get_num_threads
+
+    def routine(x: torch.Tensor, num_threads: int | None = None, out: torch.Tensor | None = None,
+                _data=data) -> torch.Tensor:  # _data: keeps W alive
+        if out is None:
+            out = torch.empty(x.shape[0], num_rows, dtype=out_dtype)
+        status = call(dequant, qtype, pointer, stride, num_rows, num_columns, x.data_ptr(), x.shape[1], x.shape[0],
+                      out.data_ptr(), out.stride(0), bf16_out, tile_rows, num_threads or get_num_threads())
+        if status:
+            raise RuntimeError(f"gguf_amx_linear failed for {quant_type} (status {status})")
+        return out
+
+    return routine
+
+
+@functools.cache
+def _amx_library():
+    with _lock:
+        path = build_library(AMX_SOURCE, "gguf_cpu_amx", FLAGS, "GGUF AMX kernels")
+        if path is None:
+            return None
+        library = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.gguf_amx_available.argtypes = ()
+    library.gguf_amx_available.restype = ctypes.c_int
+    library.gguf_amx_linear.argtypes = (ptr, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int,
+                                        i64, ctypes.c_int)
+    library.gguf_amx_linear.restype = ctypes.c_int
+    return library
+
+
+@functools.cache
+def _amx_dequant_pointer() -> int | None:
+    """The address of ``gguf_dequant_bf16`` (the AMX kernel's tile decoder), where AMX runs here."""
+    amx = _amx_library()
+    if amx is None or not amx.gguf_amx_available() or _library() is None:
+        return None
+    probe = torch.zeros(1, 34, dtype=torch.uint8)  # one Q8_0 block: does this build decode to bf16?
+    if dequantize_bf16(probe, "Q8_0", num_threads=1) is None:
+        return None
+    return ctypes.cast(_library().gguf_dequant_bf16, ctypes.c_void_p).value
+
+
 def _check(x, data: torch.Tensor, quant_type: str) -> tuple[int, int]:
     from .gguf_reference import block_format
 

@@ -18,8 +18,9 @@ import torch
 
 from hearth_llm.engine.loader.gguf_blocks import GGUFBlocks
 from hearth_llm.kernels import linear
-from hearth_llm.kernels.quant import BLOCK_FORMATS, GGUFBlockWeight, block_format, gguf_cpu
+from hearth_llm.kernels.quant import BLOCK_FORMATS, GGUFBlockWeight, block_format, gguf_cpu, gguf_cpu_native
 
+from ..gguf_linear_method import amx_batches
 from ..linear_method import LinearMethod
 
 
@@ -118,15 +119,31 @@ class GGUFBlockLinearMethod(LinearMethod):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def forward_routine(self, layer):
-        """On the CPU, the C GEMV bound to the layer's runs for decode steps (``gguf_cpu``); None
-        elsewhere, with act-order blocks, or where the C kernels are not built."""
+        """On the CPU, the C GEMV bound to the layer's runs for decode steps (``gguf_cpu``) and, where AMX
+        runs, bf16 batches on AMX tiles decoded from the runs (``amx_batches``: the exactly dequantized
+        weights, as the tiled path multiplies them); None elsewhere, with act-order blocks, or where the
+        C kernels are not built."""
         weights = self.block_weights(layer)
         if getattr(layer, "gguf_input_order", None) is not None or weights[0].data.device.type != "cpu":
             return None
-        return gguf_cpu.gguf_linear_routine([(weight.quant_type, weight.data) for weight in weights], layer.bias)
+        runs = [(weight.quant_type, weight.data) for weight in weights]
+        exact = gguf_cpu.gguf_linear_routine(runs, layer.bias)
+        if exact is None or not _batches_on_amx(runs):
+            return exact
+        batches, max_rows = amx_batches(runs, layer.bias, exact), gguf_cpu_native.MAX_ROWS
+
+        def exact_or_amx(x: torch.Tensor) -> torch.Tensor:
+            return exact(x) if x.numel() <= max_rows * x.shape[-1] else batches(x)
+
+        return exact_or_amx
 
     def resident_bytes(self, layer) -> int:
         """Bytes this layer's weight occupies (its block buffers, and an act-order permutation)."""
         order = getattr(layer, "gguf_input_order", None)
         extra = 0 if order is None else order.numel() * order.element_size()
         return sum(weight.data.numel() for weight in self.block_weights(layer)) + extra
+
+
+def _batches_on_amx(runs) -> bool:
+    """Whether batches of these CPU runs can run on AMX tiles (``gguf_cpu_native.has_amx``; rows in 16s)."""
+    return all(data.shape[0] % 16 == 0 for _, data in runs) and gguf_cpu_native.has_amx()
