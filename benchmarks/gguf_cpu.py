@@ -13,7 +13,8 @@ kernels of ``kernels/quant/gguf_cpu_native.py``, pure Q4_0/Q4_1 layers' decode s
 bf16 copy), ``hearth int4pack`` (the same with those Q4 decode steps on torch's int4 kernel, bf16 scales), ``hearth gguf``
 (``quantization="gguf"``: every GGUF linear in its blocks), ``hearth dense`` (on a CPU without AVX-512
 BF16, where the engine runs float32: the dense float32 weights the float32 path had before the AVX2 panel
-kernels) and ``llama.cpp``. After each table, each
+kernels), ``hearth no-amx`` (on an AMX CPU, batches as before the AMX tiles: pure Q4_0/Q4_1 layers on their
+dense bf16 copy, other block layers on gguf_cpu's tiled torch path) and ``llama.cpp``. After each table, each
 system's CPU time per decoded token (all threads, prefill excluded), the steadier figure on a shared machine.
 
 1. single stream: decode tok/s over ``--decode-tokens`` new tokens after a 16-token prompt (prefill excluded);
@@ -273,6 +274,10 @@ def worker_main(args) -> None:
             from hearth_llm.engine.models import gguf_linear_method
 
             gguf_linear_method._exact_blocks = lambda quant_type, dtype: False
+        if args.no_amx:  # the A/B on an AMX CPU: batches on dense copies / torch tiles, as before the AMX tiles
+            from hearth_llm.kernels.quant import gguf_cpu_native
+
+            gguf_cpu_native.has_amx = lambda: False
         if args.no_panels:  # the A/B on a float32 CPU: dense float32 weights, as before the AVX2 panel kernels
             from hearth_llm.kernels.quant import gguf_cpu_native
 
@@ -338,6 +343,7 @@ def worker_commands(path: Path, threads: int, args) -> dict[str, list[str]]:
                 "hearth gguf": [sys.executable, this_file, "--worker", "hearth", "--quantization", "gguf", *common],
                 "hearth int4pack": [sys.executable, this_file, "--worker", "hearth", "--int4pack", *common],
                 "hearth dense": [sys.executable, this_file, "--worker", "hearth", "--no-panels", *common],
+                "hearth no-amx": [sys.executable, this_file, "--worker", "hearth", "--no-amx", *common],
                 "hearth int8": [sys.executable, this_file, "--worker", "hearth", "--int8", *common]}
     if not args.skip_llama_cpp:
         commands[LLAMA_CPP] = [args.llama_cpp_python, this_file, "--worker", "llama", *common]
@@ -388,7 +394,8 @@ def parse_args(argv=None):
     parser.add_argument("--systems", default="hearth,hearth gguf",
                         help="ours to run: 'hearth', 'hearth gguf', 'hearth int4pack' (pure Q4_0/Q4_1 layers on "
                              "torch's int4 kernel, the path before the exact Q4 kernels), 'hearth dense' (on a "
-                             "float32 CPU: dense float32 weights, the path before the AVX2 panel kernels), 'hearth int8' "
+                             "float32 CPU: dense float32 weights, the path before the AVX2 panel kernels), 'hearth no-amx' (on an "
+                             "AMX CPU: batches on dense copies / torch tiles, the path before the AMX tiles), 'hearth int8' "
                              "(cpu_int8_activations=True: decode steps on int8 activations, not exact)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated, from {list(MEASURES)}")
@@ -405,6 +412,7 @@ def parse_args(argv=None):
     parser.add_argument("--quantization", help=argparse.SUPPRESS)
     parser.add_argument("--int4pack", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-panels", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-amx", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--int8", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",")]

@@ -52,3 +52,15 @@ def test_every_system_gets_the_same_prompts_and_each_repeat_new_ones():
 
 def test_the_1b_shape_has_about_a_billion_parameters():
     assert 1.0e9 <= LLAMA_1B.num_parameters <= 1.2e9
+
+
+def test_the_no_amx_system_runs_a_worker_with_amx_batches_off():
+    from pathlib import Path
+
+    from hearth_llm.benchmarks.gguf_cpu import parse_args, worker_commands
+
+    args = parse_args(["--systems", "hearth,hearth no-amx", "--skip-llama-cpp"])
+    commands = worker_commands(Path("model.gguf"), 1, args)
+    assert set(commands) == {"hearth", "hearth no-amx"}
+    assert "--no-amx" in commands["hearth no-amx"] and "--no-amx" not in commands["hearth"]
+    assert parse_args(commands["hearth no-amx"][2:]).no_amx
