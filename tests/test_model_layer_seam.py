@@ -232,6 +232,31 @@ def test_q4_gguf_in_bf16_runs_int4_weights_packed_from_the_blocks(quant_type, tm
     assert o_proj.method.block_runs(o_proj) is not None or (cpu_weight is not None and cpu_weight.int4 is not None)
 
 
+def test_a_cpu_load_hands_its_freed_temporaries_back_once(tmp_path, monkeypatch):
+    from hearth_llm.engine.loader import model_loader
+    from hearth_llm.kernels import cpu_ops
+
+    path = _quantized_tiny_llama_gguf(tmp_path, "Q4_1")
+    calls = []
+    monkeypatch.setattr(cpu_ops, "release_freed_heap", lambda: calls.append(1) or True)
+    model, _ = model_loader.load_model(load_checkpoint(str(path), torch.bfloat16, progress=False),
+                                       torch.device("cpu"), torch.bfloat16)
+    assert len(calls) == 1 and model is not None
+
+
+def test_release_freed_heap_trims_on_glibc():
+    import platform
+
+    from hearth_llm.kernels import cpu_ops
+
+    result = cpu_ops.release_freed_heap()
+    assert isinstance(result, bool)
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        garbage = [bytearray(1 << 16) for _ in range(256)]  # 16 MiB of freed small-heap pages to hand back
+        del garbage
+        assert cpu_ops.release_freed_heap()
+
+
 def test_q4_gguf_in_float32_is_dequantized_exactly(tmp_path):
     path = _quantized_tiny_llama_gguf(tmp_path, "Q4_1")
     checkpoint = load_checkpoint(str(path), torch.float32, progress=False)

@@ -18,6 +18,7 @@ import traceback
 import torch
 from torch import nn
 
+from ...kernels import cpu_ops
 from ..models import model_class_for
 from ..models.arch import ArchConfig
 from ..models.gguf_linear_method import GGUF_INT4, GGUFInt4LinearMethod
@@ -59,6 +60,8 @@ def load_model(checkpoint: LoadedCheckpoint, device: torch.device, dtype: torch.
         raise
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staged reads' device tensors: the KV cache is sized from what is free
+    elif device.type == "cpu":
+        cpu_ops.release_freed_heap()  # the load's freed temporaries: ~120 MiB resident on a 1B Q4_K_M otherwise
     return model.eval(), arch
 
 

@@ -50,6 +50,7 @@ static void configure_tiles(void) {
         config.rows[t] = 16;
         config.colsb[t] = 64;
     }
+    __asm__ volatile("" : : "m"(config) : "memory");  /* gcc 12 may drop the stores above as dead otherwise */
     _tile_loadconfig(&config);
 }
 
