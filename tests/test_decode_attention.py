@@ -73,18 +73,19 @@ def test_decode_cuts_each_context_by_its_own_length(use_dot):
     torch.testing.assert_close(decode_with(batch, launch), expected(batch), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("use_dot", [True, False])
-def test_fused_merge_by_the_last_piece_matches_reference_and_leaves_counters_at_zero(use_dot):
+@pytest.mark.parametrize("use_dot,heads_fastest", [(True, False), (False, False), (True, True)])
+def test_fused_merge_by_the_last_piece_matches_reference_and_leaves_counters_at_zero(use_dot, heads_fastest):
     # The same cuts as above, merged by each context's last piece instead of the reduce kernel; a
     # second launch on the same cache reuses the counters (they must be back at 0), with another split.
+    # heads_fastest: the grid runs (KV heads, sequences, splits), and each (sequence, head) keeps its own counter.
     batch = paged_batch([1, 1, 1], [300, 20, 90], seed=4)
     launch = triton_attention.DecodeLaunch(block_n=16, min_split_tokens=32, max_splits=8, use_dot=use_dot,
-                                           fused_reduce=True)
+                                           fused_reduce=True, heads_fastest=heads_fastest)
     torch.testing.assert_close(decode_with(batch, launch), expected(batch), atol=2e-5, rtol=1e-5)
     counters = triton_attention._merge_counters(batch["key_cache"], 1)
     assert int(counters.abs().sum()) == 0
     fewer = triton_attention.DecodeLaunch(block_n=16, min_split_tokens=64, max_splits=4, use_dot=use_dot,
-                                          fused_reduce=True)
+                                          fused_reduce=True, heads_fastest=heads_fastest)
     torch.testing.assert_close(decode_with(batch, fewer), expected(batch), atol=2e-5, rtol=1e-5)
     assert int(counters.abs().sum()) == 0
 

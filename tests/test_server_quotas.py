@@ -223,7 +223,12 @@ def test_requests_past_the_servers_queue_bound_get_503_and_the_pool_comes_back(l
                         await until(lambda: core.stats().get("num_running") == running_count)
                     holders.append(asyncio.create_task(hold()))  # admitted: nothing waits yet
                     await until(lambda: num_waiting() == 1)
-                    return await session.post("/completions", json={"model": "default", "prompt": PROMPT})
+                    # The refusal needs no engine step, but with a thread core the server shares one GIL
+                    # with two streams decoding flat out and this client: a loaded runner took over
+                    # 30 s to answer (CI dry run, 2026-12-03). A request that was queued, not refused,
+                    # would never answer, so the longer wait still fails that case.
+                    return await session.post("/completions", json={"model": "default", "prompt": PROMPT},
+                                              timeout=120)
                 finally:
                     for task in holders:
                         task.cancel()

@@ -402,9 +402,26 @@ class DecodeLaunch:
     # start early in turn; every program waits for the previous kernel before it reads anything.
     use_pdl: bool = True
     fp8_block_n: int | None = None
+    # Register caps (Triton's ``maxnreg``) for 2-byte and 1-byte caches on CUDA with heads of at most 128,
+    # None for the compiler's choice: registers, not shared memory, bound the programs per SM (ncu, H200,
+    # 8B shape 256 x U[200,2048]: bf16 144 registers, 3 programs per SM, 3.70 TB/s; fp8 with 128-key tiles
+    # 248, 2 per SM, 1.81 TB/s). Under 128, spills cost more than the occupancy gives (112: 0.91x).
+    maxnreg: int | None = None
+    fp8_maxnreg: int | None = None
+    fp8_num_stages: int | None = None
+    # Programs ordered KV head fastest (grid (KV heads, sequences, splits)), so the heads of one cache
+    # block are read by programs running side by side.
+    heads_fastest: bool = False
 
 
-DEFAULT_LAUNCH = DecodeLaunch(fp8_block_n=128)
+# H200, 2026-12-03, us per layer call in CUDA graphs (``.gpu``-style sweep of attention_kernels' cases),
+# the launch before -> this one: bf16 cache 8B shape 256 x U[200,2048] 351.7 -> 328.4 (1.07x), 32 x 8k
+# 318.9 -> 266.1 (1.20x), 0.6B shape 256 x U[200,2048] 349.8 -> 324.9 (1.08x); fp8 cache (64-key tiles,
+# 128 registers, was 128-key tiles at 248) 351.7 -> 296.8 (1.19x), 290.8 -> 237.3 (1.23x), 351.5 -> 295.7
+# (1.19x). An fp8 cache stays at ~2.1 TB/s of its bytes: with the [blocks, slots, KV heads, dim] layout a
+# key of one head is a 128-byte run 1 KiB from the next, and a kernel that only loads the tiles reaches
+# ~2.2 TB/s on it.
+DEFAULT_LAUNCH = DecodeLaunch(maxnreg=128, fp8_maxnreg=128, heads_fastest=True)
 # The shortest piece of a split context (tests build contexts around it).
 DECODE_MIN_PARTITION_SIZE = DEFAULT_LAUNCH.min_split_tokens
 _SM_COUNTS: dict[int, int] = {}
@@ -472,6 +489,7 @@ def _split_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, USE_DOT: tl.constexpr, FP8_DOT_IN_FP16: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
+    HEADS_FASTEST: tl.constexpr = False,
 ):
     """One program: one piece of one sequence's keys, for the query heads of one KV head. With
     FUSED_REDUCE the last piece of a (sequence, KV head) to finish merges all of them (see
@@ -479,8 +497,14 @@ def _split_decode_kernel(
     (query bounds, context length: written before the step, by no kernel of it), then waits for the
     kernel before it, before it returns or reads anything else (so the kernel after it, waiting on
     this one, waits on that one too)."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:  # grid (KV heads, sequences, splits): one sequence's heads run side by side
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
@@ -541,7 +565,7 @@ def _split_decode_kernel(
         tl.store(partial_out_ptr + stat_index[:, None] * BLOCK_D + dims[None, :], out, mask=row_mask)
         if FUSED_REDUCE:
             _merge_pieces(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-                          counters_ptr + seq.to(tl.int64) * tl.num_programs(1) + kv_head,
+                          counters_ptr + seq.to(tl.int64) * num_kv_heads + kv_head,
                           token * out_stride_token + head * out_stride_head, out_stride_dim,
                           (seq.to(tl.int64) * num_heads + head) * num_splits, used, is_real_row, row_mask, dims,
                           BLOCK_S=BLOCK_S)
@@ -666,7 +690,8 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         partial_out = partial_max = partial_sum = out
     fused_reduce = launch.fused_reduce and num_splits > 1
     counters = _merge_counters(key_cache, num_seqs * num_kv_heads) if fused_reduce else out
-    _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_fastest else (num_seqs, num_kv_heads, num_splits)
+    _split_decode_kernel[grid](
         out, partial_out, partial_max, partial_sum, counters,
         query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
         kv_scales if kv_scales is not None else out,
@@ -678,9 +703,9 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         else max(16, next_power_of_2(common["num_queries_per_kv"])),
         BLOCK_N=block_n, USE_DOT=launch.use_dot,
         FP8_DOT_IN_FP16=launch.fp8_dot_in_fp16 and fp8_dot_in_fp16(query, key_cache),
-        FUSED_REDUCE=fused_reduce, BLOCK_S=next_power_of_2(launch.max_splits),
-        num_warps=launch.num_warps, num_stages=launch.num_stages if key_cache.element_size() <= 2 else 2,
-        **_pdl_launch(query, launch.use_pdl), **common,
+        FUSED_REDUCE=fused_reduce, BLOCK_S=next_power_of_2(launch.max_splits), HEADS_FASTEST=launch.heads_fastest,
+        num_warps=launch.num_warps, num_stages=_decode_stages(launch, key_cache.element_size()),
+        **_register_cap(launch, key_cache, block_d), **_pdl_launch(query, launch.use_pdl), **common,
     )
     if num_splits > 1 and not fused_reduce:
         _split_decode_reduce_kernel[(num_seqs, num_heads)](
@@ -690,6 +715,21 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
             BLOCK_S=next_power_of_2(launch.max_splits),
             BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
         )
+
+
+def _decode_stages(launch: DecodeLaunch, element_size: int) -> int:
+    if element_size == 1 and launch.fp8_num_stages:
+        return launch.fp8_num_stages
+    return launch.num_stages if element_size <= 2 else 2
+
+
+def _register_cap(launch: DecodeLaunch, key_cache: torch.Tensor, block_d: int) -> dict:
+    """Triton's ``maxnreg`` where the launch caps registers for this cache: CUDA, 1- or 2-byte
+    elements, heads of at most 128 (the caps were measured there only)."""
+    if not key_cache.is_cuda or block_d > 128 or key_cache.element_size() > 2:
+        return {}
+    cap = launch.fp8_maxnreg if key_cache.element_size() == 1 else launch.maxnreg
+    return {"maxnreg": cap} if cap else {}
 
 
 def _pdl_launch(query: torch.Tensor, wanted: bool) -> dict:
