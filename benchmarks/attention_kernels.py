@@ -94,14 +94,15 @@ def _common(batch: PagedBatch, scale: float):
 
 
 def decode_variants():
-    from hearth_llm.kernels.attention.triton_attention import DEFAULT_LAUNCH, DecodeLaunch
+    from hearth_llm.kernels.attention.triton_attention import DEFAULT_LAUNCH, PREVIOUS_LAUNCH, DecodeLaunch
     # (block_n, num_warps, num_stages, use_dot); the default is timed first on its own
     # most plausible first: a short budget runs only the first few
     tiles = [(128, 4, 2, True), (32, 4, 2, False), (128, 8, 2, True), (64, 8, 2, True), (32, 4, 2, True),
              (16, 4, 2, False), (64, 4, 3, True), (64, 8, 2, False), (128, 8, 3, True), (256, 8, 2, True),
              (64, 4, 4, True), (128, 4, 3, True), (64, 4, 2, False), (32, 4, 3, False)]
     launches = [DecodeLaunch(n, w, s, use_dot=dot) for n, w, s, dot in tiles]
-    return DEFAULT_LAUNCH, [("new " + _describe(launch), launch) for launch in launches]
+    return DEFAULT_LAUNCH, [("previous default " + _describe(PREVIOUS_LAUNCH), PREVIOUS_LAUNCH)] + [
+        ("new " + _describe(launch), launch) for launch in launches]
 
 
 def _gbs(batch: PagedBatch, us: float) -> float:
@@ -110,7 +111,9 @@ def _gbs(batch: PagedBatch, us: float) -> float:
 
 def _describe(launch) -> str:
     return (f"N{launch.block_n}/w{launch.num_warps}/s{launch.num_stages}/p{launch.programs_per_sm}"
-            f"/min{launch.min_split_tokens}{'' if launch.use_dot else '/nodot'}")
+            f"/min{launch.min_split_tokens}{'' if launch.use_dot else '/nodot'}"
+            f"{f'/r{launch.maxnreg}' if launch.maxnreg else ''}{'/hf' if launch.heads_fastest else ''}"
+            f"{f'/fp8N{launch.fp8_block_n}' if launch.fp8_block_n else ''}")
 
 
 def run_decode(batch: PagedBatch, launch, graph_max_context_len: int | None = None) -> float:
@@ -521,16 +524,21 @@ def engine_throughput(shape: str, variants: list[str], report, num_seqs: int = 2
 
 
 def _parse_launch(text: str):
-    """``N64/w4/s2/p8/min256[/nodot]`` (as :func:`_describe` prints it) -> DecodeLaunch."""
+    """``N64/w4/s2/p8/min256[/nodot][/r128][/hf][/fp8N128]`` (as :func:`_describe` prints it) -> DecodeLaunch."""
     from hearth_llm.kernels.attention.triton_attention import DecodeLaunch
     fields = dict(use_dot=True)
     for part in text.split("/"):
         if part == "nodot":
             fields["use_dot"] = False
+        elif part == "hf":
+            fields["heads_fastest"] = True
+        elif part.startswith("fp8N"):
+            fields["fp8_block_n"] = int(part[4:])
         elif part.startswith("min"):
             fields["min_split_tokens"] = int(part[3:])
         else:
-            fields[{"N": "block_n", "w": "num_warps", "s": "num_stages", "p": "programs_per_sm"}[part[0]]] = int(part[1:])
+            fields[{"N": "block_n", "w": "num_warps", "s": "num_stages", "p": "programs_per_sm",
+                    "r": "maxnreg"}[part[0]]] = int(part[1:])
     return DecodeLaunch(**fields)
 
 

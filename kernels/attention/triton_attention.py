@@ -385,7 +385,8 @@ class DecodeLaunch:
     caches, None for ``block_n`` (H200, 2026-12-02, fp8 cache, 4 warps, 3 stages, us per layer call against
     the bf16 cache's default: Llama-3-8B shape 256 x U[200,2048] 342.1 with 128-key tiles vs 389.8 with 64
     (bf16 355.3), 32 x 8k 284.7 vs 331.6 (bf16 318.4), Qwen3-0.6B shape 256 x U[200,2048] 327.7 vs 377.6
-    (bf16 346.0): a 128-key fp8 tile is the bf16 64-key tile's bytes).
+    (bf16 346.0): a 128-key fp8 tile is the bf16 64-key tile's bytes). Without a register cap; under
+    ``maxnreg`` 128 the 64-key fp8 tile is the faster one (see ``DEFAULT_LAUNCH``).
     """
 
     block_n: int = 64
@@ -402,26 +403,25 @@ class DecodeLaunch:
     # start early in turn; every program waits for the previous kernel before it reads anything.
     use_pdl: bool = True
     fp8_block_n: int | None = None
-    # Register caps (Triton's ``maxnreg``) for 2-byte and 1-byte caches on CUDA with heads of at most 128,
+    # Register cap (Triton's ``maxnreg``) for 1- and 2-byte caches on CUDA with heads of at most 128,
     # None for the compiler's choice: registers, not shared memory, bound the programs per SM (ncu, H200,
     # 8B shape 256 x U[200,2048]: bf16 144 registers, 3 programs per SM, 3.70 TB/s; fp8 with 128-key tiles
     # 248, 2 per SM, 1.81 TB/s). Under 128, spills cost more than the occupancy gives (112: 0.91x).
     maxnreg: int | None = None
-    fp8_maxnreg: int | None = None
-    fp8_num_stages: int | None = None
     # Programs ordered KV head fastest (grid (KV heads, sequences, splits)), so the heads of one cache
     # block are read by programs running side by side.
     heads_fastest: bool = False
 
 
-# H200, 2026-12-03, us per layer call in CUDA graphs (``.gpu``-style sweep of attention_kernels' cases),
-# the launch before -> this one: bf16 cache 8B shape 256 x U[200,2048] 351.7 -> 328.4 (1.07x), 32 x 8k
+# H200, 2026-12-03, us per layer call in CUDA graphs (attention_kernels' cases; its sweep times
+# PREVIOUS_LAUNCH beside this one), the launch before -> this one: bf16 cache 8B shape 256 x U[200,2048] 351.7 -> 328.4 (1.07x), 32 x 8k
 # 318.9 -> 266.1 (1.20x), 0.6B shape 256 x U[200,2048] 349.8 -> 324.9 (1.08x); fp8 cache (64-key tiles,
 # 128 registers, was 128-key tiles at 248) 351.7 -> 296.8 (1.19x), 290.8 -> 237.3 (1.23x), 351.5 -> 295.7
 # (1.19x). An fp8 cache stays at ~2.1 TB/s of its bytes: with the [blocks, slots, KV heads, dim] layout a
 # key of one head is a 128-byte run 1 KiB from the next, and a kernel that only loads the tiles reaches
 # ~2.2 TB/s on it.
-DEFAULT_LAUNCH = DecodeLaunch(maxnreg=128, fp8_maxnreg=128, heads_fastest=True)
+DEFAULT_LAUNCH = DecodeLaunch(maxnreg=128, heads_fastest=True)
+PREVIOUS_LAUNCH = DecodeLaunch(fp8_block_n=128)
 # The shortest piece of a split context (tests build contexts around it).
 DECODE_MIN_PARTITION_SIZE = DEFAULT_LAUNCH.min_split_tokens
 _SM_COUNTS: dict[int, int] = {}
@@ -704,7 +704,7 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         BLOCK_N=block_n, USE_DOT=launch.use_dot,
         FP8_DOT_IN_FP16=launch.fp8_dot_in_fp16 and fp8_dot_in_fp16(query, key_cache),
         FUSED_REDUCE=fused_reduce, BLOCK_S=next_power_of_2(launch.max_splits), HEADS_FASTEST=launch.heads_fastest,
-        num_warps=launch.num_warps, num_stages=_decode_stages(launch, key_cache.element_size()),
+        num_warps=launch.num_warps, num_stages=launch.num_stages if key_cache.element_size() <= 2 else 2,
         **_register_cap(launch, key_cache, block_d), **_pdl_launch(query, launch.use_pdl), **common,
     )
     if num_splits > 1 and not fused_reduce:
@@ -717,19 +717,12 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, context_l
         )
 
 
-def _decode_stages(launch: DecodeLaunch, element_size: int) -> int:
-    if element_size == 1 and launch.fp8_num_stages:
-        return launch.fp8_num_stages
-    return launch.num_stages if element_size <= 2 else 2
-
-
 def _register_cap(launch: DecodeLaunch, key_cache: torch.Tensor, block_d: int) -> dict:
-    """Triton's ``maxnreg`` where the launch caps registers for this cache: CUDA, 1- or 2-byte
+    """Triton's ``maxnreg`` where the launch caps registers and this cache is one it was measured on: CUDA, 1- or 2-byte
     elements, heads of at most 128 (the caps were measured there only)."""
-    if not key_cache.is_cuda or block_d > 128 or key_cache.element_size() > 2:
+    if not launch.maxnreg or not key_cache.is_cuda or block_d > 128 or key_cache.element_size() > 2:
         return {}
-    cap = launch.fp8_maxnreg if key_cache.element_size() == 1 else launch.maxnreg
-    return {"maxnreg": cap} if cap else {}
+    return {"maxnreg": launch.maxnreg}
 
 
 def _pdl_launch(query: torch.Tensor, wanted: bool) -> dict:
