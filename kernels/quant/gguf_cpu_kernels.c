@@ -554,22 +554,46 @@ static inline __m512i bf16_table(int first, int mask) {
     _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))),       \
     (__mmask32)0xFFFF0000u, _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))), 4)
 
-/* Q4_K, two sub-blocks per vector: code chunk c (32 bytes) holds sub-block 2c in its low nibbles and
-   2c + 1 in its high ones, so Q4_WORDS of its bytes 16j..16j+15 puts elements 16j.. of sub-block 2c in
-   lanes 0-7 of a vdpbf16ps and those of 2c + 1 in lanes 8-15; the two (j = 0, 1) chain into one sum,
-   then one fused multiply by (scale[2c] in lanes 0-7, scale[2c + 1] in 8-15): four per block and row
-   instead of eight, and the minimums one 8-lane multiply of the sub-blocks' x sums. x is laid out once
-   per call in that order (q8_x_order's: per 64 inputs 0-15, 32-47, 16-31, 48-63). */
+/* Q4_K, four code vectors per 64 code bytes (as q4_01_grouped_rows does for Q4_0/Q4_1): chunk c (32
+   bytes) holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. One load takes chunks c, c + 1
+   (c = 0, 2); word p of it holds bytes 2p, 2p + 1 of chunk c + p / 16 (bytes 2 (p % 16), + 1), and vpermw of
+   it shifted right by 0, 8, 4, 12 maps word p to (the low nibble of byte 2p), (the low nibble of 2p + 1),
+   (the high nibble of 2p), (the high nibble of 2p + 1): elements 2 (p % 16) and 2 (p % 16) + 1 of
+   sub-block 2 (c + p / 16) for the first two, of 2 (c + p / 16) + 1 for the other two. So the first two
+   chain into one sum whose lanes 0-7 sum sub-block 2c and lanes 8-15 sub-block 2c + 2, the other two
+   sub-blocks 2c + 1 and 2c + 3; one multiply by those sub-blocks' scales each. Per block and row: 2 code
+   loads, 6 shifts, 8 vpermw (was 8 loads, 8 vpmovzxbw, 8 shifts, 8 vpermw). x is laid out once per call
+   in that order (q4k_x_order); the minimums are one 8-lane multiply of the sub-blocks' x sums. */
+static void q4k_x_order(const uint16_t *x, int64_t K, int M, uint16_t *xr) {
+    for (int m = 0; m < M; m++)
+        for (int64_t blk = 0; blk < K / 256; blk++) {
+            const uint16_t *src = x + m * K + blk * 256;
+            uint16_t *dst = xr + m * K + blk * 256;
+            for (int z = 0; z < 2; z++)  /* chunks 2z, 2z + 1: sub-blocks 4z .. 4z + 3 */
+                for (int p = 0; p < 32; p++) {
+                    const int even_sb = 2 * (2 * z + p / 16), e = 2 * (p % 16);
+                    dst[128 * z + p] = src[32 * even_sb + e];                 /* shift 0: low nibble of byte 2p */
+                    dst[128 * z + 32 + p] = src[32 * even_sb + e + 1];        /* shift 8: low nibble of 2p + 1 */
+                    dst[128 * z + 64 + p] = src[32 * (even_sb + 1) + e];      /* shift 4: high nibble of 2p */
+                    dst[128 * z + 96 + p] = src[32 * (even_sb + 1) + e + 1];  /* shift 12: high nibble of 2p + 1 */
+                }
+        }
+}
+
 static inline __attribute__((always_inline)) void q4_k_bf16_grouped_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
         const float *xsum, const int M, float *out, int64_t out_stride) {
     const __m512i table = bf16_table(0, 15);  /* entry i: bf16(i & 15); vpermw reads 5 index bits */
-    /* lanes 0-7 <- scale 2c, 8-15 <- 2c + 1 (of the scales in lanes 0-7 of k_scale_vector's products) */
-    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i scale_index[4] = {pair_index, _mm512_add_epi32(pair_index, _mm512_set1_epi32(2)),
+    /* the scales of (sub-blocks 4z + t in lanes 0-7, 4z + t + 2 in 8-15), t = 0, 1, from the products'
+       lanes 0-7 (d * sc of sub-blocks 0-7) */
+    const __m512i pair_index = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i scale_index[4] = {pair_index, _mm512_add_epi32(pair_index, _mm512_set1_epi32(1)),
                                     _mm512_add_epi32(pair_index, _mm512_set1_epi32(4)),
-                                    _mm512_add_epi32(pair_index, _mm512_set1_epi32(6))};
+                                    _mm512_add_epi32(pair_index, _mm512_set1_epi32(5))};
     const __m256i d_index = _mm256_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i shift_c_high = _mm_set_epi32(4, 0, 0, 0);
+    const __m128i low_mask = _mm_set_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F);
+    const __m128i high_mask = _mm_set_epi32(0x30303030, 0, 0x30303030, 0);
     const int64_t num_blocks = K / 256;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
@@ -579,30 +603,32 @@ static inline __attribute__((always_inline)) void q4_k_bf16_grouped_rows(
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 144;
             PREFETCH(b, 144);
-            /* k_scales_vec's values in one register: d * sc in lanes 0-7, dmin * mn in 8-15 */
-            uint32_t sa, sb, sc;
-            memcpy(&sa, b + 4, 4);
-            memcpy(&sb, b + 8, 4);
-            memcpy(&sc, b + 12, 4);
-            const uint32_t sc_lo = sa & 0x3F3F3F3Fu, mn_lo = sb & 0x3F3F3F3Fu;
-            const uint32_t sc_hi = (sc & 0x0F0F0F0Fu) | (((sa >> 6) & 0x03030303u) << 4);
-            const uint32_t mn_hi = ((sc >> 4) & 0x0F0F0F0Fu) | (((sb >> 6) & 0x03030303u) << 4);
-            const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo)));
-            uint32_t dd;
-            memcpy(&dd, b, 4);  /* fp16 d, dmin */
-            const __m512 factors = _mm512_cvtph_ps(_mm256_permutexvar_epi16(d_index, _mm256_castsi128_si256(
-                _mm_cvtsi32_si128((int)dd))));
+            /* k_scales_vec's values in one register: d * sc in lanes 0-7, dmin * mn in 8-15. The 6-bit scales
+               and minimums of the 12 bytes after d, dmin (dwords a, b, c) as 16 bytes: a & 0x3F..,
+               (c & 0x0F..) | ((a >> 6 & 3..) << 4), b & 0x3F.., (c >> 4 & 0x0F..) | ((b >> 6 & 3..) << 4) */
+            const __m128i head = _mm_loadu_si128((const __m128i *)b);  /* d, dmin | a | b | c */
+            const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(head, 0xED), shift_c_high),
+                                                   low_mask);                       /* (a, c, b, c >> 4) & masks */
+            const __m128i six_bits = _mm_ternarylogic_epi32(low_bits, _mm_srli_epi32(_mm_shuffle_epi32(head, 0xA5), 2),
+                                                            high_mask, 0xF8);       /* | ((-, a, -, b) >> 2) & 0x30.. */
+            const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six_bits));
+            const __m512 factors = _mm512_cvtph_ps(_mm256_permutexvar_epi16(d_index, _mm256_castsi128_si256(head)));
             const __m512 products = _mm512_mul_ps(factors, values);
             const __m256 mins = _mm512_extractf32x8_ps(products, 1);
-            for (int c = 0; c < 4; c++) {
-                const __m512i w0 = _mm512_permutexvar_epi16(Q4_WORDS(b + 16 + 32 * c), table);
-                const __m512i w1 = _mm512_permutexvar_epi16(Q4_WORDS(b + 32 + 32 * c), table);
-                const __m512 sv = _mm512_permutexvar_ps(scale_index[c], products);
+            for (int z = 0; z < 2; z++) {
+                const __m512i codes = _mm512_loadu_si512((const void *)(b + 16 + 64 * z));
+                const __m512i w0 = _mm512_permutexvar_epi16(codes, table);
+                const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 8), table);
+                const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+                const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 12), table);
+                const __m512 low_scales = _mm512_permutexvar_ps(scale_index[2 * z], products);
+                const __m512 high_scales = _mm512_permutexvar_ps(scale_index[2 * z + 1], products);
                 UNROLL_M for (int m = 0; m < M; m++) {
-                    const uint16_t *xb = xr + m * K + blk * 256 + 64 * c;
-                    const __m512 sum = _mm512_dpbf16_ps(DP(w0, xb), (__m512bh)w1, X_BF16(xb + 32));
-                    acc[m] = _mm512_fmadd_ps(sv, sum, acc[m]);
+                    const uint16_t *xb = xr + m * K + blk * 256 + 128 * z;
+                    const __m512 low = _mm512_dpbf16_ps(DP(w0, xb), (__m512bh)w1, X_BF16(xb + 32));
+                    const __m512 high = _mm512_dpbf16_ps(DP(w2, xb + 64), (__m512bh)w3, X_BF16(xb + 96));
+                    acc[m] = _mm512_fmadd_ps(low_scales, low, acc[m]);
+                    acc[m] = _mm512_fmadd_ps(high_scales, high, acc[m]);
                 }
             }
             UNROLL_M for (int m = 0; m < M; m++)
@@ -1174,14 +1200,14 @@ int gguf_has_bf16(int qtype) {
 }
 
 #if defined(HAS_BF16_KERNELS)
-/* Q4_K rows by q4_k_grouped: x laid out once (q8_x_order), then the rows split over the threads. */
+/* Q4_K rows by q4_k_grouped: x laid out once (q4k_x_order), then the rows split over the threads. */
 static int q4k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
                     const float *xsum, int M, float *out, int64_t out_stride, int num_threads) {
     uint16_t stack_xr[16384];
     const int on_stack = M * K <= 16384;
     uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
     if (!xr) return -3;
-    q8_x_order(x, K, M, xr);
+    q4k_x_order(x, K, M, xr);
     OVER_ROW_PARTS(N, num_threads, q4_k_grouped(data, row_stride, n0, n1, K, xr, xsum, M, out, out_stride));
     if (!on_stack) free(xr);
     return 0;
