@@ -654,26 +654,42 @@ static void q4_k_grouped(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1
 }
 
 /* Q6_K: element e = 128 h + 64 nib + 32 s2 + l takes nibble `nib` of ql[64 h + 32 s2 + l] and bits
-   2 (2 nib + s2) of qh[32 h + l] (see decode_q6_k). Each 32 elements of one (h, nib, s2) are one
-   vdpbf16ps; its lanes 0-7 sum elements of scale group e / 16, lanes 8-15 of the next. */
-#define Q6_HIGH(qh, shift) ((shift) < 4 ? _mm512_slli_epi16((qh), 4 - (shift)) :                        \
-                            (shift) > 4 ? _mm512_srli_epi16((qh), (shift) - 4) : (qh))
-#define Q6_GROUP(lo, qh, shift, e0, accumulator) {                                                   \
-    /* (lo) | (high bits << 4), high bits already at 0x30 after the shift: one ternary-logic op */   \
-    const __m512i idx = _mm512_ternarylogic_epi32((lo), Q6_HIGH(qh, shift), mask30, 0xF8);          \
-    const __m512i w = _mm512_permutex2var_epi16(low_table, idx, high_table);                         \
-    const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(pair_index, _mm512_set1_epi32((e0) >> 4)), scales);  \
-    UNROLL_M for (int m = 0; m < M; m++)                                                                      \
-        acc[m][accumulator] = _mm512_fmadd_ps(sv, DP(w, x + m * K + blk * 256 + (e0)), acc[m][accumulator]); }
+   2 (2 nib + s2) of qh[32 h + l] (see decode_q6_k). One load takes half h's 64 ql bytes: word p holds
+   bytes 2p, 2p + 1 (s2 = p / 16, l = 2 (p % 16) and + 1); the half's 32 qh bytes, as 16 words, go to both
+   256-bit halves, the upper one shifted right by 2 (s2 = 1). Shifting the ql words right by 4 nib + 8 hb
+   and the qh words by 4 nib + 8 hb - 4, one ternary-logic op puts the 6-bit code of element 128 h +
+   64 nib + 32 (p / 16) + 2 (p % 16) + hb in the low 6 bits of word p (vpermt2w reads no more), mapped to
+   bf16(q - 32). hb = 0 and 1 chain into one vdpbf16ps sum whose lane i sums elements of scale group
+   8 h + 4 nib + 2 (i / 8) + (i % 8) / 4: one multiply by those scales per (h, nib), four per block and row
+   (was eight), and the codes unpacked from 64-byte loads (was 32-byte loads widened by vpmovzxbw). x is
+   laid out once per call in that order (q6k_x_order). */
+static void q6k_x_order(const uint16_t *x, int64_t K, int M, uint16_t *xr) {
+    for (int m = 0; m < M; m++)
+        for (int64_t blk = 0; blk < K / 256; blk++) {
+            const uint16_t *src = x + m * K + blk * 256;
+            uint16_t *dst = xr + m * K + blk * 256;
+            for (int h = 0; h < 2; h++)
+                for (int nib = 0; nib < 2; nib++)
+                    for (int hb = 0; hb < 2; hb++)
+                        for (int p = 0; p < 32; p++)
+                            dst[128 * h + 64 * nib + 32 * hb + p] = src[128 * h + 64 * nib + 32 * (p / 16) + 2 * (p % 16) + hb];
+        }
+}
+
+#define Q6_SHIFT(v, by) ((by) > 0 ? _mm512_srli_epi16((v), (by) > 0 ? (by) : 0) :                     \
+                         (by) < 0 ? _mm512_slli_epi16((v), (by) < 0 ? -(by) : 0) : (v))
+/* the bf16 codes of (nib, hb): ql's nibble in bits 0-3, qh's two bits in 4-5 */
+#define Q6_CODES(nib, hb) _mm512_permutex2var_epi16(low_table, _mm512_ternarylogic_epi32(                      \
+        Q6_SHIFT(low, 4 * (nib) + 8 * (hb)), Q6_SHIFT(high, 4 * (nib) + 8 * (hb) - 4), mask30, 0xD8), high_table)
 
 static inline __attribute__((always_inline)) void q6_k_bf16_rows(
-        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
         const float *xsum, const int M, float *out, int64_t out_stride) {
     (void)xsum;
     const __m512i low_table = bf16_table(0, 63), high_table = bf16_table(32, 63);  /* bf16(i - 32), i < 64 */
-    const __m512i fifteen = _mm512_set1_epi16(15), mask30 = _mm512_set1_epi16(0x30);
-    /* lanes 0-7 -> scale group g, lanes 8-15 -> g + 1 */
-    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i mask30 = _mm512_set1_epi16(0x30);
+    /* lane i -> scale group 2 (i / 8) + (i % 8) / 4 of the (h, nib) */
+    const __m512i group_index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const int64_t num_blocks = K / 256;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
@@ -686,13 +702,20 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
             const __m512 scales = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
             for (int h = 0; h < 2; h++) {
-                const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-                const __m512i ql0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h)));
-                const __m512i ql1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)));
-                Q6_GROUP(_mm512_and_si512(ql0, fifteen), qh, 0, 128 * h, 0)        /* nib 0, s2 0 */
-                Q6_GROUP(_mm512_and_si512(ql1, fifteen), qh, 2, 128 * h + 32, 1)   /* nib 0, s2 1 */
-                Q6_GROUP(_mm512_srli_epi16(ql0, 4), qh, 4, 128 * h + 64, 0)        /* nib 1, s2 0 */
-                Q6_GROUP(_mm512_srli_epi16(ql1, 4), qh, 6, 128 * h + 96, 1)        /* nib 1, s2 1 */
+                const __m512i low = _mm512_loadu_si512((const void *)(b + 64 * h));
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                const __m512i high = _mm512_mask_srli_epi16(qh, (__mmask32)0xFFFF0000u, qh, 2);
+                const __m512i codes[4] = {Q6_CODES(0, 0), Q6_CODES(0, 1), Q6_CODES(1, 0), Q6_CODES(1, 1)};
+                for (int nib = 0; nib < 2; nib++) {
+                    const __m512 sv = _mm512_permutexvar_ps(
+                        _mm512_add_epi32(group_index, _mm512_set1_epi32(8 * h + 4 * nib)), scales);
+                    UNROLL_M for (int m = 0; m < M; m++) {
+                        const uint16_t *xb = xr + m * K + blk * 256 + 128 * h + 64 * nib;
+                        acc[m][nib] = _mm512_fmadd_ps(
+                            sv, _mm512_dpbf16_ps(DP(codes[2 * nib], xb), (__m512bh)codes[2 * nib + 1], X_BF16(xb + 32)),
+                            acc[m][nib]);
+                    }
+                }
             }
         }
         UNROLL_M for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
@@ -1213,6 +1236,19 @@ static int q4k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t 
     return 0;
 }
 
+/* Q6_K rows by q6_k_bf16: x laid out once (q6k_x_order), then the rows split over the threads. */
+static int q6k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
+                    float *out, int64_t out_stride, int num_threads) {
+    uint16_t stack_xr[16384];
+    const int on_stack = M * K <= 16384;
+    uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
+    if (!xr) return -3;
+    q6k_x_order(x, K, M, xr);
+    OVER_ROW_PARTS(N, num_threads, q6_k_bf16(data, row_stride, n0, n1, K, xr, NULL, M, out, out_stride));
+    if (!on_stack) free(xr);
+    return 0;
+}
+
 /* Q8_0 rows by q8_0_bf16: x laid out once (q8_x_order), then the rows split over the threads. */
 static int q8_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
                    float *out, int64_t out_stride, int num_threads) {
@@ -1293,8 +1329,7 @@ int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N
     if (qtype == Q4_K || qtype == Q4_1) block_sums(x, K, M, xsum);
     if (qtype == Q4_K) return q4k_gemv(data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads);
     if (qtype == Q4_0 || qtype == Q4_1) return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, 0);
-    OVER_ROW_PARTS(N, num_threads, q6_k_bf16(data, row_stride, n0, n1, K, x, xsum, M, out, out_stride));
-    return 0;
+    return q6k_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads);
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
     (void)num_threads;
