@@ -71,8 +71,8 @@ def test_c_bf16_gemv_multiplies_the_exact_weights(quant_type):
     assert torch.equal(threads, gguf_cpu_native.gemv_bf16(x[:5], data, quant_type, num_threads=1))
 
 
-@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
-def test_q4_bf16_out_is_the_float32_result_rounded_to_nearest_even(quant_type):
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_bf16_out_is_the_float32_result_rounded_to_nearest_even(quant_type):
     if not gguf_cpu_native.has_bf16(quant_type):
         pytest.skip("this CPU has no AVX-512 BF16")
     data = random_blocks(quant_type, 45, 1536, seed=8)  # 12 four-block groups, no tail
@@ -130,6 +130,23 @@ def test_bound_routine_joins_runs_of_two_types_and_adds_the_bias_for_decode_and_
             assert out.dtype == dtype and out.shape == (rows, 64)
             tolerance = 2e-5 if dtype == torch.float32 and rows <= 8 else 2e-2  # bf16 output / bf16 tiles
             torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_bound_routine_writes_each_runs_bf16_columns_in_place_with_the_float32_sums_rounded():
+    """bf16 decode steps over runs of bf16-kernel types: each run's kernel writes its columns of one bf16
+    output (its row stride the whole width), the bits of the float32 kernels' results rounded."""
+    if not (gguf_cpu_native.has_bf16("Q4_K") and gguf_cpu_native.has_bf16("Q6_K")):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    runs = [("Q4_K", random_blocks("Q4_K", 48, 512, seed=11)), ("Q6_K", random_blocks("Q6_K", 16, 512, seed=12)),
+            ("Q8_0", random_blocks("Q8_0", 32, 512, seed=13))]
+    bias = torch.randn(96).bfloat16()
+    routine = gguf_cpu.gguf_linear_routine(runs, bias)
+    float32 = [gguf_cpu_native.gemv_routine(data, quant_type, bf16=True) for quant_type, data in runs]
+    for rows in range(1, 9):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(20 + rows)).bfloat16()
+        expected = torch.cat([gemv(x) for gemv in float32], dim=-1).bfloat16().add_(bias)
+        out = routine(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), expected.view(torch.int16)), rows
 
 
 def test_int4_tiles_are_the_values_the_int4_kernel_multiplies_by():

@@ -101,6 +101,15 @@ def gguf_linear_routine(runs, bias: torch.Tensor | None = None):
             else None for quant_type, data in runs]
     bf16_max_rows = [BF16_MAX_ROWS_BY_TYPE.get(quant_type, BF16_MAX_ROWS) for quant_type, _ in runs]
     max_rows = gguf_cpu_native.MAX_ROWS
+    # bf16 x with every run on a bf16 kernel (the AVX-512 BF16 path's decode steps): bf16 out from the kernels,
+    # each run's columns written in place (the float32 sums rounded to nearest even, as .to(bfloat16) rounds
+    # them: the same bits, without a float32 output, a cast and a cat per call).
+    to_bf16 = None
+    if all(gemv16 is not None for gemv16 in bf16) and all(qt in gguf_cpu_native.BF16_OUT_TYPES for qt, _ in runs):
+        to_bf16 = [(gguf_cpu_native.gemv_routine(data, quant_type, bf16_out=True), data.shape[0])
+                   for quant_type, data in runs]
+    num_outputs = sum(data.shape[0] for _, data in runs)
+    most_bf16_rows = min(bf16_max_rows)
 
     def rows_out(flat: torch.Tensor) -> torch.Tensor:
         x32 = None
@@ -113,9 +122,22 @@ def gguf_linear_routine(runs, bias: torch.Tensor | None = None):
                 outs.append(gemv32(x32))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
+    def rows_in_bf16(flat: torch.Tensor) -> torch.Tensor:
+        flat = flat.contiguous()
+        if len(to_bf16) == 1:
+            return to_bf16[0][0](flat)
+        out = torch.empty(flat.shape[0], num_outputs, dtype=torch.bfloat16)
+        start = 0
+        for gemv, rows in to_bf16:
+            gemv(flat, out=out[:, start:start + rows])
+            start += rows
+        return out
+
     def routine(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if 0 < flat.shape[0] <= max_rows:
+        if to_bf16 is not None and x.dtype == torch.bfloat16 and 0 < flat.shape[0] <= most_bf16_rows:
+            out = rows_in_bf16(flat)
+        elif 0 < flat.shape[0] <= max_rows:
             out = rows_out(flat).to(x.dtype)
         else:
             outs = [gguf_linear(flat, data, quant_type) for quant_type, data in runs]

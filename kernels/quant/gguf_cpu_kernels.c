@@ -554,6 +554,22 @@ static inline __m512i bf16_table(int first, int mask) {
     _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))),       \
     (__mmask32)0xFFFF0000u, _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))), 4)
 
+/* float32 -> bf16 bits, to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN */
+static inline uint16_t bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* A result: float32, or (bf16_out) its bf16 bits rounded to nearest even */
+static inline void store_result(void *out, int64_t index, float value, const int bf16_out) {
+    if (bf16_out)
+        ((uint16_t *)out)[index] = bf16_round(value);
+    else
+        ((float *)out)[index] = value;
+}
+
 /* Q4_K, four code vectors per 64 code bytes (as q4_01_grouped_rows does for Q4_0/Q4_1): chunk c (32
    bytes) holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. One load takes chunks c, c + 1
    (c = 0, 2); word p of it holds bytes 2p, 2p + 1 of chunk c + p / 16 (bytes 2 (p % 16), + 1), and vpermw of
@@ -582,7 +598,7 @@ static void q4k_x_order(const uint16_t *x, int64_t K, int M, uint16_t *xr) {
 
 static inline __attribute__((always_inline)) void q4_k_bf16_grouped_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
-        const float *xsum, const int M, float *out, int64_t out_stride) {
+        const float *xsum, const int M, void *out, int64_t out_stride, const int bf16_out) {
     const __m512i table = bf16_table(0, 15);  /* entry i: bf16(i & 15); vpermw reads 5 index bits */
     /* the scales of (sub-blocks 4z + t in lanes 0-7, 4z + t + 2 in 8-15), t = 0, 1, from the products'
        lanes 0-7 (d * sc of sub-blocks 0-7) */
@@ -635,21 +651,21 @@ static inline __attribute__((always_inline)) void q4_k_bf16_grouped_rows(
                 minsum[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsum + m * (K / 32) + blk * 8), minsum[m]);
         }
         UNROLL_M for (int m = 0; m < M; m++)
-            out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m]) - hsum8(minsum[m]);
+            store_result(out, m * out_stride + n, _mm512_reduce_add_ps(acc[m]) - hsum8(minsum[m]), bf16_out);
     }
 }
 
 static void q4_k_grouped(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
-                         const float *xsum, int M, float *out, int64_t ldo) {
+                         const float *xsum, int M, void *out, int64_t ldo, int bf16_out) {
     switch (M) {
-    case 1: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 1, out, ldo); break;
-    case 2: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 2, out, ldo); break;
-    case 3: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 3, out, ldo); break;
-    case 4: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 4, out, ldo); break;
-    case 5: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 5, out, ldo); break;
-    case 6: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 6, out, ldo); break;
-    case 7: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 7, out, ldo); break;
-    default: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 8, out, ldo); break;
+    case 1: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 1, out, ldo, bf16_out); break;
+    case 2: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 2, out, ldo, bf16_out); break;
+    case 3: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 3, out, ldo, bf16_out); break;
+    case 4: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 4, out, ldo, bf16_out); break;
+    case 5: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 5, out, ldo, bf16_out); break;
+    case 6: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 6, out, ldo, bf16_out); break;
+    case 7: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 7, out, ldo, bf16_out); break;
+    default: q4_k_bf16_grouped_rows(data, rs, n0, n1, K, xr, xsum, 8, out, ldo, bf16_out); break;
     }
 }
 
@@ -684,7 +700,7 @@ static void q6k_x_order(const uint16_t *x, int64_t K, int M, uint16_t *xr) {
 
 static inline __attribute__((always_inline)) void q6_k_bf16_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
-        const float *xsum, const int M, float *out, int64_t out_stride) {
+        const float *xsum, const int M, void *out, int64_t out_stride, const int bf16_out) {
     (void)xsum;
     const __m512i low_table = bf16_table(0, 63), high_table = bf16_table(32, 63);  /* bf16(i - 32), i < 64 */
     const __m512i mask30 = _mm512_set1_epi16(0x30);
@@ -718,7 +734,8 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
                 }
             }
         }
-        UNROLL_M for (int m = 0; m < M; m++) out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+        UNROLL_M for (int m = 0; m < M; m++)
+            store_result(out, m * out_stride + n, _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])), bf16_out);
     }
 }
 
@@ -729,13 +746,6 @@ static inline __attribute__((always_inline)) void q6_k_bf16_rows(
    against the block's 32 x, then w x = d (q x) (Q4_1: + m * sum x), d and m the file's fp16 values
    in float32. So the weights are the file's (d (q - 8) exactly; d q + m unrounded), not bf16-rounded
    scales; only where the float32 roundings fall differs from a dense GEMV. */
-/* float32 -> bf16 bits, to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN */
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 static inline __m512i q4_word_table(int offset) {
     uint16_t t[32];
@@ -1072,21 +1082,18 @@ Q4_AMX_FN(q4_0_amx, 0)
 Q4_AMX_FN(q4_1_amx, 1)
 #endif
 
-typedef void (*bf16_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const uint16_t *, const float *,
-                             int, float *, int64_t);
-
 #define BF16_FN(NAME, ROWS)                                                                          \
     static void NAME(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *x,  \
-                     const float *xsum, int M, float *out, int64_t ldo) {                            \
+                     const float *xsum, int M, void *out, int64_t ldo, int bf16_out) {               \
         switch (M) {                                                                                 \
-        case 1: ROWS(data, rs, n0, n1, K, x, xsum, 1, out, ldo); break;                              \
-        case 2: ROWS(data, rs, n0, n1, K, x, xsum, 2, out, ldo); break;                              \
-        case 3: ROWS(data, rs, n0, n1, K, x, xsum, 3, out, ldo); break;                              \
-        case 4: ROWS(data, rs, n0, n1, K, x, xsum, 4, out, ldo); break;                              \
-        case 5: ROWS(data, rs, n0, n1, K, x, xsum, 5, out, ldo); break;                              \
-        case 6: ROWS(data, rs, n0, n1, K, x, xsum, 6, out, ldo); break;                              \
-        case 7: ROWS(data, rs, n0, n1, K, x, xsum, 7, out, ldo); break;                              \
-        default: ROWS(data, rs, n0, n1, K, x, xsum, 8, out, ldo); break;                             \
+        case 1: ROWS(data, rs, n0, n1, K, x, xsum, 1, out, ldo, bf16_out); break;                    \
+        case 2: ROWS(data, rs, n0, n1, K, x, xsum, 2, out, ldo, bf16_out); break;                    \
+        case 3: ROWS(data, rs, n0, n1, K, x, xsum, 3, out, ldo, bf16_out); break;                    \
+        case 4: ROWS(data, rs, n0, n1, K, x, xsum, 4, out, ldo, bf16_out); break;                    \
+        case 5: ROWS(data, rs, n0, n1, K, x, xsum, 5, out, ldo, bf16_out); break;                    \
+        case 6: ROWS(data, rs, n0, n1, K, x, xsum, 6, out, ldo, bf16_out); break;                    \
+        case 7: ROWS(data, rs, n0, n1, K, x, xsum, 7, out, ldo, bf16_out); break;                    \
+        default: ROWS(data, rs, n0, n1, K, x, xsum, 8, out, ldo, bf16_out); break;                   \
         }                                                                                            \
     }
 BF16_FN(q6_k_bf16, q6_k_bf16_rows)
@@ -1116,7 +1123,7 @@ static void q8_x_order(const uint16_t *x, int64_t K, int M, uint16_t *xr) {
 
 static inline __attribute__((always_inline)) void q8_0_bf16_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
-        const int M, float *out, int64_t out_stride) {
+        const int M, void *out, int64_t out_stride, const int bf16_out) {
     const int64_t num_blocks = K / 32, pairs = num_blocks / 2;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
@@ -1142,21 +1149,21 @@ static inline __attribute__((always_inline)) void q8_0_bf16_rows(
                 acc[m][0] = _mm512_fmadd_ps(d, DP(w, xr + m * K + 64 * pairs), acc[m][0]);
         }
         UNROLL_M for (int m = 0; m < M; m++)
-            out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+            store_result(out, m * out_stride + n, _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])), bf16_out);
     }
 }
 
 static void q8_0_bf16(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr, int M,
-                      float *out, int64_t ldo) {
+                      void *out, int64_t ldo, int bf16_out) {
     switch (M) {
-    case 1: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 1, out, ldo); break;
-    case 2: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 2, out, ldo); break;
-    case 3: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 3, out, ldo); break;
-    case 4: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 4, out, ldo); break;
-    case 5: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 5, out, ldo); break;
-    case 6: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 6, out, ldo); break;
-    case 7: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 7, out, ldo); break;
-    default: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 8, out, ldo); break;
+    case 1: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 1, out, ldo, bf16_out); break;
+    case 2: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 2, out, ldo, bf16_out); break;
+    case 3: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 3, out, ldo, bf16_out); break;
+    case 4: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 4, out, ldo, bf16_out); break;
+    case 5: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 5, out, ldo, bf16_out); break;
+    case 6: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 6, out, ldo, bf16_out); break;
+    case 7: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 7, out, ldo, bf16_out); break;
+    default: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 8, out, ldo, bf16_out); break;
     }
 }
 
@@ -1225,39 +1232,39 @@ int gguf_has_bf16(int qtype) {
 #if defined(HAS_BF16_KERNELS)
 /* Q4_K rows by q4_k_grouped: x laid out once (q4k_x_order), then the rows split over the threads. */
 static int q4k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
-                    const float *xsum, int M, float *out, int64_t out_stride, int num_threads) {
+                    const float *xsum, int M, void *out, int64_t out_stride, int num_threads, int bf16_out) {
     uint16_t stack_xr[16384];
     const int on_stack = M * K <= 16384;
     uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
     if (!xr) return -3;
     q4k_x_order(x, K, M, xr);
-    OVER_ROW_PARTS(N, num_threads, q4_k_grouped(data, row_stride, n0, n1, K, xr, xsum, M, out, out_stride));
+    OVER_ROW_PARTS(N, num_threads, q4_k_grouped(data, row_stride, n0, n1, K, xr, xsum, M, out, out_stride, bf16_out));
     if (!on_stack) free(xr);
     return 0;
 }
 
 /* Q6_K rows by q6_k_bf16: x laid out once (q6k_x_order), then the rows split over the threads. */
 static int q6k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
-                    float *out, int64_t out_stride, int num_threads) {
+                    void *out, int64_t out_stride, int num_threads, int bf16_out) {
     uint16_t stack_xr[16384];
     const int on_stack = M * K <= 16384;
     uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
     if (!xr) return -3;
     q6k_x_order(x, K, M, xr);
-    OVER_ROW_PARTS(N, num_threads, q6_k_bf16(data, row_stride, n0, n1, K, xr, NULL, M, out, out_stride));
+    OVER_ROW_PARTS(N, num_threads, q6_k_bf16(data, row_stride, n0, n1, K, xr, NULL, M, out, out_stride, bf16_out));
     if (!on_stack) free(xr);
     return 0;
 }
 
 /* Q8_0 rows by q8_0_bf16: x laid out once (q8_x_order), then the rows split over the threads. */
 static int q8_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
-                   float *out, int64_t out_stride, int num_threads) {
+                   void *out, int64_t out_stride, int num_threads, int bf16_out) {
     uint16_t stack_xr[16384];
     const int on_stack = M * K <= 16384;
     uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
     if (!xr) return -3;
     q8_x_order(x, K, M, xr);
-    OVER_ROW_PARTS(N, num_threads, q8_0_bf16(data, row_stride, n0, n1, K, xr, M, out, out_stride));
+    OVER_ROW_PARTS(N, num_threads, q8_0_bf16(data, row_stride, n0, n1, K, xr, M, out, out_stride, bf16_out));
     if (!on_stack) free(xr);
     return 0;
 }
@@ -1316,42 +1323,41 @@ static void block_sums(const uint16_t *x, int64_t K, int M, float *xsum) {
 }
 #endif
 
-/* out[m, n] = sum_k x[m, k] W[n, k] for bf16 x (uint16 bits) [M, K], M <= 8; -1 where
-   gguf_has_bf16(qtype) is 0. */
-int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
-                   int M, float *out, int64_t out_stride, int num_threads) {
+/* The bf16 kernels for bf16 x (uint16 bits) [M, K], M <= 8: out float32, or (bf16_out) bf16 bits, the float32 sums
+   rounded to nearest even. */
+static int gemv_bf16_x(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
+                       int M, void *out, int64_t out_stride, int num_threads, int bf16_out) {
 #if defined(HAS_BF16_KERNELS)
     const int block_size = qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 ? 32 : 256;
     if (!gguf_has_bf16(qtype) || M < 1 || M > 8 || K % block_size) return -1;
     float xsum[8 * 1024];  /* per 32 inputs of each row of x: Q4_K's and Q4_1's minimums multiply these */
     if (K / 32 > 1024) return -2;
-    if (qtype == Q8_0) return q8_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads);
+    if (qtype == Q8_0) return q8_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads, bf16_out);
     if (qtype == Q4_K || qtype == Q4_1) block_sums(x, K, M, xsum);
-    if (qtype == Q4_K) return q4k_gemv(data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads);
-    if (qtype == Q4_0 || qtype == Q4_1) return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, 0);
-    return q6k_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads);
+    if (qtype == Q4_K) return q4k_gemv(data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, bf16_out);
+    if (qtype == Q4_0 || qtype == Q4_1)
+        return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, bf16_out);
+    return q6k_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads, bf16_out);
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
-    (void)num_threads;
+    (void)num_threads; (void)bf16_out;
     return -1;
 #endif
 }
 
-/* gguf_gemv_bf16 for Q4_0/Q4_1 with bf16 out (uint16 bits; the float32 sums rounded to nearest even,
-   as .to(torch.bfloat16) would): no float32 output tensor and no cast for the engine's decode steps.
-   -1 for other types or without AVX-512 BF16. */
+/* out[m, n] = sum_k x[m, k] W[n, k] for bf16 x (uint16 bits) [M, K], M <= 8; -1 where
+   gguf_has_bf16(qtype) is 0. */
+int gguf_gemv_bf16(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
+                   int M, float *out, int64_t out_stride, int num_threads) {
+    return gemv_bf16_x(qtype, data, row_stride, N, K, x, M, out, out_stride, num_threads, 0);
+}
+
+/* gguf_gemv_bf16 with bf16 out (uint16 bits; the float32 sums rounded to nearest even, as
+   .to(torch.bfloat16) would): no float32 output tensor and no cast for the engine's decode steps.
+   -1 where gguf_has_bf16(qtype) is 0. */
 int gguf_gemv_bf16_out(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
                        int M, uint16_t *out, int64_t out_stride, int num_threads) {
-#if defined(HAS_BF16_KERNELS)
-    if ((qtype != Q4_0 && qtype != Q4_1) || M < 1 || M > 8 || K % 32 || K / 32 > 1024) return -1;
-    float xsum[8 * 1024];
-    if (qtype == Q4_1) block_sums(x, K, M, xsum);
-    return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, 1);
-#else
-    (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
-    (void)num_threads;
-    return -1;
-#endif
+    return gemv_bf16_x(qtype, data, row_stride, N, K, x, M, out, out_stride, num_threads, 1);
 }
 
 /* Rows [n0, n1) of a weight in torch's CPU int4 layout (_convert_weight_to_int4pack_for_cpu: per

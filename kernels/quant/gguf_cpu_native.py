@@ -115,15 +115,17 @@ def gemv_bf16(x: torch.Tensor, data: torch.Tensor, quant_type: str, num_threads:
     return out
 
 
-# Types whose bf16 kernel can also write bf16 out (gemv_routine's ``bf16_out``).
-BF16_OUT_TYPES = ("Q4_0", "Q4_1")
+# Types whose bf16 kernel can also write bf16 out (gemv_routine's ``bf16_out``): every bf16 kernel's.
+BF16_OUT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 def gemv_routine(data: torch.Tensor, quant_type: str, bf16: bool = False, bf16_out: bool = False):
     """:func:`gemv` (``bf16``: :func:`gemv_bf16`) with the weight bound and checked once:
     ``routine(x)`` for contiguous float32 (bf16) ``x`` ``[M, K]``, 1 <= M <= :data:`MAX_ROWS` (the
     caller's contract: not checked per call). ``bf16_out`` (bf16 x, :data:`BF16_OUT_TYPES`): the output
-    in bf16, the float32 sums rounded to nearest even in the kernel (equal to ``routine(x).bfloat16()``)."""
+    in bf16, the float32 sums rounded to nearest even in the kernel (equal to ``routine(x).bfloat16()``).
+    ``routine(x, out=view)`` writes into ``view`` (``[M, N]`` of the output dtype, unit column stride: e.g. one
+    run's columns of a fused layer's output)."""
     library = _library()
     if library is None:
         raise RuntimeError("the GGUF CPU kernels are not built here (no working C compiler)")
@@ -137,9 +139,10 @@ def gemv_routine(data: torch.Tensor, quant_type: str, bf16: bool = False, bf16_o
     get_num_threads = torch.get_num_threads
     out_dtype = torch.bfloat16 if bf16_out else torch.float32
 
-    def routine(x: torch.Tensor, _data=data) -> torch.Tensor:  # _data: keeps the weight alive
-        out = torch.empty(x.shape[0], num_rows, dtype=out_dtype)
-        call(qtype, pointer, stride, num_rows, num_columns, x.data_ptr(), x.shape[0], out.data_ptr(), num_rows,
+    def routine(x: torch.Tensor, out: torch.Tensor | None = None, _data=data) -> torch.Tensor:  # _data: keeps W alive
+        if out is None:
+            out = torch.empty(x.shape[0], num_rows, dtype=out_dtype)
+        call(qtype, pointer, stride, num_rows, num_columns, x.data_ptr(), x.shape[0], out.data_ptr(), out.stride(0),
              get_num_threads())
         return out
 
