@@ -13,6 +13,7 @@ from hearth_llm.kernels.attention import flash_prefill
 from .batch import ForwardOutput, ScheduledBatch
 from .cuda_graphs import as_single_token_rows
 from .loader.model_loader import load_model
+from .memory.kv_cache import new_kv_cache
 from .lora.graphs import LoRADecodeGraphs
 from .lora.manager import LoRAManager
 from .models.layers import AttentionMetadata
@@ -50,7 +51,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(kv_cache_memory)
         cache_shape = (self.arch.num_hidden_layers, 2, self.num_blocks, block_size,
                        self.num_kv_heads, self.arch.head_dim)
-        self.kv_cache = _zeros(cache_shape, self.kv_cache_dtype, device)
+        self.kv_cache = new_kv_cache(cache_shape, self.kv_cache_dtype, device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.arch.num_hidden_layers)]
         self.has_flash_prefill = flash_prefill.is_usable(device, dtype, self.kv_cache_dtype)
 
@@ -403,12 +404,3 @@ def _kv_heads_per_rank(num_kv_heads: int, parallel) -> int:
     """Key/value heads in this rank's cache: split evenly, or one copy when fewer than the ranks."""
     size = 1 if parallel is None else parallel.size
     return max(1, num_kv_heads // size)
-
-
-def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros; on the CPU through calloc, whose pages the OS zero-fills on first write (the
-    default 1 GiB CPU KV cache otherwise costs ~0.4 s of memset at startup, mostly never touched)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    same_size_int = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[torch.empty((), dtype=dtype).element_size()]
-    return torch.from_numpy(np.zeros(shape, dtype=same_size_int)).view(dtype)

@@ -10,6 +10,7 @@ import gc
 import io
 import json
 import os
+import sys
 import threading
 import time
 import weakref
@@ -397,3 +398,35 @@ def test_chat_hearth_and_hearth_llm_pass_keep_alive_to_the_shared_engine(tiny_mo
         assert core.keep_alive == 2
     finally:
         core.close()
+
+
+def _resident_kib(tensor: torch.Tensor) -> int:
+    """KiB of the mappings over ``tensor``'s bytes that are resident (Linux /proc/self/smaps)."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    total, overlaps = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                low, high = (int(bound, 16) for bound in fields[0].split("-"))
+                overlaps = low < end and high > start
+            elif overlaps and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_a_cpu_kv_cache_makes_resident_only_the_pages_its_slots_touch():
+    # numpy asks for transparent huge pages on large arrays; then one write per layer would make 2 MiB of
+    # each layer's cache resident. The pool opts out: a slot's write touches its own 4 KiB page.
+    from hearth_llm.engine.memory.kv_cache import new_kv_cache
+
+    cache = new_kv_cache((30, 2, 182, 16, 3, 64), torch.bfloat16, torch.device("cpu"))  # SmolLM2's 64 MiB pool
+    assert torch.count_nonzero(cache[:, :, 100]) == 0  # zeros (untouched pages read as zeros)
+    before = _resident_kib(cache)
+    for layer in range(30):
+        cache[layer, 0, 7, :4] = 1.0  # one 4-token write per layer into block 7
+        cache[layer, 1, 7, :4] = 1.0
+    assert _resident_kib(cache) - before <= 60 * 8  # a page or two per write, not 2 MiB per layer
+    assert float(cache[3, 1, 7, 2].sum()) == 3 * 64
