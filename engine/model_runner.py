@@ -13,9 +13,9 @@ from hearth_llm.kernels.attention import flash_prefill
 from .batch import ForwardOutput, ScheduledBatch
 from .cuda_graphs import as_single_token_rows
 from .loader.model_loader import load_model
-from .memory.kv_cache import new_kv_cache
 from .lora.graphs import LoRADecodeGraphs
 from .lora.manager import LoRAManager
+from .memory.kv_cache import new_kv_cache
 from .models.layers import AttentionMetadata
 from .sampler import _blocks_early_stop, _is_plain_greedy
 

@@ -9,12 +9,10 @@ smaller. Call these between engine steps only (the engine thread, or under its s
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import sys
-
 import numpy as np
 import torch
+
+from hearth_llm.kernels import cpu_ops
 
 from ..block_pool import BlockPool
 
@@ -136,37 +134,10 @@ def new_kv_cache(shape: tuple, dtype: torch.dtype, device: torch.device) -> torc
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     same_size_int = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[torch.empty((), dtype=dtype).element_size()]
-    cache = np.zeros(shape, dtype=same_size_int)
-    _no_huge_pages(cache.ctypes.data, cache.nbytes)
-    return torch.from_numpy(cache).view(dtype)
+    cache = torch.from_numpy(np.zeros(shape, dtype=same_size_int))
+    cpu_ops.no_huge_pages(cache)
+    return cache.view(dtype)
 
-
-MADV_NOHUGEPAGE = 15  # Linux
-
-
-def _no_huge_pages(address: int, num_bytes: int) -> bool:
-    """``madvise(MADV_NOHUGEPAGE)`` over the whole pages of [address, address + num_bytes); False where
-    there is no such call (not Linux) or it fails."""
-    madvise = _madvise()
-    page = 4096
-    start = -(-address // page) * page
-    length = (address + num_bytes - start) // page * page
-    if madvise is None or length <= 0:
-        return False
-    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_NOHUGEPAGE) == 0
-
-
-@functools.cache
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    function.restype = ctypes.c_int
-    return function
 
 
 def recapture_cuda_graphs(engine) -> None:

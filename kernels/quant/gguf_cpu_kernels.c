@@ -1153,8 +1153,9 @@ static inline __attribute__((always_inline)) void q8_0_bf16_rows(
     }
 }
 
-static void q8_0_bf16(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr, int M,
-                      void *out, int64_t ldo, int bf16_out) {
+static void q8_0_bf16(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, const uint16_t *xr,
+                      const float *xsum, int M, void *out, int64_t ldo, int bf16_out) {
+    (void)xsum;
     switch (M) {
     case 1: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 1, out, ldo, bf16_out); break;
     case 2: q8_0_bf16_rows(data, rs, n0, n1, K, xr, 2, out, ldo, bf16_out); break;
@@ -1230,41 +1231,21 @@ int gguf_has_bf16(int qtype) {
 }
 
 #if defined(HAS_BF16_KERNELS)
-/* Q4_K rows by q4_k_grouped: x laid out once (q4k_x_order), then the rows split over the threads. */
-static int q4k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x,
-                    const float *xsum, int M, void *out, int64_t out_stride, int num_threads, int bf16_out) {
-    uint16_t stack_xr[16384];
-    const int on_stack = M * K <= 16384;
-    uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
-    if (!xr) return -3;
-    q4k_x_order(x, K, M, xr);
-    OVER_ROW_PARTS(N, num_threads, q4_k_grouped(data, row_stride, n0, n1, K, xr, xsum, M, out, out_stride, bf16_out));
-    if (!on_stack) free(xr);
-    return 0;
-}
+/* Q4_K, Q6_K and Q8_0 rows: x laid out once in the kernel's order (x_order), then the rows split over the
+   threads (rows: a q*_k_grouped / q6_k_bf16 / q8_0_bf16 of the same signature). */
+typedef void (*x_order_fn)(const uint16_t *, int64_t, int, uint16_t *);
+typedef void (*laid_out_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const uint16_t *, const float *,
+                                 int, void *, int64_t, int);
 
-/* Q6_K rows by q6_k_bf16: x laid out once (q6k_x_order), then the rows split over the threads. */
-static int q6k_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
-                    void *out, int64_t out_stride, int num_threads, int bf16_out) {
+static int laid_out_gemv(x_order_fn x_order, laid_out_rows_fn rows, const uint8_t *data, int64_t row_stride, int64_t N,
+                         int64_t K, const uint16_t *x, const float *xsum, int M, void *out, int64_t out_stride,
+                         int num_threads, int bf16_out) {
     uint16_t stack_xr[16384];
     const int on_stack = M * K <= 16384;
     uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
     if (!xr) return -3;
-    q6k_x_order(x, K, M, xr);
-    OVER_ROW_PARTS(N, num_threads, q6_k_bf16(data, row_stride, n0, n1, K, xr, NULL, M, out, out_stride, bf16_out));
-    if (!on_stack) free(xr);
-    return 0;
-}
-
-/* Q8_0 rows by q8_0_bf16: x laid out once (q8_x_order), then the rows split over the threads. */
-static int q8_gemv(const uint8_t *data, int64_t row_stride, int64_t N, int64_t K, const uint16_t *x, int M,
-                   void *out, int64_t out_stride, int num_threads, int bf16_out) {
-    uint16_t stack_xr[16384];
-    const int on_stack = M * K <= 16384;
-    uint16_t *xr = on_stack ? stack_xr : malloc(sizeof(uint16_t) * (size_t)(M * K));
-    if (!xr) return -3;
-    q8_x_order(x, K, M, xr);
-    OVER_ROW_PARTS(N, num_threads, q8_0_bf16(data, row_stride, n0, n1, K, xr, M, out, out_stride, bf16_out));
+    x_order(x, K, M, xr);
+    OVER_ROW_PARTS(N, num_threads, rows(data, row_stride, n0, n1, K, xr, xsum, M, out, out_stride, bf16_out));
     if (!on_stack) free(xr);
     return 0;
 }
@@ -1332,12 +1313,12 @@ static int gemv_bf16_x(int qtype, const uint8_t *data, int64_t row_stride, int64
     if (!gguf_has_bf16(qtype) || M < 1 || M > 8 || K % block_size) return -1;
     float xsum[8 * 1024];  /* per 32 inputs of each row of x: Q4_K's and Q4_1's minimums multiply these */
     if (K / 32 > 1024) return -2;
-    if (qtype == Q8_0) return q8_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads, bf16_out);
     if (qtype == Q4_K || qtype == Q4_1) block_sums(x, K, M, xsum);
-    if (qtype == Q4_K) return q4k_gemv(data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, bf16_out);
     if (qtype == Q4_0 || qtype == Q4_1)
         return q4_gemv(qtype, data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, bf16_out);
-    return q6k_gemv(data, row_stride, N, K, x, M, out, out_stride, num_threads, bf16_out);
+    return laid_out_gemv(qtype == Q8_0 ? q8_x_order : qtype == Q4_K ? q4k_x_order : q6k_x_order,
+                         qtype == Q8_0 ? q8_0_bf16 : qtype == Q4_K ? q4_k_grouped : q6_k_bf16,
+                         data, row_stride, N, K, x, xsum, M, out, out_stride, num_threads, bf16_out);
 #else
     (void)qtype; (void)data; (void)row_stride; (void)N; (void)K; (void)x; (void)M; (void)out; (void)out_stride;
     (void)num_threads; (void)bf16_out;
