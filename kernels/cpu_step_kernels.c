@@ -411,3 +411,94 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
     free(queries);
     return failed;
 }
+
+/* ---- every plain decoder layer of a bf16 step in one call ------------------------------------------
+ * The loop of engine/models/cpu_step.py run_layers, for models whose linears a bf16 step of up to 8 rows
+ * multiplies by the GGUF C kernels' bf16-out GEMV (kernels/quant/gguf_cpu_kernels.c gguf_gemv_bf16_out,
+ * passed in as `gemv`): each linear is runs of block rows, each run writing its columns of the output in
+ * place, then its bias (bf16, rounded once more as torch's bf16 add does). The same calls in the same order
+ * as the Python loop, so the same bits; what goes is ~10 Python calls a layer between them. */
+typedef int (*step_gemv_fn)(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K,
+                            const uint16_t *x, int M, uint16_t *out, int64_t out_stride, int num_threads);
+
+#define STEP_MAX_RUNS 4
+
+typedef struct {
+    int64_t num_runs, in_features, out_features;
+    int64_t qtype[STEP_MAX_RUNS], rows[STEP_MAX_RUNS], row_stride[STEP_MAX_RUNS];
+    const void *data[STEP_MAX_RUNS];
+    const uint16_t *bias; /* [out_features] or NULL */
+} step_linear;
+
+typedef struct {
+    step_linear qkv, o, gate_up, down;
+    const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm/k_norm: per-head RMSNorms (Qwen3) or NULL */
+    double input_eps, post_eps, q_eps, k_eps;
+    const void *cos_sin;
+    int64_t rotary_dim, num_heads, num_kv_heads, head_dim, sliding_window;
+    double scale;
+} step_layer;
+
+static int step_linear_apply(step_gemv_fn gemv, const step_linear *linear, const uint16_t *x, int64_t rows,
+                             uint16_t *out, int num_threads) {
+    int64_t column = 0;
+    for (int64_t r = 0; r < linear->num_runs; r++) {
+        const int status = gemv((int)linear->qtype[r], (const uint8_t *)linear->data[r], linear->row_stride[r],
+                                linear->rows[r], linear->in_features, x, (int)rows, out + column,
+                                linear->out_features, num_threads);
+        if (status) return status;
+        column += linear->rows[r];
+    }
+    if (linear->bias)
+        for (int64_t m = 0; m < rows; m++) {
+            uint16_t *o = out + m * linear->out_features;
+            for (int64_t c = 0; c < linear->out_features; c++)
+                o[c] = f32_to_bf16(bf16_to_f32(o[c]) + bf16_to_f32(linear->bias[c]));
+        }
+    return 0;
+}
+
+/* hidden_in [rows, hidden_size] through `num_layers` layers; the last layer's output in `hidden`, the
+ * residual stream in `residual` (as run_layers returns them). Scratch: normed [rows, hidden_size], qkv
+ * [rows, qkv width], heads [rows, H * D], gate_up [rows, 2 I], act [rows, I]. caches: key and value cache of
+ * each layer in turn. The step's metadata as step_rope_cache_attention takes it. 0, or the first failing
+ * call's status (positive: out of memory, negative: a GEMV refused its arguments). */
+int step_decoder_layers(step_gemv_fn gemv, const step_layer *layers, int64_t num_layers, void *const *caches,
+                        int64_t rows, int64_t hidden_size, const uint16_t *hidden_in, uint16_t *hidden,
+                        uint16_t *residual, uint16_t *normed, uint16_t *qkv, uint16_t *heads, uint16_t *gate_up,
+                        uint16_t *act, const int64_t *positions, const int64_t *slots, int64_t block_size,
+                        int64_t num_seqs, const int64_t *query_start_loc, const int64_t *context_lens,
+                        const int64_t *block_tables, int64_t table_stride, int num_threads) {
+    int status;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const step_layer *layer = layers + i;
+        const int64_t H = layer->num_heads, Hkv = layer->num_kv_heads, D = layer->head_dim;
+        const int64_t qkv_width = layer->qkv.out_features;
+        if ((status = step_rms_norm(DT_BF16, i == 0 ? (const void *)hidden_in : hidden, i == 0 ? NULL : residual,
+                                    layer->input_norm, (float)layer->input_eps, rows, hidden_size, normed, residual)))
+            return status;
+        if ((status = step_linear_apply(gemv, &layer->qkv, normed, rows, qkv, num_threads))) return status;
+        if (layer->q_norm)  /* each row's query heads, then its key heads, normed in place */
+            for (int64_t t = 0; t < rows; t++) {
+                uint16_t *row = qkv + t * qkv_width;
+                if ((status = step_rms_norm(DT_BF16, row, NULL, layer->q_norm, (float)layer->q_eps, H, D, row, NULL)) ||
+                    (status = step_rms_norm(DT_BF16, row + H * D, NULL, layer->k_norm, (float)layer->k_eps, Hkv, D,
+                                            row + H * D, NULL)))
+                    return status;
+            }
+        if ((status = step_rope_cache_attention(DT_BF16, qkv, qkv_width, rows, (int)H, (int)Hkv, (int)D, positions,
+                                                layer->cos_sin, (int)layer->rotary_dim, caches[2 * i],
+                                                caches[2 * i + 1], slots, (int)block_size, (int)num_seqs,
+                                                query_start_loc, context_lens, block_tables, table_stride,
+                                                (float)layer->scale, layer->sliding_window, heads, num_threads)))
+            return status;
+        if ((status = step_linear_apply(gemv, &layer->o, heads, rows, hidden, num_threads))) return status;
+        if ((status = step_rms_norm(DT_BF16, hidden, residual, layer->post_norm, (float)layer->post_eps, rows,
+                                    hidden_size, normed, residual)))
+            return status;
+        if ((status = step_linear_apply(gemv, &layer->gate_up, normed, rows, gate_up, num_threads))) return status;
+        if ((status = step_silu_and_mul(DT_BF16, gate_up, rows, layer->gate_up.out_features / 2, act))) return status;
+        if ((status = step_linear_apply(gemv, &layer->down, act, rows, hidden, num_threads))) return status;
+    }
+    return 0;
+}

@@ -27,6 +27,7 @@ import ctypes
 import functools
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -186,6 +187,160 @@ class AttentionStep:
         return out
 
 
+class _StepLinear(ctypes.Structure):
+    _fields_ = [("num_runs", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+                ("qtype", ctypes.c_int64 * 4), ("rows", ctypes.c_int64 * 4), ("row_stride", ctypes.c_int64 * 4),
+                ("data", ctypes.c_void_p * 4), ("bias", ctypes.c_void_p)]
+
+
+class _StepLayer(ctypes.Structure):
+    _fields_ = [("qkv", _StepLinear), ("o", _StepLinear), ("gate_up", _StepLinear), ("down", _StepLinear),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("input_eps", ctypes.c_double), ("post_eps", ctypes.c_double),
+                ("q_eps", ctypes.c_double), ("k_eps", ctypes.c_double), ("cos_sin", ctypes.c_void_p),
+                ("rotary_dim", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("sliding_window", ctypes.c_int64), ("scale", ctypes.c_double)]
+
+
+# Block runs a linear of the layer loop may have (more: the Python loop runs that model).
+MAX_LINEAR_RUNS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """What :class:`DecoderLayers` reads of one plain decoder layer: bf16 tensors, each linear as
+    ``(runs, bias)`` with runs ``[(quant_type, block rows), ...]`` in output order (the GGUF bf16-out GEMV's)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    input_eps: float
+    post_eps: float
+    qkv: tuple
+    o: tuple
+    gate_up: tuple
+    down: tuple
+    cos_sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    q_norm: tuple | None = None  # (weight, eps) of Qwen3's per-head norms
+    k_norm: tuple | None = None
+
+
+class DecoderLayers:
+    """Every plain decoder layer of a bf16 step of up to ``gguf_cpu.BF16_MAX_ROWS`` rows in one C call
+    (``step_decoder_layers``): per layer the calls ``engine/models/cpu_step.py`` makes from Python (RMSNorm,
+    the GEMVs, per-head norms, rotary + cache + attention, SwiGLU), in the same order, so the same bits.
+    Built once per model from :class:`LayerWeights`; :meth:`of` is None where a weight does not fit
+    (a dtype, a layout, too many runs), and then the Python loop runs it.
+
+    >>> layers = DecoderLayers.of(weights)
+    >>> hidden, residual = layers.run(hidden, step, kv_caches)
+    """
+
+    __slots__ = ("_layers", "_keep", "_gemv", "_widths", "hidden_size")
+
+    @classmethod
+    def of(cls, weights: list[LayerWeights]) -> "DecoderLayers | None":
+        from .quant import gguf_cpu_native
+
+        if not weights or not available() or not gguf_cpu_native.available():
+            return None
+        gguf = gguf_cpu_native._library()
+        hidden_size = weights[0].input_norm.shape[0]
+        array = (_StepLayer * len(weights))()
+        keep = []
+        for layer, spec in zip(array, weights):
+            tensors = [spec.input_norm, spec.post_norm, spec.cos_sin] + [n[0] for n in (spec.q_norm, spec.k_norm) if n]
+            if (not all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+                    or spec.input_norm.shape != (hidden_size,) or spec.head_dim > MAX_HEAD_DIM
+                    or spec.cos_sin.shape[-1] % 2 or spec.cos_sin.shape[-1] > spec.head_dim
+                    or (spec.q_norm is None) != (spec.k_norm is None)):
+                return None
+            widths = (hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
+                      spec.num_heads * spec.head_dim, hidden_size)
+            linears = (("qkv", spec.qkv, hidden_size, widths[1]), ("o", spec.o, widths[2], hidden_size),
+                       ("gate_up", spec.gate_up, hidden_size, None), ("down", spec.down, None, hidden_size))
+            for name, (runs, bias), in_features, out_features in linears:
+                if not _fill_linear(getattr(layer, name), runs, bias, in_features, out_features, keep):
+                    return None
+            inter = layer.gate_up.out_features // 2
+            if layer.gate_up.out_features % 2 or layer.down.in_features != inter:
+                return None
+            layer.input_norm, layer.post_norm = spec.input_norm.data_ptr(), spec.post_norm.data_ptr()
+            layer.input_eps, layer.post_eps = spec.input_eps, spec.post_eps
+            if spec.q_norm is not None:
+                if spec.q_norm[0].shape != (spec.head_dim,) or spec.k_norm[0].shape != (spec.head_dim,):
+                    return None
+                layer.q_norm, layer.q_eps = spec.q_norm[0].data_ptr(), spec.q_norm[1]
+                layer.k_norm, layer.k_eps = spec.k_norm[0].data_ptr(), spec.k_norm[1]
+            layer.cos_sin, layer.rotary_dim = spec.cos_sin.data_ptr(), spec.cos_sin.shape[-1]
+            layer.num_heads, layer.num_kv_heads, layer.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+            layer.sliding_window, layer.scale = spec.sliding_window or 0, spec.scale
+            keep.extend(tensors)
+        plan = cls()
+        plan._layers, plan._keep, plan.hidden_size = array, keep, hidden_size
+        plan._gemv = ctypes.cast(gguf.gguf_gemv_bf16_out, ctypes.c_void_p).value
+        plan._widths = [(layer.qkv.out_features, layer.o.in_features, layer.gate_up.out_features,
+                         layer.down.in_features) for layer in array]
+        return plan
+
+    def run(self, hidden: torch.Tensor, step: "AttentionStep", kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` after every layer for bf16 ``hidden`` ``[rows, hidden_size]`` (contiguous,
+        rows <= ``gguf_cpu.BF16_MAX_ROWS``), ``step`` bound to this step's metadata, each layer's
+        ``(key_cache, value_cache)`` (bf16, contiguous; the caller checked them as for ``AttentionStep``)."""
+        rows = hidden.shape[0]
+        num_tokens, positions, slots, num_seqs, query_start_loc, context_lens, tables, table_stride = step._args
+        if rows != num_tokens or hidden.dtype != torch.bfloat16 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden of {tuple(hidden.shape)} {hidden.dtype} does not fit this step of {num_tokens} "
+                             f"tokens and {self.hidden_size}-wide bf16 layers")
+        qkv_width, heads_width, gate_up_width, inter = (max(widths) for widths in zip(*self._widths))
+        out, residual, normed = (torch.empty_like(hidden) for _ in range(3))
+        qkv, heads = hidden.new_empty(rows, qkv_width), hidden.new_empty(rows, heads_width)
+        gate_up, act = hidden.new_empty(rows, gate_up_width), hidden.new_empty(rows, inter)
+        caches = (ctypes.c_void_p * (2 * len(self._layers)))(
+            *[cache.data_ptr() for pair in kv_caches for cache in pair])
+        status = _library().step_decoder_layers(
+            self._gemv, self._layers, len(self._layers), caches, rows, self.hidden_size, hidden.data_ptr(),
+            out.data_ptr(), residual.data_ptr(), normed.data_ptr(), qkv.data_ptr(), heads.data_ptr(),
+            gate_up.data_ptr(), act.data_ptr(), positions, slots, kv_caches[0][0].shape[1], num_seqs,
+            query_start_loc, context_lens, tables, table_stride, torch.get_num_threads())
+        if status > 0:
+            raise MemoryError("step_decoder_layers: out of memory")
+        if status < 0:
+            raise RuntimeError(f"step_decoder_layers: a GEMV refused its arguments (status {status})")
+        return out, residual
+
+
+def _fill_linear(linear: _StepLinear, runs, bias, in_features: int | None, out_features: int | None, keep) -> bool:
+    """One linear's runs and bias into ``linear``; False where they do not fit the C loop."""
+    from .quant import gguf_cpu_native
+
+    if not runs or len(runs) > MAX_LINEAR_RUNS:
+        return False
+    num_inputs = gguf_cpu_native._check(None, runs[0][1], runs[0][0])[1]
+    total = 0
+    for index, (quant_type, data) in enumerate(runs):
+        num_rows, width = gguf_cpu_native._check(None, data, quant_type)
+        if width != num_inputs or data.stride(1) != 1 or data.device.type != "cpu":
+            return False
+        linear.qtype[index], linear.rows[index] = gguf_cpu_native.QTYPE_IDS[quant_type], num_rows
+        linear.row_stride[index], linear.data[index] = data.stride(0), data.data_ptr()
+        total += num_rows
+        keep.append(data)
+    if (in_features is not None and num_inputs != in_features) or (out_features is not None and total != out_features):
+        return False
+    if bias is not None:
+        if bias.dtype != torch.bfloat16 or bias.shape != (total,) or not bias.is_contiguous():
+            return False
+        linear.bias = bias.data_ptr()
+        keep.append(bias)
+    linear.num_runs, linear.in_features, linear.out_features = len(runs), num_inputs, total
+    return True
+
+
 def _inside(positions, slot_mapping, context_lens, block_tables, cache_shape, max_position) -> bool:
     num_blocks, block_size = cache_shape[0], cache_shape[1]
     if positions.numel() == 0 or context_lens.numel() == 0:
@@ -215,7 +370,11 @@ def _library():
     library.step_rope_cache_attention.argtypes = (
         c_int, ptr, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64,
         c_float, i64, ptr, c_int)
-    for function in (library.step_rms_norm, library.step_silu_and_mul, library.step_rope_cache_attention):
+    library.step_decoder_layers.argtypes = (
+        ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64,
+        c_int)
+    for function in (library.step_rms_norm, library.step_silu_and_mul, library.step_rope_cache_attention,
+                     library.step_decoder_layers):
         function.restype = c_int
     return library
 

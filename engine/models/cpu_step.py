@@ -26,6 +26,7 @@ import torch
 
 from hearth_llm import kernels
 from hearth_llm.kernels import cpu_step_native
+from hearth_llm.kernels.quant import gguf_cpu
 
 from .attention import Attention, AttentionMetadata
 from .mlp import GatedMLP
@@ -34,6 +35,9 @@ from .norms import RMSNorm
 # Query rows per sequence up to which a step takes this path (a verification of 7 proposals is 8).
 MAX_QUERY_ROWS = 8
 ENABLED = True
+# bf16 steps of up to gguf_cpu.BF16_MAX_ROWS rows whose every linear runs the GGUF bf16-out GEMVs: all
+# layers in one C call (cpu_step_native.DecoderLayers), the same calls as the loop below makes.
+NATIVE_LAYERS = True
 
 
 @dataclass(slots=True)
@@ -107,6 +111,10 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
                                             meta.block_tables, key_cache.shape, first.rotary.cos_sin_cache.shape[0])
     if step is None:
         return None
+    if dtype == torch.bfloat16 and hidden.shape[0] <= gguf_cpu.BF16_MAX_ROWS and NATIVE_LAYERS:
+        native = _native_layers(model, layers)
+        if native is not None:
+            return native.run(hidden, step, kv_caches)
     rms_norm, silu_and_mul, attend = cpu_step_native.rms_norm, cpu_step_native.silu_and_mul, step.attend
     # The norms update the residual in place and write their rows into one buffer, which each
     # projection reads before the next norm runs; so do the attention and SwiGLU (their matmul reads them).
@@ -129,6 +137,36 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
         act = silu_and_mul(gate_up.contiguous(), act)
         hidden = _same_dtype(layer.down_proj.forward(act), dtype)
     return hidden, residual
+
+
+def _native_layers(model, layers: list[_Layer]) -> cpu_step_native.DecoderLayers | None:
+    """All of ``model``'s layers as one C call where every linear runs the GGUF bf16-out GEMVs (the
+    linear method's ``bf16_step_runs``) and the rest is bf16; else None. Once per model."""
+    native = model.__dict__.get("_cpu_step_native", False)
+    if native is False:
+        native = None
+        weights = [_layer_weights(layer) for layer in layers]
+        if all(spec is not None for spec in weights):
+            native = cpu_step_native.DecoderLayers.of(weights)
+        model.__dict__["_cpu_step_native"] = native
+    return native
+
+
+def _layer_weights(layer: _Layer) -> cpu_step_native.LayerWeights | None:
+    linears = []
+    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        method = getattr(linear, "method", None)
+        runs = None if method is None or linear.parallel.size != 1 else method.bf16_step_runs(linear)
+        if runs is None:
+            return None
+        linears.append((runs, linear.bias))
+    norms = [None, None]
+    if layer.q_norm is not None:
+        norms = [(norm.weight, norm.eps) for norm in (layer.q_norm, layer.k_norm)]
+    return cpu_step_native.LayerWeights(
+        layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps, layer.post_norm.eps, *linears,
+        layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.qkv_proj.head_dim, layer.scale,
+        layer.sliding_window, *norms)
 
 
 def _norm_heads(qkv: torch.Tensor, layer: _Layer) -> None:

@@ -159,6 +159,11 @@ class GGUFInt4LinearMethod(LinearMethod):
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return layer.cpu_weight(x, bias)
 
+    def bf16_step_runs(self, layer):
+        if self.panel_runs(layer) is not None or getattr(layer, "routine", None) is None:
+            return None
+        return gguf_cpu.bf16_step_runs(self.block_runs(layer))
+
     def forward_routine(self, layer):
         if self.panel_runs(layer) is not None:
             return _panel_routine(self.panel_runs(layer), layer.weight, layer.bias)

@@ -67,6 +67,12 @@ class LinearMethod:
         drops it when its method is replaced (a LoRA wrapper) or its tensors move."""
         return None
 
+    def bf16_step_runs(self, layer) -> list[tuple[str, torch.Tensor]] | None:
+        """``[(quant_type, block rows), ...]`` where the layer's routine multiplies a bf16 step of up to
+        ``gguf_cpu.BF16_MAX_ROWS`` rows by the GGUF C kernels' bf16-out GEMV, each run writing its
+        columns in place, then adds the bias (what ``cpu_step`` runs in one native call); else None."""
+        return None
+
 
 class DenseLinearMethod(LinearMethod):
     """A plain weight in the compute dtype.

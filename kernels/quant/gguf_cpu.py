@@ -88,6 +88,18 @@ def _bf16_or_float32_tile(data: torch.Tensor, quant_type: str) -> torch.Tensor:
     return gguf_cpu_native.dequantize(data, quant_type, num_threads=1) if tile is None else tile
 
 
+def bf16_step_runs(runs):
+    """``runs`` where :func:`gguf_linear_routine` multiplies bf16 steps of 1..``BF16_MAX_ROWS`` rows by the
+    bf16-out GEMV of every run (columns written in place), else None: the C kernels are built and each run's
+    type has a bf16-out kernel with that row limit."""
+    if not runs or not gguf_cpu_native.available():
+        return None
+    if not all(quant_type in gguf_cpu_native.BF16_OUT_TYPES and gguf_cpu_native.has_bf16(quant_type)
+               and BF16_MAX_ROWS_BY_TYPE.get(quant_type, BF16_MAX_ROWS) >= BF16_MAX_ROWS for quant_type, _ in runs):
+        return None
+    return list(runs)
+
+
 def gguf_linear_routine(runs, bias: torch.Tensor | None = None):
     """``routine(x)`` = ``x @ W.T + bias`` for a weight made of row runs ``[(quant_type, data), ...]``
     (their outputs joined in order), with decode-sized steps bound straight to the C GEMVs: one
