@@ -412,22 +412,29 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
     return failed;
 }
 
-/* ---- every plain decoder layer of a bf16 step in one call ------------------------------------------
- * The loop of engine/models/cpu_step.py run_layers, for models whose linears a bf16 step of up to 8 rows
- * multiplies by the GGUF C kernels' bf16-out GEMV (kernels/quant/gguf_cpu_kernels.c gguf_gemv_bf16_out,
- * passed in as `gemv`): each linear is runs of block rows, each run writing its columns of the output in
- * place, then its bias (bf16, rounded once more as torch's bf16 add does). The same calls in the same order
- * as the Python loop, so the same bits; what goes is ~10 Python calls a layer between them. */
-typedef int (*step_gemv_fn)(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K,
-                            const uint16_t *x, int M, uint16_t *out, int64_t out_stride, int num_threads);
+/* ---- every plain decoder layer of a step in one call ------------------------------------------------
+ * The loop of engine/models/cpu_step.py run_layers, for models whose linears a step of up to 8 rows
+ * multiplies by the GGUF C kernels (kernels/quant/gguf_cpu_kernels.c): each linear is runs of block rows,
+ * each run's GEMV writing its columns of the output in place, then the bias (rounded to the dtype as
+ * torch's add does). A run's kernel comes as a function pointer: gguf_gemv_bf16_out (bf16 steps) or
+ * gguf_gemv (float32) with the block-row signature, or gguf_panel_gemv (float32 panels of 8 rows). The
+ * same calls in the same order as the Python loop, so the same bits; what goes is ~10 Python calls a layer
+ * between them. */
+typedef int (*step_rows_gemv)(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K,
+                              const void *x, int M, void *out, int64_t out_stride, int num_threads);
+typedef int (*step_panel_gemv)(int qtype, const uint8_t *panels, int64_t N, int64_t K, const void *x, int M,
+                               void *out, int64_t out_stride, int num_threads);
 
 #define STEP_MAX_RUNS 4
+#define STEP_ROWS_KERNEL 0
+#define STEP_PANEL_KERNEL 1
 
 typedef struct {
     int64_t num_runs, in_features, out_features;
-    int64_t qtype[STEP_MAX_RUNS], rows[STEP_MAX_RUNS], row_stride[STEP_MAX_RUNS];
+    int64_t qtype[STEP_MAX_RUNS], rows[STEP_MAX_RUNS], row_stride[STEP_MAX_RUNS], kind[STEP_MAX_RUNS];
     const void *data[STEP_MAX_RUNS];
-    const uint16_t *bias; /* [out_features] or NULL */
+    const void *kernel[STEP_MAX_RUNS];
+    const void *bias; /* [out_features] of the step's dtype, or NULL */
 } step_linear;
 
 typedef struct {
@@ -439,22 +446,32 @@ typedef struct {
     double scale;
 } step_layer;
 
-static int step_linear_apply(step_gemv_fn gemv, const step_linear *linear, const uint16_t *x, int64_t rows,
-                             uint16_t *out, int num_threads) {
+static inline void *at(int dtype, const void *p, int64_t i) {
+    return (char *)p + i * (dtype == DT_BF16 ? 2 : 4);
+}
+
+static int step_linear_apply(int dtype, const step_linear *linear, const void *x, int64_t rows, void *out,
+                             int num_threads) {
     int64_t column = 0;
     for (int64_t r = 0; r < linear->num_runs; r++) {
-        const int status = gemv((int)linear->qtype[r], (const uint8_t *)linear->data[r], linear->row_stride[r],
-                                linear->rows[r], linear->in_features, x, (int)rows, out + column,
-                                linear->out_features, num_threads);
-        if (status) return status;
+        const int qtype = (int)linear->qtype[r];
+        void *columns = at(dtype, out, column);
+        const int status = linear->kind[r] == STEP_PANEL_KERNEL
+            ? ((step_panel_gemv)linear->kernel[r])(qtype, (const uint8_t *)linear->data[r], linear->rows[r],
+                                                   linear->in_features, x, (int)rows, columns, linear->out_features,
+                                                   num_threads)
+            : ((step_rows_gemv)linear->kernel[r])(qtype, (const uint8_t *)linear->data[r], linear->row_stride[r],
+                                                  linear->rows[r], linear->in_features, x, (int)rows, columns,
+                                                  linear->out_features, num_threads);
+        if (status) return status < 0 ? status : -status;
         column += linear->rows[r];
     }
     if (linear->bias)
-        for (int64_t m = 0; m < rows; m++) {
-            uint16_t *o = out + m * linear->out_features;
-            for (int64_t c = 0; c < linear->out_features; c++)
-                o[c] = f32_to_bf16(bf16_to_f32(o[c]) + bf16_to_f32(linear->bias[c]));
-        }
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t c = 0; c < linear->out_features; c++) {
+                const int64_t i = m * linear->out_features + c;
+                store(dtype, out, i, load(dtype, out, i) + load(dtype, linear->bias, c));
+            }
     return 0;
 }
 
@@ -463,42 +480,41 @@ static int step_linear_apply(step_gemv_fn gemv, const step_linear *linear, const
  * [rows, qkv width], heads [rows, H * D], gate_up [rows, 2 I], act [rows, I]. caches: key and value cache of
  * each layer in turn. The step's metadata as step_rope_cache_attention takes it. 0, or the first failing
  * call's status (positive: out of memory, negative: a GEMV refused its arguments). */
-int step_decoder_layers(step_gemv_fn gemv, const step_layer *layers, int64_t num_layers, void *const *caches,
-                        int64_t rows, int64_t hidden_size, const uint16_t *hidden_in, uint16_t *hidden,
-                        uint16_t *residual, uint16_t *normed, uint16_t *qkv, uint16_t *heads, uint16_t *gate_up,
-                        uint16_t *act, const int64_t *positions, const int64_t *slots, int64_t block_size,
-                        int64_t num_seqs, const int64_t *query_start_loc, const int64_t *context_lens,
-                        const int64_t *block_tables, int64_t table_stride, int num_threads) {
+int step_decoder_layers(int dtype, const step_layer *layers, int64_t num_layers, void *const *caches, int64_t rows,
+                        int64_t hidden_size, const void *hidden_in, void *hidden, void *residual, void *normed,
+                        void *qkv, void *heads, void *gate_up, void *act, const int64_t *positions,
+                        const int64_t *slots, int64_t block_size, int64_t num_seqs, const int64_t *query_start_loc,
+                        const int64_t *context_lens, const int64_t *block_tables, int64_t table_stride,
+                        int num_threads) {
     int status;
     for (int64_t i = 0; i < num_layers; i++) {
         const step_layer *layer = layers + i;
         const int64_t H = layer->num_heads, Hkv = layer->num_kv_heads, D = layer->head_dim;
         const int64_t qkv_width = layer->qkv.out_features;
-        if ((status = step_rms_norm(DT_BF16, i == 0 ? (const void *)hidden_in : hidden, i == 0 ? NULL : residual,
-                                    layer->input_norm, (float)layer->input_eps, rows, hidden_size, normed, residual)))
+        if ((status = step_rms_norm(dtype, i == 0 ? hidden_in : hidden, i == 0 ? NULL : residual, layer->input_norm,
+                                    (float)layer->input_eps, rows, hidden_size, normed, residual)))
             return status;
-        if ((status = step_linear_apply(gemv, &layer->qkv, normed, rows, qkv, num_threads))) return status;
+        if ((status = step_linear_apply(dtype, &layer->qkv, normed, rows, qkv, num_threads))) return status;
         if (layer->q_norm)  /* each row's query heads, then its key heads, normed in place */
             for (int64_t t = 0; t < rows; t++) {
-                uint16_t *row = qkv + t * qkv_width;
-                if ((status = step_rms_norm(DT_BF16, row, NULL, layer->q_norm, (float)layer->q_eps, H, D, row, NULL)) ||
-                    (status = step_rms_norm(DT_BF16, row + H * D, NULL, layer->k_norm, (float)layer->k_eps, Hkv, D,
-                                            row + H * D, NULL)))
+                void *row = at(dtype, qkv, t * qkv_width), *keys = at(dtype, qkv, t * qkv_width + H * D);
+                if ((status = step_rms_norm(dtype, row, NULL, layer->q_norm, (float)layer->q_eps, H, D, row, NULL)) ||
+                    (status = step_rms_norm(dtype, keys, NULL, layer->k_norm, (float)layer->k_eps, Hkv, D, keys, NULL)))
                     return status;
             }
-        if ((status = step_rope_cache_attention(DT_BF16, qkv, qkv_width, rows, (int)H, (int)Hkv, (int)D, positions,
+        if ((status = step_rope_cache_attention(dtype, qkv, qkv_width, rows, (int)H, (int)Hkv, (int)D, positions,
                                                 layer->cos_sin, (int)layer->rotary_dim, caches[2 * i],
                                                 caches[2 * i + 1], slots, (int)block_size, (int)num_seqs,
                                                 query_start_loc, context_lens, block_tables, table_stride,
                                                 (float)layer->scale, layer->sliding_window, heads, num_threads)))
             return status;
-        if ((status = step_linear_apply(gemv, &layer->o, heads, rows, hidden, num_threads))) return status;
-        if ((status = step_rms_norm(DT_BF16, hidden, residual, layer->post_norm, (float)layer->post_eps, rows,
+        if ((status = step_linear_apply(dtype, &layer->o, heads, rows, hidden, num_threads))) return status;
+        if ((status = step_rms_norm(dtype, hidden, residual, layer->post_norm, (float)layer->post_eps, rows,
                                     hidden_size, normed, residual)))
             return status;
-        if ((status = step_linear_apply(gemv, &layer->gate_up, normed, rows, gate_up, num_threads))) return status;
-        if ((status = step_silu_and_mul(DT_BF16, gate_up, rows, layer->gate_up.out_features / 2, act))) return status;
-        if ((status = step_linear_apply(gemv, &layer->down, act, rows, hidden, num_threads))) return status;
+        if ((status = step_linear_apply(dtype, &layer->gate_up, normed, rows, gate_up, num_threads))) return status;
+        if ((status = step_silu_and_mul(dtype, gate_up, rows, layer->gate_up.out_features / 2, act))) return status;
+        if ((status = step_linear_apply(dtype, &layer->down, act, rows, hidden, num_threads))) return status;
     }
     return 0;
 }

@@ -190,7 +190,8 @@ class AttentionStep:
 class _StepLinear(ctypes.Structure):
     _fields_ = [("num_runs", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
                 ("qtype", ctypes.c_int64 * 4), ("rows", ctypes.c_int64 * 4), ("row_stride", ctypes.c_int64 * 4),
-                ("data", ctypes.c_void_p * 4), ("bias", ctypes.c_void_p)]
+                ("kind", ctypes.c_int64 * 4), ("data", ctypes.c_void_p * 4), ("kernel", ctypes.c_void_p * 4),
+                ("bias", ctypes.c_void_p)]
 
 
 class _StepLayer(ctypes.Structure):
@@ -204,12 +205,24 @@ class _StepLayer(ctypes.Structure):
 
 # Block runs a linear of the layer loop may have (more: the Python loop runs that model).
 MAX_LINEAR_RUNS = 4
+_ROWS_KERNEL, _PANEL_KERNEL = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepRun:
+    """One run of a linear's output rows as a CPU step multiplies it: ``data`` the GGUF block rows of
+    ``quant_type`` (bf16 steps: the bf16-out GEMV; float32: the float32 GEMV), or with ``panels`` the
+    float32 panels of ``gguf_cpu_native.pack_panels`` (the panel GEMV)."""
+
+    quant_type: str
+    data: torch.Tensor
+    panels: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """What :class:`DecoderLayers` reads of one plain decoder layer: bf16 tensors, each linear as
-    ``(runs, bias)`` with runs ``[(quant_type, block rows), ...]`` in output order (the GGUF bf16-out GEMV's)."""
+    """What :class:`DecoderLayers` reads of one plain decoder layer: tensors of the step's dtype, each
+    linear as ``(runs, bias)`` with runs a list of :class:`StepRun` in output order."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -230,17 +243,17 @@ class LayerWeights:
 
 
 class DecoderLayers:
-    """Every plain decoder layer of a bf16 step of up to ``gguf_cpu.BF16_MAX_ROWS`` rows in one C call
-    (``step_decoder_layers``): per layer the calls ``engine/models/cpu_step.py`` makes from Python (RMSNorm,
-    the GEMVs, per-head norms, rotary + cache + attention, SwiGLU), in the same order, so the same bits.
-    Built once per model from :class:`LayerWeights`; :meth:`of` is None where a weight does not fit
-    (a dtype, a layout, too many runs), and then the Python loop runs it.
+    """Every plain decoder layer of a float32 or bf16 step of up to ``gguf_cpu_native.MAX_ROWS`` rows in
+    one C call (``step_decoder_layers``): per layer the calls ``engine/models/cpu_step.py`` makes from Python
+    (RMSNorm, the GGUF GEMVs, per-head norms, rotary + cache + attention, SwiGLU), in the same order, so
+    the same bits. Built once per model from :class:`LayerWeights`; :meth:`of` is None where a weight does
+    not fit (a dtype, a layout, too many runs), and then the Python loop runs it.
 
     >>> layers = DecoderLayers.of(weights)
     >>> hidden, residual = layers.run(hidden, step, kv_caches)
     """
 
-    __slots__ = ("_layers", "_keep", "_gemv", "_widths", "hidden_size")
+    __slots__ = ("_layers", "_keep", "_widths", "hidden_size", "dtype")
 
     @classmethod
     def of(cls, weights: list[LayerWeights]) -> "DecoderLayers | None":
@@ -248,13 +261,18 @@ class DecoderLayers:
 
         if not weights or not available() or not gguf_cpu_native.available():
             return None
+        dtype, hidden_size = weights[0].input_norm.dtype, weights[0].input_norm.shape[0]
+        if dtype not in DTYPE_IDS:
+            return None
         gguf = gguf_cpu_native._library()
-        hidden_size = weights[0].input_norm.shape[0]
+        kernels = {(False, torch.bfloat16): gguf.gguf_gemv_bf16_out, (False, torch.float32): gguf.gguf_gemv,
+                   (True, torch.float32): gguf.gguf_panel_gemv}
+        kernels = {key: ctypes.cast(function, ctypes.c_void_p).value for key, function in kernels.items()}
         array = (_StepLayer * len(weights))()
         keep = []
         for layer, spec in zip(array, weights):
             tensors = [spec.input_norm, spec.post_norm, spec.cos_sin] + [n[0] for n in (spec.q_norm, spec.k_norm) if n]
-            if (not all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+            if (not all(t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
                     or spec.input_norm.shape != (hidden_size,) or spec.head_dim > MAX_HEAD_DIM
                     or spec.cos_sin.shape[-1] % 2 or spec.cos_sin.shape[-1] > spec.head_dim
                     or (spec.q_norm is None) != (spec.k_norm is None)):
@@ -264,10 +282,9 @@ class DecoderLayers:
             linears = (("qkv", spec.qkv, hidden_size, widths[1]), ("o", spec.o, widths[2], hidden_size),
                        ("gate_up", spec.gate_up, hidden_size, None), ("down", spec.down, None, hidden_size))
             for name, (runs, bias), in_features, out_features in linears:
-                if not _fill_linear(getattr(layer, name), runs, bias, in_features, out_features, keep):
+                if not _fill_linear(getattr(layer, name), runs, bias, dtype, kernels, in_features, out_features, keep):
                     return None
-            inter = layer.gate_up.out_features // 2
-            if layer.gate_up.out_features % 2 or layer.down.in_features != inter:
+            if layer.gate_up.out_features % 2 or layer.down.in_features != layer.gate_up.out_features // 2:
                 return None
             layer.input_norm, layer.post_norm = spec.input_norm.data_ptr(), spec.post_norm.data_ptr()
             layer.input_eps, layer.post_eps = spec.input_eps, spec.post_eps
@@ -281,29 +298,33 @@ class DecoderLayers:
             layer.sliding_window, layer.scale = spec.sliding_window or 0, spec.scale
             keep.extend(tensors)
         plan = cls()
-        plan._layers, plan._keep, plan.hidden_size = array, keep, hidden_size
-        plan._gemv = ctypes.cast(gguf.gguf_gemv_bf16_out, ctypes.c_void_p).value
-        plan._widths = [(layer.qkv.out_features, layer.o.in_features, layer.gate_up.out_features,
-                         layer.down.in_features) for layer in array]
+        plan._layers, plan._keep, plan.hidden_size, plan.dtype = array, keep, hidden_size, dtype
+        plan._widths = [max(widths) for widths in zip(*[
+            (layer.qkv.out_features, layer.o.in_features, layer.gate_up.out_features, layer.down.in_features)
+            for layer in array])]
         return plan
 
     def run(self, hidden: torch.Tensor, step: "AttentionStep", kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hidden, residual)`` after every layer for bf16 ``hidden`` ``[rows, hidden_size]`` (contiguous,
-        rows <= ``gguf_cpu.BF16_MAX_ROWS``), ``step`` bound to this step's metadata, each layer's
-        ``(key_cache, value_cache)`` (bf16, contiguous; the caller checked them as for ``AttentionStep``)."""
+        """``(hidden, residual)`` after every layer for ``hidden`` ``[rows, hidden_size]`` of the layers' dtype
+        (contiguous, rows <= ``gguf_cpu_native.MAX_ROWS``), ``step`` bound to this step's metadata, each layer's
+        ``(key_cache, value_cache)`` (that dtype, contiguous; the caller checked them as for ``AttentionStep``)."""
+        from .quant import gguf_cpu_native
+
         rows = hidden.shape[0]
         num_tokens, positions, slots, num_seqs, query_start_loc, context_lens, tables, table_stride = step._args
-        if rows != num_tokens or hidden.dtype != torch.bfloat16 or hidden.shape[1] != self.hidden_size:
+        if (rows != num_tokens or hidden.dtype != self.dtype or hidden.shape[1] != self.hidden_size
+                or rows > gguf_cpu_native.MAX_ROWS or not hidden.is_contiguous()):
             raise ValueError(f"hidden of {tuple(hidden.shape)} {hidden.dtype} does not fit this step of {num_tokens} "
-                             f"tokens and {self.hidden_size}-wide bf16 layers")
-        qkv_width, heads_width, gate_up_width, inter = (max(widths) for widths in zip(*self._widths))
+                             f"tokens and {self.hidden_size}-wide {self.dtype} layers (up to "
+                             f"{gguf_cpu_native.MAX_ROWS} contiguous rows)")
+        qkv_width, heads_width, gate_up_width, inter = self._widths
         out, residual, normed = (torch.empty_like(hidden) for _ in range(3))
         qkv, heads = hidden.new_empty(rows, qkv_width), hidden.new_empty(rows, heads_width)
         gate_up, act = hidden.new_empty(rows, gate_up_width), hidden.new_empty(rows, inter)
         caches = (ctypes.c_void_p * (2 * len(self._layers)))(
             *[cache.data_ptr() for pair in kv_caches for cache in pair])
         status = _library().step_decoder_layers(
-            self._gemv, self._layers, len(self._layers), caches, rows, self.hidden_size, hidden.data_ptr(),
+            DTYPE_IDS[self.dtype], self._layers, len(self._layers), caches, rows, self.hidden_size, hidden.data_ptr(),
             out.data_ptr(), residual.data_ptr(), normed.data_ptr(), qkv.data_ptr(), heads.data_ptr(),
             gate_up.data_ptr(), act.data_ptr(), positions, slots, kv_caches[0][0].shape[1], num_seqs,
             query_start_loc, context_lens, tables, table_stride, torch.get_num_threads())
@@ -314,26 +335,38 @@ class DecoderLayers:
         return out, residual
 
 
-def _fill_linear(linear: _StepLinear, runs, bias, in_features: int | None, out_features: int | None, keep) -> bool:
+def _fill_linear(linear: _StepLinear, runs: list[StepRun], bias, dtype: torch.dtype, kernels: dict,
+                 in_features: int | None, out_features: int | None, keep) -> bool:
     """One linear's runs and bias into ``linear``; False where they do not fit the C loop."""
     from .quant import gguf_cpu_native
 
     if not runs or len(runs) > MAX_LINEAR_RUNS:
         return False
-    num_inputs = gguf_cpu_native._check(None, runs[0][1], runs[0][0])[1]
-    total = 0
-    for index, (quant_type, data) in enumerate(runs):
-        num_rows, width = gguf_cpu_native._check(None, data, quant_type)
-        if width != num_inputs or data.stride(1) != 1 or data.device.type != "cpu":
+    num_inputs, total = None, 0
+    for index, run in enumerate(runs):
+        kernel = kernels.get((run.panels, dtype))
+        if kernel is None or run.data.device.type != "cpu":
             return False
-        linear.qtype[index], linear.rows[index] = gguf_cpu_native.QTYPE_IDS[quant_type], num_rows
-        linear.row_stride[index], linear.data[index] = data.stride(0), data.data_ptr()
+        if run.panels:
+            num_rows, width = gguf_cpu_native._panel_shape(run.data, run.quant_type)
+            if not run.data.is_contiguous():
+                return False
+        else:
+            num_rows, width = gguf_cpu_native._check(None, run.data, run.quant_type)
+            if run.data.stride(1) != 1:
+                return False
+        if num_inputs is not None and width != num_inputs:
+            return False
+        num_inputs = width
+        linear.qtype[index], linear.rows[index] = gguf_cpu_native.QTYPE_IDS[run.quant_type], num_rows
+        linear.row_stride[index], linear.data[index] = run.data.stride(0), run.data.data_ptr()
+        linear.kind[index], linear.kernel[index] = _PANEL_KERNEL if run.panels else _ROWS_KERNEL, kernel
         total += num_rows
-        keep.append(data)
+        keep.append(run.data)
     if (in_features is not None and num_inputs != in_features) or (out_features is not None and total != out_features):
         return False
     if bias is not None:
-        if bias.dtype != torch.bfloat16 or bias.shape != (total,) or not bias.is_contiguous():
+        if bias.dtype != dtype or bias.shape != (total,) or not bias.is_contiguous():
             return False
         linear.bias = bias.data_ptr()
         keep.append(bias)
@@ -371,8 +404,8 @@ def _library():
         c_int, ptr, i64, i64, c_int, c_int, c_int, ptr, ptr, c_int, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64,
         c_float, i64, ptr, c_int)
     library.step_decoder_layers.argtypes = (
-        ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64,
-        c_int)
+        c_int, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr,
+        i64, c_int)
     for function in (library.step_rms_norm, library.step_silu_and_mul, library.step_rope_cache_attention,
                      library.step_decoder_layers):
         function.restype = c_int

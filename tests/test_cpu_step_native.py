@@ -1,8 +1,9 @@
-"""Every decoder layer of a bf16 CPU step in one C call (``cpu_step_native.DecoderLayers``) where each
-linear runs the GGUF bf16-out GEMVs: the same bits as the Python layer loop of ``cpu_step.run_layers``
-(hidden, residual and the KV caches it writes) for one row, a verification's five and a batch of two
-sequences, with a qkv bias and Qwen3's per-head norms too; and the engine on it gives HF transformers'
-greedy tokens on the dequantized weights (fp32)."""
+"""Every decoder layer of a CPU step in one C call (``cpu_step_native.DecoderLayers``) where each linear
+runs the GGUF C GEMVs (bf16: the bf16-out kernels; float32: the float32 kernels and the AVX2 panels): the
+same bits as the Python layer loop of ``cpu_step.run_layers`` (hidden, residual and the KV caches it
+writes) for one row, a verification's five and a batch of two sequences, with a qkv bias and Qwen3's
+per-head norms too; and the engine on it gives HF transformers' greedy tokens on the dequantized
+weights (fp32)."""
 from __future__ import annotations
 
 import pytest
@@ -23,30 +24,34 @@ from conftest import TINY_VOCAB, hf_greedy, random_prompts
 from gguf_writer import add_block_layers, add_q8_0_embedding_and_norm, tiny_llama_writer, write_and_close
 from test_quant_gguf import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, _layer_blocks, random_blocks
 
-pytestmark = pytest.mark.skipif(
-    not (gguf_cpu_native.available() and cpu_step_native.available() and gguf_cpu_native.has_bf16("Q4_K")),
-    reason="needs the C kernels with AVX-512 BF16 (the bf16 GGUF GEMVs)")
+pytestmark = pytest.mark.skipif(not (gguf_cpu_native.available() and cpu_step_native.available()),
+                                reason="needs the C kernels (no C compiler here)")
+HAS_BF16 = gguf_cpu_native.available() and gguf_cpu_native.has_bf16("Q4_K")
+DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not HAS_BF16, reason="bf16 GEMVs need AVX-512 BF16"),
+                       id="bf16"), pytest.param(torch.float32, id="fp32")]
 
 # (q, k, v, o, gate, up, down) per layer, every type with a bf16-out GEMV; fused qkv and gate_up of two runs.
 NATIVE_TYPES = [("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q8_0"),
                 ("Q6_K", "Q6_K", "Q6_K", "Q4_K", "Q4_1", "Q4_1", "Q4_K"),
                 ("Q8_0", "Q8_0", "Q8_0", "Q6_K", "Q8_0", "Q4_K", "Q6_K")]
+# A float32 model keeps only Q4_0/Q4_1/Q8_0 layers in blocks (panels with AVX2; K-quants are dequantized).
+FLOAT32_TYPES = [("Q8_0", "Q8_0", "Q4_1", "Q4_0", "Q4_0", "Q4_1", "Q8_0"),
+                 ("Q4_1", "Q4_1", "Q4_1", "Q8_0", "Q4_1", "Q4_1", "Q4_0")]
 BLOCK_SIZE, NUM_BLOCKS = 16, 12
 
 
-@pytest.fixture(scope="module")
-def native_file(tmp_path_factory):
-    """A tiny Llama GGUF of those types (its head Q6_K) and an HF directory of its dequantized weights."""
-    root = tmp_path_factory.mktemp("cpu_step_native")
-    path = root / "native-types.gguf"
-    writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, len(NATIVE_TYPES), HEADS, KV_HEADS)
+def _write(root, name: str, layer_types, head_type: str):
+    """A tiny Llama GGUF of ``layer_types`` (its head ``head_type`` blocks) and an HF directory of its
+    dequantized weights."""
+    path = root / f"{name}.gguf"
+    writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, len(layer_types), HEADS, KV_HEADS)
     add_q8_0_embedding_and_norm(writer, TINY_VOCAB, HIDDEN)
-    head = random_blocks("Q6_K", TINY_VOCAB, HIDDEN, seed=97, scale=3e-3).numpy()
-    writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType.Q6_K)
-    add_block_layers(writer, NATIVE_TYPES, HIDDEN, _layer_blocks)
+    head = random_blocks(head_type, TINY_VOCAB, HIDDEN, seed=97, scale=3e-3).numpy()
+    writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType[head_type])
+    add_block_layers(writer, layer_types, HIDDEN, _layer_blocks)
     write_and_close(writer)
     checkpoint = load_checkpoint(str(path), torch.float32, progress=False)
-    hf_dir = root / "dequantized-hf"
+    hf_dir = root / f"{name}-dequantized-hf"
     checkpoint.config.save_pretrained(hf_dir)
     tensors = {name: (t.dequantized(torch.float32) if hasattr(t, "dequantized") else t).contiguous()
                for name, t in checkpoint.weights()}
@@ -54,9 +59,16 @@ def native_file(tmp_path_factory):
     return path, hf_dir
 
 
-def _bf16_model(path):
-    model, arch = load_model(load_checkpoint(str(path), torch.bfloat16, progress=False), torch.device("cpu"),
-                             torch.bfloat16)
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """By dtype: the file its model keeps every linear of in blocks, and its HF reference directory."""
+    root = tmp_path_factory.mktemp("cpu_step_native")
+    return {torch.bfloat16: _write(root, "bf16-types", NATIVE_TYPES, "Q6_K"),
+            torch.float32: _write(root, "float32-types", FLOAT32_TYPES, "Q8_0")}
+
+
+def _model(path, dtype):
+    model, arch = load_model(load_checkpoint(str(path), dtype, progress=False), torch.device("cpu"), dtype)
     return model, arch
 
 
@@ -72,11 +84,11 @@ def _meta(tables: torch.Tensor, starts: list[int], counts: list[int]):
         max_context_len=max(ends))
 
 
-def _both_ways(model, arch, counts: list[int], monkeypatch) -> None:
+def _both_ways(model, arch, counts: list[int], monkeypatch, dtype) -> None:
     """One step of ``counts`` new rows per sequence after a prefill of each, natively and by the Python
     loop from the same caches: the outputs and the caches written must be bit-equal."""
-    caches = [tuple(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim,
-                                dtype=torch.bfloat16) for _ in range(2)) for _ in range(arch.num_hidden_layers)]
+    caches = [tuple(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim, dtype=dtype)
+                    for _ in range(2)) for _ in range(arch.num_hidden_layers)]
     tables = torch.tensor([[5, 2, 7], [0, 9, 3]])[:len(counts)]
     contexts = [37, 21][:len(counts)]
     generator = torch.Generator().manual_seed(sum(counts))
@@ -101,48 +113,54 @@ def _both_ways(model, arch, counts: list[int], monkeypatch) -> None:
         loop = cpu_step.run_layers(model, hidden, positions, caches, meta)
         monkeypatch.setattr(cpu_step, "NATIVE_LAYERS", True)
     assert calls == [1]
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for mine, theirs in zip(native, loop):
-        assert mine.dtype == torch.bfloat16 and torch.equal(mine.view(torch.int16), theirs.view(torch.int16))
+        assert mine.dtype == dtype and torch.equal(mine.view(bits), theirs.view(bits))
     for (k, v), (k1, v1) in zip(native_caches, caches):
-        assert torch.equal(k.view(torch.int16), k1.view(torch.int16))
-        assert torch.equal(v.view(torch.int16), v1.view(torch.int16))
+        assert torch.equal(k.view(bits), k1.view(bits)) and torch.equal(v.view(bits), v1.view(bits))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("counts", [[1], [5], [1, 1], [3, 2]])
-def test_native_layers_give_the_python_loops_bits(native_file, counts, monkeypatch):
-    model, arch = _bf16_model(native_file[0])
-    _both_ways(model, arch, counts, monkeypatch)
+def test_native_layers_give_the_python_loops_bits(files, counts, dtype, monkeypatch):
+    model, arch = _model(files[dtype][0], dtype)
+    _both_ways(model, arch, counts, monkeypatch, dtype)
+    if dtype == torch.float32 and gguf_cpu_native.has_panels("Q4_1"):  # the pure Q4/Q8_0 linears ran on panels
+        plan = model.__dict__["_cpu_step_native"]
+        assert any(layer.gate_up.kind[0] == 1 for layer in plan._layers)
 
 
-def test_native_layers_add_a_qkv_bias_and_norm_query_and_key_heads_as_the_loop_does(native_file, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_layers_add_a_qkv_bias_and_norm_query_and_key_heads_as_the_loop_does(files, dtype, monkeypatch):
     """Qwen2's qkv bias and Qwen3's per-head q/k RMSNorms, put on the tiny Llama's layers."""
-    model, arch = _bf16_model(native_file[0])
+    model, arch = _model(files[dtype][0], dtype)
     generator = torch.Generator().manual_seed(4)
     for layer in model.layers:
         attn = attn_layer = layer.self_attn
         qkv = attn.qkv_proj
-        qkv.bias = torch.nn.Parameter((torch.randn(qkv.output_size_per_rank, generator=generator) * 0.5).bfloat16(),
+        qkv.bias = torch.nn.Parameter((torch.randn(qkv.output_size_per_rank, generator=generator) * 0.5).to(dtype),
                                       requires_grad=False)
         qkv.routine = qkv.method.forward_routine(qkv)  # bound anew with the bias
         for name in ("q_norm", "k_norm"):
-            norm = RMSNorm(arch.head_dim, 1e-6).to(torch.bfloat16)
-            norm.weight.data = (1 + torch.randn(arch.head_dim, generator=generator) * 0.3).bfloat16()
+            norm = RMSNorm(arch.head_dim, 1e-6).to(dtype)
+            norm.weight.data = (1 + torch.randn(arch.head_dim, generator=generator) * 0.3).to(dtype)
             setattr(attn_layer, name, norm)
     model.__dict__.pop("_cpu_step_layers", None)
     model.__dict__.pop("_cpu_step_native", None)
-    _both_ways(model, arch, [3, 1], monkeypatch)
+    _both_ways(model, arch, [3, 1], monkeypatch, dtype)
     assert cpu_step._native_layers(model, cpu_step._plain_layers(model)) is not None
 
 
-def test_a_linear_without_a_bf16_out_gemv_keeps_the_python_loop(tmp_path, monkeypatch):
-    """One Q5_0 tensor (no bf16 kernel): no native plan, and the step still runs (the loop)."""
+@pytest.mark.skipif(not HAS_BF16, reason="bf16 GEMVs need AVX-512 BF16")
+def test_a_linear_without_a_bf16_out_gemv_keeps_the_python_loop(tmp_path):
+    """One Q5_0 tensor (no bf16 kernel) in a bf16 model: no native plan, and the step still runs (the loop)."""
     path = tmp_path / "q5.gguf"
     types = [NATIVE_TYPES[0][:3] + ("Q5_0",) + NATIVE_TYPES[0][4:]]
     writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, 1, HEADS, KV_HEADS)
     add_q8_0_embedding_and_norm(writer, TINY_VOCAB, HIDDEN)
     add_block_layers(writer, types, HIDDEN, _layer_blocks)
     write_and_close(writer)
-    model, arch = _bf16_model(path)
+    model, arch = _model(path, torch.bfloat16)
     assert cpu_step._native_layers(model, cpu_step._plain_layers(model)) is None
     caches = [tuple(torch.zeros(4, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim, dtype=torch.bfloat16)
                     for _ in range(2))]
@@ -151,28 +169,36 @@ def test_a_linear_without_a_bf16_out_gemv_keeps_the_python_loop(tmp_path, monkey
         assert cpu_step.run_layers(model, model.embed(torch.tensor([3, 4])), positions, caches, meta) is not None
 
 
-def test_run_refuses_hidden_rows_that_do_not_fit_the_step(native_file):
-    model, arch = _bf16_model(native_file[0])
+def test_dense_linears_keep_the_python_loop(tiny_model_dirs):
+    model, arch = _model(tiny_model_dirs["llama"], torch.float32)
+    assert cpu_step._plain_layers(model) is not None and cpu_step._native_layers(model, cpu_step._plain_layers(model)) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_run_refuses_hidden_rows_that_do_not_fit_the_step(files, dtype):
+    model, arch = _model(files[dtype][0], dtype)
     plan = cpu_step._native_layers(model, cpu_step._plain_layers(model))
     positions, meta = _meta(torch.tensor([[1, 0]]), [0], [2])
     step = cpu_step_native.AttentionStep.of(positions, meta.slot_mapping, meta.query_start_loc, meta.context_lens,
                                             meta.block_tables)
-    caches = [tuple(torch.zeros(4, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim, dtype=torch.bfloat16)
+    caches = [tuple(torch.zeros(4, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim, dtype=dtype)
                     for _ in range(2)) for _ in range(arch.num_hidden_layers)]
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     with pytest.raises(ValueError, match="does not fit this step"):
-        plan.run(torch.zeros(3, HIDDEN, dtype=torch.bfloat16), step, caches)
+        plan.run(torch.zeros(3, HIDDEN, dtype=dtype), step, caches)
     with pytest.raises(ValueError, match="does not fit this step"):
-        plan.run(torch.zeros(2, HIDDEN), step, caches)
+        plan.run(torch.zeros(2, HIDDEN, dtype=other), step, caches)
 
 
-def test_the_engine_on_native_layers_gives_hf_greedy_tokens(native_file, monkeypatch):
-    path, hf_dir = native_file
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_engine_on_native_layers_gives_hf_greedy_tokens(files, dtype, monkeypatch):
+    path, hf_dir = files[dtype]
     calls = []
     run = cpu_step_native.DecoderLayers.run
     monkeypatch.setattr(cpu_step_native.DecoderLayers, "run", lambda *a: calls.append(a[1].shape[0]) or run(*a))
     prompts = random_prompts(3, [5, 40, 9], seed=41)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False) as llm:
+    with LLM(str(path), dtype=str(dtype).removeprefix("torch."), device="cpu", show_progress=False) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
     assert 3 in calls and 1 in calls  # decode steps of the batch and of one sequence
     for prompt, output in zip(prompts + prompts[:1], outputs):

@@ -10,9 +10,9 @@ and cache 34-45, SwiGLU 8, Python ~35), the step's metadata is checked once for 
 layers' parts are gathered once per model: a one-row step 15.2 -> 9.7 ms of CPU, five rows (a
 speculative verification) 28.9 -> 19.8 ms, measured in one process, alternating.
 
-Where every linear runs the GGUF bf16-out GEMVs (a bf16 GGUF model of Q4_0/Q4_1/Q8_0/Q4_K/Q6_K
-tensors, the AVX-512 BF16 path) and the step has at most ``gguf_cpu.BF16_MAX_ROWS`` rows, all the
-layers go down in one C call (:class:`~hearth_llm.kernels.cpu_step_native.DecoderLayers`): the same
+Where every linear runs the GGUF C GEMVs (a GGUF model kept in its blocks: in bf16 of Q4_0/Q4_1/
+Q8_0/Q4_K/Q6_K tensors, the AVX-512 BF16 path; in float32 of any kept type or the AVX2 path's panels)
+and the step has at most ``gguf_cpu_native.MAX_ROWS`` rows, all the layers go down in one C call (:class:`~hearth_llm.kernels.cpu_step_native.DecoderLayers`): the same
 kernel calls in the same order, bit-equal, without the ~10 Python calls a layer between them. Measured
 2026-12-03 (Xeon with AMX, 1 thread, the bundled SmolLM2 Q4_1, 128 tokens after a 16-token prompt,
 ms/token, 8 runs alternating in one process, ``NATIVE_LAYERS`` off / on): median 28.6 / 23.4, best 25.7 /
@@ -34,7 +34,7 @@ import torch
 
 from hearth_llm import kernels
 from hearth_llm.kernels import cpu_step_native
-from hearth_llm.kernels.quant import gguf_cpu
+from hearth_llm.kernels.quant import gguf_cpu_native
 
 from .attention import Attention, AttentionMetadata
 from .mlp import GatedMLP
@@ -43,8 +43,8 @@ from .norms import RMSNorm
 # Query rows per sequence up to which a step takes this path (a verification of 7 proposals is 8).
 MAX_QUERY_ROWS = 8
 ENABLED = True
-# bf16 steps of up to gguf_cpu.BF16_MAX_ROWS rows whose every linear runs the GGUF bf16-out GEMVs: all
-# layers in one C call (cpu_step_native.DecoderLayers), the same calls as the loop below makes.
+# Steps of up to gguf_cpu_native.MAX_ROWS rows whose every linear runs the GGUF C GEMVs: all layers in
+# one C call (cpu_step_native.DecoderLayers), the same calls as the loop below makes.
 NATIVE_LAYERS = True
 
 
@@ -119,7 +119,7 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
                                             meta.block_tables, key_cache.shape, first.rotary.cos_sin_cache.shape[0])
     if step is None:
         return None
-    if dtype == torch.bfloat16 and hidden.shape[0] <= gguf_cpu.BF16_MAX_ROWS and NATIVE_LAYERS:
+    if hidden.shape[0] <= gguf_cpu_native.MAX_ROWS and NATIVE_LAYERS:
         native = _native_layers(model, layers)
         if native is not None:
             return native.run(hidden, step, kv_caches)
@@ -148,23 +148,23 @@ def run_layers(model, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, 
 
 
 def _native_layers(model, layers: list[_Layer]) -> cpu_step_native.DecoderLayers | None:
-    """All of ``model``'s layers as one C call where every linear runs the GGUF bf16-out GEMVs (the
-    linear method's ``bf16_step_runs``) and the rest is bf16; else None. Once per model."""
+    """All of ``model``'s layers as one C call where every linear runs the GGUF C GEMVs (the linear
+    method's ``cpu_step_runs``); else None. Once per model."""
     native = model.__dict__.get("_cpu_step_native", False)
     if native is False:
         native = None
-        weights = [_layer_weights(layer) for layer in layers]
+        weights = [_layer_weights(layer, layers[0].input_norm.weight.dtype) for layer in layers]
         if all(spec is not None for spec in weights):
             native = cpu_step_native.DecoderLayers.of(weights)
         model.__dict__["_cpu_step_native"] = native
     return native
 
 
-def _layer_weights(layer: _Layer) -> cpu_step_native.LayerWeights | None:
+def _layer_weights(layer: _Layer, dtype: torch.dtype) -> cpu_step_native.LayerWeights | None:
     linears = []
     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         method = getattr(linear, "method", None)
-        runs = None if method is None or linear.parallel.size != 1 else method.bf16_step_runs(linear)
+        runs = None if method is None or linear.parallel.size != 1 else method.cpu_step_runs(linear, dtype)
         if runs is None:
             return None
         linears.append((runs, linear.bias))

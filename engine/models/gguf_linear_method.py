@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from hearth_llm.engine.loader.gguf_blocks import BLOCK_SIZE, KEPT_TYPES, GGUFBlocks
 from hearth_llm.kernels import cpu_ops
+from hearth_llm.kernels.cpu_step_native import StepRun
 from hearth_llm.kernels.quant import gguf_cpu, gguf_cpu_native
 
 from .cpu_weights import CpuLinear
@@ -159,10 +160,14 @@ class GGUFInt4LinearMethod(LinearMethod):
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return layer.cpu_weight(x, bias)
 
-    def bf16_step_runs(self, layer):
-        if self.panel_runs(layer) is not None or getattr(layer, "routine", None) is None:
+    def cpu_step_runs(self, layer, dtype):
+        if getattr(layer, "routine", None) is None:
             return None
-        return gguf_cpu.bf16_step_runs(self.block_runs(layer))
+        panels = self.panel_runs(layer)
+        if panels is not None:  # the float32 routine's steps of up to PANEL_MAX_ROWS rows
+            return ([StepRun(quant_type, data, panels=True) for quant_type, data in panels]
+                    if dtype == torch.float32 and PANEL_MAX_ROWS >= gguf_cpu_native.MAX_ROWS else None)
+        return gguf_cpu.step_runs(self.block_runs(layer), dtype)
 
     def forward_routine(self, layer):
         if self.panel_runs(layer) is not None:

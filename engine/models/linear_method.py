@@ -67,10 +67,11 @@ class LinearMethod:
         drops it when its method is replaced (a LoRA wrapper) or its tensors move."""
         return None
 
-    def bf16_step_runs(self, layer) -> list[tuple[str, torch.Tensor]] | None:
-        """``[(quant_type, block rows), ...]`` where the layer's routine multiplies a bf16 step of up to
-        ``gguf_cpu.BF16_MAX_ROWS`` rows by the GGUF C kernels' bf16-out GEMV, each run writing its
-        columns in place, then adds the bias (what ``cpu_step`` runs in one native call); else None."""
+    def cpu_step_runs(self, layer, dtype: torch.dtype) -> list | None:
+        """The layer's output rows as :class:`~hearth_llm.kernels.cpu_step_native.StepRun` s where its
+        routine multiplies a CPU step of ``dtype`` (float32 or bf16) and up to ``gguf_cpu_native.MAX_ROWS``
+        rows by the GGUF C GEMVs, one per run into its columns, then adds the bias (what ``cpu_step``
+        then runs in one native call for all layers); else None."""
         return None
 
 

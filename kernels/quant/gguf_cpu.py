@@ -88,16 +88,22 @@ def _bf16_or_float32_tile(data: torch.Tensor, quant_type: str) -> torch.Tensor:
     return gguf_cpu_native.dequantize(data, quant_type, num_threads=1) if tile is None else tile
 
 
-def bf16_step_runs(runs):
-    """``runs`` where :func:`gguf_linear_routine` multiplies bf16 steps of 1..``BF16_MAX_ROWS`` rows by the
-    bf16-out GEMV of every run (columns written in place), else None: the C kernels are built and each run's
-    type has a bf16-out kernel with that row limit."""
+def step_runs(runs, dtype: torch.dtype):
+    """``runs`` as ``cpu_step_native.StepRun`` s where :func:`gguf_linear_routine` multiplies steps of 1..8
+    rows of ``dtype`` by one C GEMV per run into its columns: float32, or bf16 with every run's type on a
+    bf16-out kernel; else None (no C kernels, or a bf16 step that mixes in float32 kernels)."""
+    from ..cpu_step_native import StepRun
+
     if not runs or not gguf_cpu_native.available():
         return None
-    if not all(quant_type in gguf_cpu_native.BF16_OUT_TYPES and gguf_cpu_native.has_bf16(quant_type)
-               and BF16_MAX_ROWS_BY_TYPE.get(quant_type, BF16_MAX_ROWS) >= BF16_MAX_ROWS for quant_type, _ in runs):
+    if dtype == torch.bfloat16:
+        if not all(quant_type in gguf_cpu_native.BF16_OUT_TYPES and gguf_cpu_native.has_bf16(quant_type)
+                   and BF16_MAX_ROWS_BY_TYPE.get(quant_type, BF16_MAX_ROWS) >= gguf_cpu_native.MAX_ROWS
+                   for quant_type, _ in runs):
+            return None
+    elif dtype != torch.float32:
         return None
-    return list(runs)
+    return [StepRun(quant_type, data) for quant_type, data in runs]
 
 
 def gguf_linear_routine(runs, bias: torch.Tensor | None = None):

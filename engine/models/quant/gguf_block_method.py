@@ -118,12 +118,12 @@ class GGUFBlockLinearMethod(LinearMethod):
                 out = out.add_(bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def bf16_step_runs(self, layer):
+    def cpu_step_runs(self, layer, dtype):
         weights = self.block_weights(layer)
         if (getattr(layer, "gguf_input_order", None) is not None or getattr(layer, "routine", None) is None
                 or weights[0].data.device.type != "cpu"):
             return None
-        return gguf_cpu.bf16_step_runs([(weight.quant_type, weight.data) for weight in weights])
+        return gguf_cpu.step_runs([(weight.quant_type, weight.data) for weight in weights], dtype)
 
     def forward_routine(self, layer):
         """On the CPU, the C GEMV bound to the layer's runs for decode steps (``gguf_cpu``) and, where AMX
