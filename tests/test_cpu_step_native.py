@@ -140,7 +140,7 @@ def test_native_layers_add_a_qkv_bias_and_norm_query_and_key_heads_as_the_loop_d
         qkv = attn.qkv_proj
         qkv.bias = torch.nn.Parameter((torch.randn(qkv.output_size_per_rank, generator=generator) * 0.5).to(dtype),
                                       requires_grad=False)
-        qkv.routine = qkv.method.forward_routine(qkv)  # bound anew with the bias
+        qkv.routine = qkv.method_routine = qkv.method.forward_routine(qkv)  # bound anew with the bias
         for name in ("q_norm", "k_norm"):
             norm = RMSNorm(arch.head_dim, 1e-6).to(dtype)
             norm.weight.data = (1 + torch.randn(arch.head_dim, generator=generator) * 0.3).to(dtype)
@@ -203,3 +203,16 @@ def test_the_engine_on_native_layers_gives_hf_greedy_tokens(files, dtype, monkey
     assert 3 in calls and 1 in calls  # decode steps of the batch and of one sequence
     for prompt, output in zip(prompts + prompts[:1], outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
+
+
+def test_int8_activation_routines_keep_the_python_loop(files):
+    """``cpu_int8_activations=True`` swaps the layers' routines for the int8 kernels: the step must run
+    those, so no native plan takes it."""
+    from hearth_llm.engine.models.gguf_linear_method import use_int8_activations
+    from hearth_llm.kernels.quant import gguf_cpu_q8x
+
+    if not (HAS_BF16 and gguf_cpu_q8x.has_panels()):
+        pytest.skip("needs AVX-512 BF16 and the int8-activation kernels (AVX-512 VNNI)")
+    model, arch = _model(files[torch.bfloat16][0], torch.bfloat16)
+    assert use_int8_activations(model) > 0
+    assert cpu_step._native_layers(model, cpu_step._plain_layers(model)) is None

@@ -164,7 +164,10 @@ def _layer_weights(layer: _Layer, dtype: torch.dtype) -> cpu_step_native.LayerWe
     linears = []
     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         method = getattr(linear, "method", None)
-        runs = None if method is None or linear.parallel.size != 1 else method.cpu_step_runs(linear, dtype)
+        if (method is None or linear.parallel.size != 1 or linear.routine is None
+                or linear.routine is not getattr(linear, "method_routine", None)):
+            return None  # e.g. cpu_int8_activations' routine: the step must run that
+        runs = method.cpu_step_runs(linear, dtype)
         if runs is None:
             return None
         linears.append((runs, linear.bias))
