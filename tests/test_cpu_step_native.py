@@ -171,7 +171,8 @@ def test_a_linear_without_a_bf16_out_gemv_keeps_the_python_loop(tmp_path):
 
 def test_dense_linears_keep_the_python_loop(tiny_model_dirs):
     model, arch = _model(tiny_model_dirs["llama"], torch.float32)
-    assert cpu_step._plain_layers(model) is not None and cpu_step._native_layers(model, cpu_step._plain_layers(model)) is None
+    layers = cpu_step._plain_layers(model)
+    assert layers is not None and cpu_step._native_layers(model, layers) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,8 +12,9 @@ speculative verification) 28.9 -> 19.8 ms, measured in one process, alternating.
 
 Where every linear runs the GGUF C GEMVs (a GGUF model kept in its blocks: in bf16 of Q4_0/Q4_1/
 Q8_0/Q4_K/Q6_K tensors, the AVX-512 BF16 path; in float32 of any kept type or the AVX2 path's panels)
-and the step has at most ``gguf_cpu_native.MAX_ROWS`` rows, all the layers go down in one C call (:class:`~hearth_llm.kernels.cpu_step_native.DecoderLayers`): the same
-kernel calls in the same order, bit-equal, without the ~10 Python calls a layer between them. Measured
+and the step has at most ``gguf_cpu_native.MAX_ROWS`` rows, all the layers go down in one C call
+(:class:`~hearth_llm.kernels.cpu_step_native.DecoderLayers`): the same kernel calls in the same order,
+bit-equal, without the ~10 Python calls a layer between them. Measured
 2026-12-03 (Xeon with AMX, 1 thread, the bundled SmolLM2 Q4_1, 128 tokens after a 16-token prompt,
 ms/token, 8 runs alternating in one process, ``NATIVE_LAYERS`` off / on): median 28.6 / 23.4, best 25.7 /
 20.4; libpython + libtorch went from ~19 % of the samples (perf) to ~7 %.

@@ -221,7 +221,8 @@ class LinearBase(nn.Module):
         """The method repacks the loaded weights, and may bind them into :attr:`routine`."""
         self.method.process_weights_after_loading(self)
         self.routine = self.method.forward_routine(self) if self.parallel.size == 1 else None
-        self.method_routine = self.routine  # what cpu_step checks: a routine swapped in later (int8) is not the method's
+        # cpu_step checks it: a routine swapped in later (cpu_int8_activations') is not the method's
+        self.method_routine = self.routine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routine = self.routine  # a decode step's hot path: one call, no dispatch
