@@ -4,6 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
+# The repo root holds our `kernels/` (installed as hearth_llm.kernels): on sys.path it would shadow the Hub's
+# `kernels` package, which transformers >= 5.25 depends on and imports. `python -m` (and `python -c`, in
+# tests' subprocesses) puts the current directory there unless Python runs with a safe path (3.11+).
+export PYTHONSAFEPATH := 1
 
 .PHONY: demo test wheel-check clean
 

@@ -3,6 +3,14 @@ the reference HF transformers model for each, and a check that every engine ends
 from __future__ import annotations
 
 import os
+import sys
+
+# The repo root holds our `kernels/` (installed as hearth_llm.kernels); on sys.path (`python -m pytest` from
+# the root puts it there) it shadows the Hub's `kernels` package that transformers >= 5.25 imports. Drop it,
+# and keep the subprocesses tests start from adding it back (a safe path, Python 3.11+; the Makefile sets it too).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _ROOT]
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 # Before torch loads: OpenMP threads that spin while idle starve each other when several torch
 # processes (or engine threads) share two cores; a 1 ms matmul then takes 40 ms.
