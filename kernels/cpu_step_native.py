@@ -212,7 +212,10 @@ _ROWS_KERNEL, _PANEL_KERNEL = 0, 1
 class StepRun:
     """One run of a linear's output rows as a CPU step multiplies it: ``data`` the GGUF block rows of
     ``quant_type`` (bf16 steps: the bf16-out GEMV; float32: the float32 GEMV), or with ``panels`` the
-    float32 panels of ``gguf_cpu_native.pack_panels`` (the panel GEMV)."""
+    float32 panels of ``gguf_cpu_native.pack_panels`` (the panel GEMV).
+
+    >>> StepRun("Q4_K", blocks), StepRun("Q4_1", panels, panels=True)
+    """
 
     quant_type: str
     data: torch.Tensor
@@ -222,7 +225,11 @@ class StepRun:
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """What :class:`DecoderLayers` reads of one plain decoder layer: tensors of the step's dtype, each
-    linear as ``(runs, bias)`` with runs a list of :class:`StepRun` in output order."""
+    linear as ``(runs, bias)`` with runs a list of :class:`StepRun` in output order.
+
+    >>> LayerWeights(norm1.weight, norm2.weight, 1e-5, 1e-5, (qkv_runs, None), (o_runs, None),
+    ...              (gate_up_runs, None), (down_runs, None), cos_sin, 9, 3, 64, 0.125, None)
+    """
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -253,7 +260,7 @@ class DecoderLayers:
     >>> hidden, residual = layers.run(hidden, step, kv_caches)
     """
 
-    __slots__ = ("_layers", "_keep", "_widths", "hidden_size", "dtype")
+    __slots__ = ("_layers", "_keep", "_widths", "_max_rows", "_scratch", "hidden_size", "dtype")
 
     @classmethod
     def of(cls, weights: list[LayerWeights]) -> "DecoderLayers | None":
@@ -299,6 +306,7 @@ class DecoderLayers:
             keep.extend(tensors)
         plan = cls()
         plan._layers, plan._keep, plan.hidden_size, plan.dtype = array, keep, hidden_size, dtype
+        plan._max_rows, plan._scratch = gguf_cpu_native.MAX_ROWS, {}
         plan._widths = [max(widths) for widths in zip(*[
             (layer.qkv.out_features, layer.o.in_features, layer.gate_up.out_features, layer.down.in_features)
             for layer in array])]
@@ -308,19 +316,15 @@ class DecoderLayers:
         """``(hidden, residual)`` after every layer for ``hidden`` ``[rows, hidden_size]`` of the layers' dtype
         (contiguous, rows <= ``gguf_cpu_native.MAX_ROWS``), ``step`` bound to this step's metadata, each layer's
         ``(key_cache, value_cache)`` (that dtype, contiguous; the caller checked them as for ``AttentionStep``)."""
-        from .quant import gguf_cpu_native
-
         rows = hidden.shape[0]
         num_tokens, positions, slots, num_seqs, query_start_loc, context_lens, tables, table_stride = step._args
         if (rows != num_tokens or hidden.dtype != self.dtype or hidden.shape[1] != self.hidden_size
-                or rows > gguf_cpu_native.MAX_ROWS or not hidden.is_contiguous()):
+                or rows > self._max_rows or not hidden.is_contiguous()):
             raise ValueError(f"hidden of {tuple(hidden.shape)} {hidden.dtype} does not fit this step of {num_tokens} "
                              f"tokens and {self.hidden_size}-wide {self.dtype} layers (up to "
-                             f"{gguf_cpu_native.MAX_ROWS} contiguous rows)")
-        qkv_width, heads_width, gate_up_width, inter = self._widths
-        out, residual, normed = (torch.empty_like(hidden) for _ in range(3))
-        qkv, heads = hidden.new_empty(rows, qkv_width), hidden.new_empty(rows, heads_width)
-        gate_up, act = hidden.new_empty(rows, gate_up_width), hidden.new_empty(rows, inter)
+                             f"{self._max_rows} contiguous rows)")
+        out, residual = torch.empty_like(hidden), torch.empty_like(hidden)  # the caller keeps these
+        normed, qkv, heads, gate_up, act = self._scratch_for(rows)
         caches = (ctypes.c_void_p * (2 * len(self._layers)))(
             *[cache.data_ptr() for pair in kv_caches for cache in pair])
         status = _library().step_decoder_layers(
@@ -333,6 +337,16 @@ class DecoderLayers:
         if status < 0:
             raise RuntimeError(f"step_decoder_layers: a GEMV refused its arguments (status {status})")
         return out, residual
+
+
+    def _scratch_for(self, rows: int) -> tuple:
+        """The step's scratch rows (normed, qkv, heads, gate_up, act), made once per row count: read and
+        written only inside one call, which the engine thread makes one at a time."""
+        scratch = self._scratch.get(rows)
+        if scratch is None:
+            widths = (self.hidden_size, *self._widths)
+            scratch = self._scratch[rows] = tuple(torch.empty(rows, width, dtype=self.dtype) for width in widths)
+        return scratch
 
 
 def _fill_linear(linear: _StepLinear, runs: list[StepRun], bias, dtype: torch.dtype, kernels: dict,

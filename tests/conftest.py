@@ -146,6 +146,21 @@ def make_engine():
         assert_pool_whole(engine.stats())
 
 
+def record_steps_at_abort(core, monkeypatch) -> list[int]:
+    """The engine's step count at each abort ``core`` is handed (a stream left or closed), in order.
+    Counted when the abort reaches the engine: when the event loop gets round to closing a left async
+    generator is the OS's and asyncio's doing, not the engine's."""
+    steps = []
+    enqueue_abort = core._abort_stream
+
+    def record_abort(stream):
+        steps.append(core.stats()["num_steps"])
+        enqueue_abort(stream)
+
+    monkeypatch.setattr(core, "_abort_stream", record_abort)
+    return steps
+
+
 def random_prompts(count: int, lengths, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(4, TINY_VOCAB, (lengths[i % len(lengths)],), generator=generator).tolist()

@@ -14,7 +14,7 @@ import pytest
 from hearth_llm.engine import (AsyncLLM, EngineClosedError, EngineDeadError, EngineOverloadedError, RateLimit,
                                RequestFailedError, RequestTimeoutError, SamplingParams, get_engine)
 
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, random_prompts, record_steps_at_abort
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 ENDLESS = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
@@ -91,17 +91,7 @@ async def test_construction_is_cheap_and_handles_share_one_engine(tiny_model_dir
 
 async def test_leaving_the_loop_after_three_outputs_frees_blocks_within_a_step(make_async_llm, monkeypatch):
     llm = make_async_llm()
-    core = llm.core
-    steps_at_abort = []
-    enqueue_abort = core._abort_stream
-
-    def record_abort(stream):
-        # counted when the abort reaches the engine: when the event loop gets round to closing
-        # the left generator is the OS's and asyncio's doing, not the engine's
-        steps_at_abort.append(core.stats()["num_steps"])
-        enqueue_abort(stream)
-
-    monkeypatch.setattr(core, "_abort_stream", record_abort)
+    steps_at_abort = record_steps_at_abort(llm.core, monkeypatch)
     num_seen = 0
     async for _ in llm.generate([7] * 40, ENDLESS):
         num_seen += 1

@@ -20,7 +20,7 @@ from hearth_llm.engine.registry import render_chat_prompt
 from hearth_llm.integrations.langchain import ChatHearth
 from hearth_llm.integrations.langchain.chat_models import to_chat_messages
 
-from conftest import random_prompts
+from conftest import random_prompts, record_steps_at_abort
 
 QUESTION = "What is the capital of France?"
 LONG_ANSWER = "Write a long story about a dragon who learns to bake bread."
@@ -125,16 +125,7 @@ async def test_astream_yields_incremental_chunks(chat):
 
 async def test_leaving_astream_after_three_chunks_frees_the_blocks(chat, monkeypatch):
     core = get_engine("default")
-    steps_at_abort = []
-    enqueue_abort = core._abort_stream
-
-    def record_abort(stream):
-        # counted when the abort reaches the engine: when the event loop gets round to closing
-        # the left generators is the OS's and asyncio's doing, not the engine's
-        steps_at_abort.append(core.stats()["num_steps"])
-        enqueue_abort(stream)
-
-    monkeypatch.setattr(core, "_abort_stream", record_abort)
+    steps_at_abort = record_steps_at_abort(core, monkeypatch)
     num_seen = 0
     async for _ in ChatHearth(temperature=0, max_tokens=500).astream(LONG_ANSWER):
         num_seen += 1

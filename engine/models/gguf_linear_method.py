@@ -161,8 +161,6 @@ class GGUFInt4LinearMethod(LinearMethod):
         return layer.cpu_weight(x, bias)
 
     def cpu_step_runs(self, layer, dtype):
-        if getattr(layer, "routine", None) is None:
-            return None
         panels = self.panel_runs(layer)
         if panels is not None:  # the float32 routine's steps of up to PANEL_MAX_ROWS rows
             return ([StepRun(quant_type, data, panels=True) for quant_type, data in panels]

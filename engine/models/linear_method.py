@@ -71,7 +71,11 @@ class LinearMethod:
         """The layer's output rows as :class:`~hearth_llm.kernels.cpu_step_native.StepRun` s where its
         routine multiplies a CPU step of ``dtype`` (float32 or bf16) and up to ``gguf_cpu_native.MAX_ROWS``
         rows by the GGUF C GEMVs, one per run into its columns, then adds the bias (what ``cpu_step``
-        then runs in one native call for all layers); else None."""
+        then runs in one native call for all layers, once it checked the layer's routine is still this
+        method's); else None.
+
+        >>> layer.method.cpu_step_runs(layer, torch.bfloat16)   # [StepRun("Q4_K", blocks), ...] or None
+        """
         return None
 
 

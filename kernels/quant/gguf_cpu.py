@@ -91,7 +91,10 @@ def _bf16_or_float32_tile(data: torch.Tensor, quant_type: str) -> torch.Tensor:
 def step_runs(runs, dtype: torch.dtype):
     """``runs`` as ``cpu_step_native.StepRun`` s where :func:`gguf_linear_routine` multiplies steps of 1..8
     rows of ``dtype`` by one C GEMV per run into its columns: float32, or bf16 with every run's type on a
-    bf16-out kernel; else None (no C kernels, or a bf16 step that mixes in float32 kernels)."""
+    bf16-out kernel; else None (no C kernels, or a bf16 step that mixes in float32 kernels).
+
+    >>> step_runs([("Q4_K", blocks), ("Q6_K", more_blocks)], torch.bfloat16)   # [StepRun(...), StepRun(...)]
+    """
     from ..cpu_step_native import StepRun
 
     if not runs or not gguf_cpu_native.available():

@@ -120,8 +120,7 @@ class GGUFBlockLinearMethod(LinearMethod):
 
     def cpu_step_runs(self, layer, dtype):
         weights = self.block_weights(layer)
-        if (getattr(layer, "gguf_input_order", None) is not None or getattr(layer, "routine", None) is None
-                or weights[0].data.device.type != "cpu"):
+        if getattr(layer, "gguf_input_order", None) is not None or weights[0].data.device.type != "cpu":
             return None
         return gguf_cpu.step_runs([(weight.quant_type, weight.data) for weight in weights], dtype)
 
