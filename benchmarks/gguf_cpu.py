@@ -221,11 +221,12 @@ class _HearthWorker:
     """Our engine on the file; ``quantization`` None is the default path, "gguf" keeps the blocks;
     ``int8``: ``cpu_int8_activations=True`` (decode steps on int8 activations, as llama.cpp)."""
 
-    def __init__(self, model: str, num_threads: int, quantization: str | None, int8: bool = False):
+    def __init__(self, model: str, num_threads: int, quantization: str | None, int8: bool = False,
+                 dtype: str = "auto"):
         from hearth_llm.engine import LLM, SamplingParams, get_engine
 
         options = dict(num_threads=num_threads, adaptive_threads=False, quantization=quantization,
-                       show_progress=False, kv_cache_memory=KV_CACHE_MEMORY)
+                       show_progress=False, kv_cache_memory=KV_CACHE_MEMORY, dtype=dtype)
         if int8:
             options["cpu_int8_activations"] = True
         self.llm = LLM(model, **options)
@@ -282,7 +283,13 @@ def worker_main(args) -> None:
             from hearth_llm.kernels.quant import gguf_cpu_native
 
             gguf_cpu_native.has_panels = lambda quant_type: False
-        worker = _HearthWorker(args.model, threads, args.quantization, args.int8)
+        if args.no_k_blocks:  # the A/B on a float32 CPU: K-quant layers and heads dequantized, as before
+            from hearth_llm.kernels.quant import gguf_cpu_native
+
+            has_vector_float32 = gguf_cpu_native.has_vector_float32
+            gguf_cpu_native.has_vector_float32 = lambda quant_type: (quant_type in ("Q4_0", "Q4_1", "Q8_0")
+                                                                     and has_vector_float32(quant_type))
+        worker = _HearthWorker(args.model, threads, args.quantization, args.int8, args.dtype)
     load_s = time.perf_counter() - started
     worker.single(prompt_ids(7, 8, worker.vocab_size), 4)  # warm-up: first-call costs out of the numbers
     print(json.dumps({"ready": True, "vocab_size": worker.vocab_size, "rss_bytes": _rss_bytes(),
@@ -344,7 +351,10 @@ def worker_commands(path: Path, threads: int, args) -> dict[str, list[str]]:
                 "hearth int4pack": [sys.executable, this_file, "--worker", "hearth", "--int4pack", *common],
                 "hearth dense": [sys.executable, this_file, "--worker", "hearth", "--no-panels", *common],
                 "hearth no-amx": [sys.executable, this_file, "--worker", "hearth", "--no-amx", *common],
-                "hearth int8": [sys.executable, this_file, "--worker", "hearth", "--int8", *common]}
+                "hearth int8": [sys.executable, this_file, "--worker", "hearth", "--int8", *common],
+                "hearth float32": [sys.executable, this_file, "--worker", "hearth", "--dtype", "float32", *common],
+                "hearth float32 dense": [sys.executable, this_file, "--worker", "hearth", "--dtype", "float32",
+                                         "--no-k-blocks", *common]}
     if not args.skip_llama_cpp:
         commands[LLAMA_CPP] = [args.llama_cpp_python, this_file, "--worker", "llama", *common]
     return {name: command for name, command in commands.items() if name in args.systems or name == LLAMA_CPP}
@@ -396,7 +406,10 @@ def parse_args(argv=None):
                              "torch's int4 kernel, the path before the exact Q4 kernels), 'hearth dense' (on a "
                              "float32 CPU: dense float32 weights, the path before the AVX2 panel kernels), 'hearth no-amx' (on an "
                              "AMX CPU: batches on dense copies / torch tiles, the path before the AMX tiles), 'hearth int8' "
-                             "(cpu_int8_activations=True: decode steps on int8 activations, not exact)")
+                             "(cpu_int8_activations=True: decode steps on int8 activations, not exact), 'hearth float32' "
+                             "(dtype='float32', the path of CPUs without AVX-512 BF16; with "
+                             "HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f its AVX2 kernels), 'hearth float32 dense' (the same with "
+                             "K-quant layers and heads dequantized at load, the float32 path before the AVX2 K-quant kernels)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated, from {list(MEASURES)}")
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens per stream, SmolLM2")
@@ -414,6 +427,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-panels", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-amx", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--int8", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--no-k-blocks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",")]
     args.measures = [m.strip() for m in args.measures.split(",")]

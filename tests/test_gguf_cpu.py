@@ -246,6 +246,40 @@ def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_we
         assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
 
 
+def test_float32_cpu_load_keeps_k_quant_blocks_and_matches_hf_on_the_dequantized_weights(all_types_file):
+    """The float32 engine of a CPU without AVX-512 BF16 (here: any build): a layer whose every type has a
+    vectorized float32 GEMV (AVX2: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K; AVX-512: all) keeps its blocks, unless it
+    is all Q4_0/Q4_1/Q8_0 (the panel kernels' layers); the Q6_K head too. Before, float32 dequantized them."""
+    if not all(gguf_cpu_native.has_vector_float32(quant_type) for quant_type in ("Q4_K", "Q5_K", "Q6_K")):
+        pytest.skip("no vectorized float32 K-quant GEMV in this build (no AVX2 + FMA + F16C)")
+    path, tensor_bytes, hf_dir = all_types_file
+    prompts = random_prompts(3, [5, 100, 2], seed=32)  # 100 tokens: a prefill on the tiled float32 path
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    checkpoint_names = {"q_proj": ("attn_q", "attn_k", "attn_v"), "qkv_proj": ("attn_q", "attn_k", "attn_v"),
+                        "o_proj": ("attn_output",), "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
+    column = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "attn_output": 3, "ffn_gate": 4, "ffn_up": 5, "ffn_down": 6}
+    with LLM(str(path), dtype="float32", device="cpu", show_progress=False) as llm:
+        model = llm.engine.runner.model
+        layers = {name: layer for name, layer in linear_layers(model) if name.startswith("layers.")}
+        outputs = llm.generate(prompts[:2], params, use_tqdm=False) + llm.generate(prompts[2:], params, use_tqdm=False)
+        kept = 0
+        for name, layer in layers.items():
+            index, short = int(name.split(".")[1]), name.rsplit(".", 1)[-1]
+            tensors = checkpoint_names[short]
+            types = {LAYER_TYPES[index][column[tensor]] for tensor in tensors}
+            expect_blocks = (not types <= {"Q4_0", "Q4_1", "Q8_0"}
+                             and all(gguf_cpu_native.has_vector_float32(quant_type) for quant_type in types))
+            assert isinstance(layer.method, GGUFBlockLinearMethod) == expect_blocks, (name, types)
+            if expect_blocks:
+                kept += 1
+                assert layer.method.resident_bytes(layer) == sum(tensor_bytes[f"blk.{index}.{t}"] for t in tensors)
+        assert kept >= 4  # layer 0's qkv (Q4_K + Q6_K) and o (Q5_K), layer 1's gate_up (Q6_K) and down (Q5_K)
+        assert isinstance(model.lm_head, CpuBlockLogitsHead) and model.lm_head.quant_type == "Q6_K"
+        assert model.lm_head.resident_bytes() == tensor_bytes["output"]
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
+
+
 def test_bundled_smollm2_in_bf16_shares_one_block_copy_of_its_tied_embedding_and_head():
     """The tied Q8_0 embedding and head are one shared block copy; the Q4_1 linears keep their blocks
     (int4 codes where the C bf16 Q4 kernels are not built). With AMX their batches run on tiles of the blocks

@@ -15,7 +15,7 @@ from hearth_llm.engine.loader import load_checkpoint
 from hearth_llm.engine.models.cpu_weights import CpuBlockEmbedding, CpuBlockLogitsHead, int4_layout_is_the_tiles_one
 from hearth_llm.engine.models.gguf_linear_method import GGUFInt4LinearMethod
 from hearth_llm.engine.models.linear import linear_layers
-from hearth_llm.kernels.quant import gguf_cpu_native, gguf_reference
+from hearth_llm.kernels.quant import BLOCK_FORMATS, gguf_cpu_native, gguf_reference
 
 from conftest import TINY_VOCAB, hf_greedy, random_prompts
 from gguf_writer import add_q8_0_embedding_and_norm, add_block_layers, tiny_llama_writer, write_and_close
@@ -77,12 +77,14 @@ def test_panel_gemv_gives_each_row_the_same_bits_in_any_batch(quant_type):
         assert torch.equal(gemv(x[:rows].contiguous()), alone[:rows]), f"{rows} rows"
 
 
-@pytest.mark.parametrize("quant_type", PANEL_TYPES)
+@pytest.mark.parametrize("quant_type", [*PANEL_TYPES, "Q4_K", "Q5_K", "Q6_K"])
 def test_avx2_row_gemv_gives_each_row_the_same_bits_in_any_batch(quant_type):
     if gguf_cpu_native.has_avx512():
         pytest.skip("AVX-512 build: its float32 GEMV keeps fewer accumulators for more rows")
-    data = random_blocks(quant_type, 24, 128, seed=6)
-    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(7))
+    assert gguf_cpu_native.has_vector_float32(quant_type)  # the AVX2 kernel, not the scalar decoders
+    num_columns = 2 * BLOCK_FORMATS[quant_type].block_size
+    data = random_blocks(quant_type, 24, num_columns, seed=6)
+    x = torch.randn(8, num_columns, generator=torch.Generator().manual_seed(7))
     alone = torch.cat([gguf_cpu_native.gemv(x[i:i + 1], data, quant_type) for i in range(8)])
     for rows in range(2, 9):
         assert torch.equal(gguf_cpu_native.gemv(x[:rows], data, quant_type), alone[:rows]), f"{rows} rows"

@@ -241,12 +241,12 @@ class CpuBlockEmbedding(nn.Module):
 
 def resident_blocks(loaded, dtype: torch.dtype):
     """A checkpoint value the CPU embedding/head may keep as blocks: GGUF blocks of a bf16 model (of a
-    float32 one: Q4_0/Q4_1/Q8_0 where the AVX2 kernels run them), in their natural column order, with
+    float32 one: the types with a vectorized float32 GEMV, e.g. AVX2's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), in their natural column order, with
     the C kernels built, copied out of the loader's buffer (which may be a view of its whole mapped
     file, kept resident as long as any view lives); else None."""
     quant_type = getattr(loaded, "quant_type", None)
     if (quant_type not in GGUF_TYPES or getattr(loaded, "input_order", 1) is not None
-            or not (dtype == torch.bfloat16 or (dtype == torch.float32 and gguf_cpu_native.has_panels(quant_type)))
+            or not (dtype == torch.bfloat16 or (dtype == torch.float32 and gguf_cpu_native.has_vector_float32(quant_type)))
             or loaded.data.device.type != "cpu" or not gguf_cpu_native.available()):
         return None
     return type(loaded)(loaded.quant_type, loaded.data.clone(memory_format=torch.contiguous_format))

@@ -508,6 +508,176 @@ GEMV_FN(gemv_w4g128, DEC_W4G128, 128, 68)
 GEMV8_FN(gemv_q4_0, DEC8_Q4_0, 18)
 GEMV8_FN(gemv_q4_1, DEC8_Q4_1, 20)
 GEMV8_FN(gemv_q8_0, DEC8_Q8_0, 34)
+
+/* AVX2 (no AVX-512): Q4_K, Q5_K and Q6_K rows, 8 weights a vector. Every code is decoded exactly (an
+   integer in float32); Q6_K's weights are then the reference's (d * sc) * (q - 32), one rounding, and
+   fused into the dot products. Q4_K/Q5_K factor their scales out as the bf16 kernels do: per sub-block
+   of 32, (d * sc) * sum(q x) - (dmin * mn) * sum(x), the sums of x per 32 computed once per call; the
+   same exact weights, only where the float32 roundings fall differs (and no multiply and subtract per
+   weight). A pass takes one or two rows of x (two fill the 16 registers); each row's sums are the same
+   operations whatever M is, so a verify step's rows get a one-row step's bits. */
+#define HAS_AVX2_K_KERNELS 1
+#define DEQUANT_FN(NAME, DECODE, BS, TS)                                                             \
+    static void NAME##_dequant(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1,      \
+                               int64_t K, float *out) {                                              \
+        for (int64_t n = n0; n < n1; n++)                                                            \
+            for (int64_t blk = 0; blk < K / BS; blk++)                                               \
+                DECODE(data + n * row_stride + blk * TS, out + (n - n0) * K + blk * BS);             \
+    }
+
+/* k_scales's 8 scales d * sc and 8 minimums dmin * mn of a Q4_K/Q5_K block (12 bytes s after d, dmin),
+   unpacked with 32-bit word ops (as llama.cpp does): the same float32 products. */
+static inline void k_scales_avx2(const uint8_t *b, __m256 *scale, __m256 *minimum) {
+    uint32_t a, bb, c;
+    memcpy(&a, b + 4, 4);
+    memcpy(&bb, b + 8, 4);
+    memcpy(&c, b + 12, 4);
+    const uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = bb & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | (((bb >> 6) & 0x03030303u) << 4);
+    *scale = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
+    *minimum = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+}
+
+/* x's sums per 32 values, [M, K / 32], each in a fixed order (four 8-lane vectors, then hsum8) */
+static void sums_of_32(const float *x, int64_t K, int M, float *xsum) {
+    for (int m = 0; m < M; m++)
+        for (int64_t g = 0; g < K / 32; g++) {
+            const float *p = x + m * K + 32 * g;
+            xsum[m * (K / 32) + g] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                                         _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
+        }
+}
+
+/* bit `bit` (0..7) of each 32-bit lane's byte moved to bit 4 (value 16), all else zero */
+static inline __m256i bit_to_16(__m256i v, const int bit) {
+    return _mm256_and_si256(bit <= 4 ? _mm256_slli_epi32(v, 4 - bit) : _mm256_srli_epi32(v, bit - 4),
+                            _mm256_set1_epi32(16));
+}
+
+/* Q4_K (FIVE = 0, 144-byte blocks) and Q5_K (FIVE = 1, 176): chunk c (32 code bytes) holds sub-block
+   2c in its low nibbles and 2c + 1 in its high ones; Q5_K's fifth bit of element 32 s + l is bit s of
+   qh[l]. */
+static inline __attribute__((always_inline)) void k_avx2_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const float *x,
+        const float *xsum, const int M, float *out, int64_t out_stride, const int FIVE) {
+    const __m256i low_mask = _mm256_set1_epi32(15);
+    const int64_t num_blocks = K / 256, block_bytes = FIVE ? 176 : 144;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = data + n * row_stride;
+        __m256 acc[2][2], minsum[2];  /* per row of x: the low and the high sub-blocks' sums apart */
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = minsum[m] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < num_blocks; blk++) {
+            const uint8_t *b = row + blk * block_bytes, *qs = b + (FIVE ? 48 : 16), *qh = b + 16;
+            PREFETCH(b, block_bytes);
+            __m256 scales, mins;
+            k_scales_avx2(b, &scales, &mins);
+            float scale[8];
+            _mm256_storeu_ps(scale, scales);
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+                __m256 low[2], high[2];
+                for (int m = 0; m < M; m++) low[m] = high[m] = _mm256_setzero_ps();
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+                    const __m256i v = U8X8(qs + 32 * c + 8 * j);
+                    __m256i lo = _mm256_and_si256(v, low_mask), hi = _mm256_srli_epi32(v, 4);
+                    if (FIVE) {
+                        const __m256i h = U8X8(qh + 8 * j);
+                        lo = _mm256_or_si256(lo, bit_to_16(h, 2 * c));
+                        hi = _mm256_or_si256(hi, bit_to_16(h, 2 * c + 1));
+                    }
+                    const __m256 wl = _mm256_cvtepi32_ps(lo), wh = _mm256_cvtepi32_ps(hi);
+                    for (int m = 0; m < M; m++) {
+                        const float *xb = x + m * K + blk * 256 + 64 * c + 8 * j;
+                        low[m] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xb), low[m]);
+                        high[m] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xb + 32), high[m]);
+                    }
+                }
+                const __m256 s0 = _mm256_broadcast_ss(scale + 2 * c), s1 = _mm256_broadcast_ss(scale + 2 * c + 1);
+                for (int m = 0; m < M; m++) {
+                    acc[m][0] = _mm256_fmadd_ps(s0, low[m], acc[m][0]);
+                    acc[m][1] = _mm256_fmadd_ps(s1, high[m], acc[m][1]);
+                }
+            }
+            for (int m = 0; m < M; m++)
+                minsum[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsum + m * (K / 32) + blk * 8), minsum[m]);
+        }
+        for (int m = 0; m < M; m++)
+            out[m * out_stride + n] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1])) - hsum8(minsum[m]);
+    }
+}
+
+/* Q6_K: element e = 128 h + 64 nib + 32 s2 + l takes nibble `nib` of ql[64 h + 32 s2 + l] and bits
+   2 (2 nib + s2) of qh[32 h + l] (decode_q6_k); weight (d * sc[e / 16]) * (q - 32). */
+static inline __attribute__((always_inline)) void q6_k_avx2_rows(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const float *x,
+        const int M, float *out, int64_t out_stride) {
+    const __m256i low_mask = _mm256_set1_epi32(15), high_mask = _mm256_set1_epi32(0x30), thirty_two = _mm256_set1_epi32(32);
+    const int64_t num_blocks = K / 256;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = data + n * row_stride;
+        __m256 acc[2][4];  /* per row of x: four chains (by nib and lc % 2) */
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < num_blocks; blk++) {
+            const uint8_t *b = row + blk * 210, *ql = b, *qh = b + 128;
+            PREFETCH(b, 210);
+            const __m256 d = _mm256_set1_ps(f16(b + 208));
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+            float scale[16];
+            _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+            _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
+                _Pragma("GCC unroll 4") for (int lc = 0; lc < 4; lc++) {
+                    const __m256i high = U8X8(qh + 32 * h + 8 * lc);
+                    _Pragma("GCC unroll 2") for (int s2 = 0; s2 < 2; s2++) {
+                        const __m256i low = U8X8(ql + 64 * h + 32 * s2 + 8 * lc);
+                        _Pragma("GCC unroll 2") for (int nib = 0; nib < 2; nib++) {
+                            const int shift = 2 * (2 * nib + s2), e = 128 * h + 64 * nib + 32 * s2 + 8 * lc;
+                            const __m256i bits = _mm256_and_si256(
+                                shift <= 4 ? _mm256_slli_epi32(high, 4 - shift) : _mm256_srli_epi32(high, shift - 4), high_mask);
+                            const __m256i q = _mm256_or_si256(nib ? _mm256_srli_epi32(low, 4) : _mm256_and_si256(low, low_mask), bits);
+                            const __m256 w = _mm256_mul_ps(_mm256_broadcast_ss(scale + (e >> 4)),
+                                                           _mm256_cvtepi32_ps(_mm256_sub_epi32(q, thirty_two)));
+                            for (int m = 0; m < M; m++)
+                                acc[m][2 * nib + (lc & 1)] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + blk * 256 + e),
+                                                                            acc[m][2 * nib + (lc & 1)]);
+                        }
+                    }
+                }
+        }
+        for (int m = 0; m < M; m++)
+            out[m * out_stride + n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
+                                                          _mm256_add_ps(acc[m][2], acc[m][3])));
+    }
+}
+
+/* Rows of x two at a time (M a constant in each inlined pass); Q4_K/Q5_K's sums of x once per call. */
+#define K_AVX2_FN(NAME, FIVE)                                                                        \
+    static void NAME(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K,     \
+                     const float *x, int M, float *out, int64_t out_stride) {                        \
+        float xsum[8 * 512], *sums = M * (K / 32) <= 8 * 512 ? xsum : malloc(sizeof(float) * M * (K / 32)); \
+        if (sums == NULL) return;                                                                    \
+        sums_of_32(x, K, M, sums);                                                                   \
+        for (int m0 = 0; m0 < M; m0 += 2) {                                                          \
+            const float *xm = x + m0 * K, *sm = sums + m0 * (K / 32);                                \
+            if (M - m0 >= 2) k_avx2_rows(data, row_stride, n0, n1, K, xm, sm, 2, out + m0 * out_stride, out_stride, FIVE); \
+            else k_avx2_rows(data, row_stride, n0, n1, K, xm, sm, 1, out + m0 * out_stride, out_stride, FIVE); \
+        }                                                                                            \
+        if (sums != xsum) free(sums);                                                                \
+    }
+K_AVX2_FN(gemv_q4_k, 0)
+K_AVX2_FN(gemv_q5_k, 1)
+static void gemv_q6_k(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const float *x,
+                      int M, float *out, int64_t out_stride) {
+    for (int m0 = 0; m0 < M; m0 += 2) {
+        if (M - m0 >= 2) q6_k_avx2_rows(data, row_stride, n0, n1, K, x + m0 * K, 2, out + m0 * out_stride, out_stride);
+        else q6_k_avx2_rows(data, row_stride, n0, n1, K, x + m0 * K, 1, out + m0 * out_stride, out_stride);
+    }
+}
+DEQUANT_FN(gemv_q4_k, decode_q4_k, 256, 144)
+DEQUANT_FN(gemv_q5_k, decode_q5_k, 256, 176)
+DEQUANT_FN(gemv_q6_k, decode_q6_k, 256, 210)
 #else
 GEMV_FN(gemv_q4_0, decode_q4_0, 32, 18)
 GEMV_FN(gemv_q4_1, decode_q4_1, 32, 20)
@@ -515,9 +685,11 @@ GEMV_FN(gemv_q8_0, decode_q8_0, 32, 34)
 #endif
 GEMV_FN(gemv_q5_0, decode_q5_0, 32, 22)
 GEMV_FN(gemv_q5_1, decode_q5_1, 32, 24)
+#if !defined(HAS_AVX2_K_KERNELS)
 GEMV_FN(gemv_q4_k, decode_q4_k, 256, 144)
 GEMV_FN(gemv_q5_k, decode_q5_k, 256, 176)
 GEMV_FN(gemv_q6_k, decode_q6_k, 256, 210)
+#endif
 GEMV_FN(gemv_w4g128, decode_w4g128, 128, 68)
 #endif
 
@@ -1537,6 +1709,20 @@ int gguf_has_avx512(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return 1;
 #else
+    return 0;
+#endif
+}
+
+/* 1 where this build's float32 GEMV (gguf_gemv) for qtype is vectorized: every type with AVX-512; with
+   AVX2 + FMA + F16C, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (the types of Q4_K_M, Q5_K_M, Q6_K and Q8_0
+   files); else none (the scalar decoders). */
+int gguf_has_vector_float32(int qtype) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return qtype >= 0 && qtype <= W4G128;
+#elif defined(HAS_AVX2_K_KERNELS)
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
+#else
+    (void)qtype;
     return 0;
 #endif
 }

@@ -91,6 +91,15 @@ def has_avx512() -> bool:
     return library is not None and bool(library.gguf_has_avx512())
 
 
+def has_vector_float32(quant_type: str) -> bool:
+    """Whether this build's float32 GEMV (:func:`gemv`) for ``quant_type`` is vectorized: every type with
+    AVX-512; with AVX2 + FMA + F16C the types of the common files (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K);
+    elsewhere none (scalar decoders)."""
+    library = _library()
+    return (library is not None and quant_type in QTYPE_IDS
+            and bool(library.gguf_has_vector_float32(QTYPE_IDS[quant_type])))
+
+
 def has_bf16(quant_type: str) -> bool:
     """Whether this build multiplies ``quant_type`` blocks by bf16 ``x`` directly (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
     with AVX-512 BF16: bf16 dot products of the exact integer codes, then the file's scales in float32)."""
@@ -408,6 +417,8 @@ def _library():
     library.gguf_gemv_bf16_out.restype = ctypes.c_int
     library.gguf_has_bf16.argtypes = (ctypes.c_int,)
     library.gguf_has_panels.argtypes = (ctypes.c_int,)
+    library.gguf_has_vector_float32.argtypes = (ctypes.c_int,)
+    library.gguf_has_vector_float32.restype = ctypes.c_int
     library.gguf_has_avx512.argtypes = ()
     library.gguf_has_avx512.restype = ctypes.c_int
     library.gguf_panel_pack.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr)

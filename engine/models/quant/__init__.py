@@ -66,14 +66,21 @@ class QuantizationPlan:
 
     def keeps_gguf_blocks(self, device: torch.device, dtype: torch.dtype | None = None, formats=()) -> bool:
         """Whether a GGUF layer of tensor types ``formats`` stays in its blocks on ``device`` (~1x the
-        file's memory): always under ``quantization="gguf"``; by default on the CPU in bf16 where the C
-        kernels are built (``kernels/quant/gguf_cpu_native.py``), except layers all Q4_0/Q4_1, which the
-        int4 CPU method runs (float32 keeps the dequantized reference path)."""
+        file's memory): always under ``quantization="gguf"``; by default on the CPU where the C kernels
+        are built (``kernels/quant/gguf_cpu_native.py``): in bf16 except layers all Q4_0/Q4_1, which the
+        int4 CPU method runs; in float32 (CPUs without AVX-512 BF16) layers whose every type has a
+        vectorized float32 GEMV (AVX2: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, so Q4_K_M, Q5_K_M and Q6_K files),
+        except layers all Q4_0/Q4_1/Q8_0, which the panel kernels run. Other float32 layers are
+        dequantized at load."""
         if self.requested == "gguf":
             return True
         if torch.device(device).type == "cpu":
-            return (dtype == torch.bfloat16 and not set(formats) <= {"Q4_0", "Q4_1"}
-                    and gguf_cpu_native.available())
+            if not gguf_cpu_native.available():
+                return False
+            if dtype == torch.float32:
+                return (not set(formats) <= {"Q4_0", "Q4_1", "Q8_0"}
+                        and all(gguf_cpu_native.has_vector_float32(quant_type) for quant_type in formats))
+            return dtype == torch.bfloat16 and not set(formats) <= {"Q4_0", "Q4_1"}
         return torch.device(device).type == "cuda" and GGUF_BLOCKS_ON_CUDA_BY_DEFAULT
 
 
