@@ -517,13 +517,6 @@ GEMV8_FN(gemv_q8_0, DEC8_Q8_0, 34)
    weight). A pass takes one or two rows of x (two fill the 16 registers); each row's sums are the same
    operations whatever M is, so a verify step's rows get a one-row step's bits. */
 #define HAS_AVX2_K_KERNELS 1
-#define DEQUANT_FN(NAME, DECODE, BS, TS)                                                             \
-    static void NAME##_dequant(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1,      \
-                               int64_t K, float *out) {                                              \
-        for (int64_t n = n0; n < n1; n++)                                                            \
-            for (int64_t blk = 0; blk < K / BS; blk++)                                               \
-                DECODE(data + n * row_stride + blk * TS, out + (n - n0) * K + blk * BS);             \
-    }
 
 /* k_scales's 8 scales d * sc and 8 minimums dmin * mn of a Q4_K/Q5_K block (12 bytes s after d, dmin),
    unpacked with 32-bit word ops (as llama.cpp does): the same float32 products. */
@@ -675,9 +668,72 @@ static void gemv_q6_k(const uint8_t *data, int64_t row_stride, int64_t n0, int64
         else q6_k_avx2_rows(data, row_stride, n0, n1, K, x + m0 * K, 1, out + m0 * out_stride, out_stride);
     }
 }
-DEQUANT_FN(gemv_q4_k, decode_q4_k, 256, 144)
-DEQUANT_FN(gemv_q5_k, decode_q5_k, 256, 176)
-DEQUANT_FN(gemv_q6_k, decode_q6_k, 256, 210)
+/* The dequantizers (the tiled path of batches): decode_q4_k / q5_k / q6_k's float32 operations, 8
+   weights a vector: (d * sc) * q - dmin * mn (a multiply, then a subtract), (d * sc) * (q - 32). */
+static inline __attribute__((always_inline)) void k_avx2_dequant(
+        const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, float *out, const int FIVE) {
+    const __m256i low_mask = _mm256_set1_epi32(15);
+    const int64_t block_bytes = FIVE ? 176 : 144;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t blk = 0; blk < K / 256; blk++) {
+            const uint8_t *b = data + n * row_stride + blk * block_bytes, *qs = b + (FIVE ? 48 : 16), *qh = b + 16;
+            float *dst = out + (n - n0) * K + blk * 256;
+            __m256 scales, mins;
+            k_scales_avx2(b, &scales, &mins);
+            float scale[8], minimum[8];
+            _mm256_storeu_ps(scale, scales);
+            _mm256_storeu_ps(minimum, mins);
+            for (int c = 0; c < 4; c++) {
+                const __m256 s0 = _mm256_broadcast_ss(scale + 2 * c), s1 = _mm256_broadcast_ss(scale + 2 * c + 1);
+                const __m256 m0 = _mm256_broadcast_ss(minimum + 2 * c), m1 = _mm256_broadcast_ss(minimum + 2 * c + 1);
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = U8X8(qs + 32 * c + 8 * j);
+                    __m256i lo = _mm256_and_si256(v, low_mask), hi = _mm256_srli_epi32(v, 4);
+                    if (FIVE) {
+                        const __m256i h = U8X8(qh + 8 * j);
+                        lo = _mm256_or_si256(lo, bit_to_16(h, 2 * c));
+                        hi = _mm256_or_si256(hi, bit_to_16(h, 2 * c + 1));
+                    }
+                    _mm256_storeu_ps(dst + 64 * c + 8 * j, _mm256_sub_ps(_mm256_mul_ps(s0, _mm256_cvtepi32_ps(lo)), m0));
+                    _mm256_storeu_ps(dst + 64 * c + 32 + 8 * j, _mm256_sub_ps(_mm256_mul_ps(s1, _mm256_cvtepi32_ps(hi)), m1));
+                }
+            }
+        }
+}
+static void gemv_q4_k_dequant(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, float *out) {
+    k_avx2_dequant(data, rs, n0, n1, K, out, 0);
+}
+static void gemv_q5_k_dequant(const uint8_t *data, int64_t rs, int64_t n0, int64_t n1, int64_t K, float *out) {
+    k_avx2_dequant(data, rs, n0, n1, K, out, 1);
+}
+static void gemv_q6_k_dequant(const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, float *out) {
+    const __m256i low_mask = _mm256_set1_epi32(15), high_mask = _mm256_set1_epi32(0x30), thirty_two = _mm256_set1_epi32(32);
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t blk = 0; blk < K / 256; blk++) {
+            const uint8_t *b = data + n * row_stride + blk * 210, *ql = b, *qh = b + 128;
+            float *dst = out + (n - n0) * K + blk * 256;
+            const __m256 d = _mm256_set1_ps(f16(b + 208));
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+            float scale[16];
+            _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+            _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+            for (int h = 0; h < 2; h++)
+                for (int lc = 0; lc < 4; lc++) {
+                    const __m256i high = U8X8(qh + 32 * h + 8 * lc);
+                    for (int s2 = 0; s2 < 2; s2++) {
+                        const __m256i low = U8X8(ql + 64 * h + 32 * s2 + 8 * lc);
+                        for (int nib = 0; nib < 2; nib++) {
+                            const int shift = 2 * (2 * nib + s2), e = 128 * h + 64 * nib + 32 * s2 + 8 * lc;
+                            const __m256i bits = _mm256_and_si256(
+                                shift <= 4 ? _mm256_slli_epi32(high, 4 - shift) : _mm256_srli_epi32(high, shift - 4), high_mask);
+                            const __m256i q = _mm256_or_si256(nib ? _mm256_srli_epi32(low, 4) : _mm256_and_si256(low, low_mask), bits);
+                            _mm256_storeu_ps(dst + e, _mm256_mul_ps(_mm256_broadcast_ss(scale + (e >> 4)),
+                                                                    _mm256_cvtepi32_ps(_mm256_sub_epi32(q, thirty_two))));
+                        }
+                    }
+                }
+        }
+}
 #else
 GEMV_FN(gemv_q4_0, decode_q4_0, 32, 18)
 GEMV_FN(gemv_q4_1, decode_q4_1, 32, 20)
