@@ -556,7 +556,7 @@ static inline __m256i bit_to_16(__m256i v, const int bit) {
 static inline __attribute__((always_inline)) void k_avx2_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const float *x,
         const float *xsum, const int M, float *out, int64_t out_stride, const int FIVE) {
-    const __m256i low_mask = _mm256_set1_epi32(15);
+    const __m256i low_mask = _mm256_set1_epi32(15), high_mask = _mm256_set1_epi32(0xF0), bit8 = _mm256_set1_epi32(256);
     const int64_t num_blocks = K / 256, block_bytes = FIVE ? 176 : 144;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
@@ -567,18 +567,21 @@ static inline __attribute__((always_inline)) void k_avx2_rows(
             PREFETCH(b, block_bytes);
             __m256 scales, mins;
             k_scales_avx2(b, &scales, &mins);
-            float scale[8];
+            /* the high nibbles stay in place (16 q: an AND, no shift), their scales divided by 16 (exact: a
+               power of two), so the sums are the same bits as with q and the scale */
+            float scale[8], scale16[8];
             _mm256_storeu_ps(scale, scales);
+            _mm256_storeu_ps(scale16, _mm256_mul_ps(scales, _mm256_set1_ps(0.0625f)));
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
                 __m256 low[2], high[2];
                 for (int m = 0; m < M; m++) low[m] = high[m] = _mm256_setzero_ps();
                 _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
                     const __m256i v = U8X8(qs + 32 * c + 8 * j);
-                    __m256i lo = _mm256_and_si256(v, low_mask), hi = _mm256_srli_epi32(v, 4);
-                    if (FIVE) {
+                    __m256i lo = _mm256_and_si256(v, low_mask), hi = _mm256_and_si256(v, high_mask);
+                    if (FIVE) {  /* the fifth bit: 16 for the low code, 256 for the high one (16 q) */
                         const __m256i h = U8X8(qh + 8 * j);
                         lo = _mm256_or_si256(lo, bit_to_16(h, 2 * c));
-                        hi = _mm256_or_si256(hi, bit_to_16(h, 2 * c + 1));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(h, 7 - 2 * c), bit8));
                     }
                     const __m256 wl = _mm256_cvtepi32_ps(lo), wh = _mm256_cvtepi32_ps(hi);
                     for (int m = 0; m < M; m++) {
@@ -587,7 +590,7 @@ static inline __attribute__((always_inline)) void k_avx2_rows(
                         high[m] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xb + 32), high[m]);
                     }
                 }
-                const __m256 s0 = _mm256_broadcast_ss(scale + 2 * c), s1 = _mm256_broadcast_ss(scale + 2 * c + 1);
+                const __m256 s0 = _mm256_broadcast_ss(scale + 2 * c), s1 = _mm256_broadcast_ss(scale16 + 2 * c + 1);
                 for (int m = 0; m < M; m++) {
                     acc[m][0] = _mm256_fmadd_ps(s0, low[m], acc[m][0]);
                     acc[m][1] = _mm256_fmadd_ps(s1, high[m], acc[m][1]);
@@ -602,15 +605,17 @@ static inline __attribute__((always_inline)) void k_avx2_rows(
 }
 
 /* Q6_K: element e = 128 h + 64 nib + 32 s2 + l takes nibble `nib` of ql[64 h + 32 s2 + l] and bits
-   2 (2 nib + s2) of qh[32 h + l] (decode_q6_k); weight (d * sc[e / 16]) * (q - 32). */
+   2 (2 nib + s2) of qh[32 h + l] (decode_q6_k); weight (d * sc[e / 16]) * (q - 32), here factored as
+   the bf16 kernel does: (d * sc) * sum(16 (q - 32) x). The codes of 16 elements are made in one
+   register of 16-bit lanes (half the integer work of 32-bit ones) and widened for the float convert. */
 static inline __attribute__((always_inline)) void q6_k_avx2_rows(
         const uint8_t *data, int64_t row_stride, int64_t n0, int64_t n1, int64_t K, const float *x,
         const int M, float *out, int64_t out_stride) {
-    const __m256i low_mask = _mm256_set1_epi32(15), high_mask = _mm256_set1_epi32(0x30), thirty_two = _mm256_set1_epi32(32);
+    const __m256i low_mask = _mm256_set1_epi16(15), high_mask = _mm256_set1_epi16(0x30), thirty_two = _mm256_set1_epi16(32);
     const int64_t num_blocks = K / 256;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = data + n * row_stride;
-        __m256 acc[2][4];  /* per row of x: four chains (by nib and lc % 2) */
+        __m256 acc[2][4];  /* per row of x: four chains (by nib and s2) */
         for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
         for (int64_t blk = 0; blk < num_blocks; blk++) {
             const uint8_t *b = row + blk * 210, *ql = b, *qh = b + 128;
@@ -621,20 +626,26 @@ static inline __attribute__((always_inline)) void q6_k_avx2_rows(
             _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
             _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
-                _Pragma("GCC unroll 4") for (int lc = 0; lc < 4; lc++) {
-                    const __m256i high = U8X8(qh + 32 * h + 8 * lc);
+                _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
+                    const __m256i high = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qh + 32 * h + 16 * half)));
                     _Pragma("GCC unroll 2") for (int s2 = 0; s2 < 2; s2++) {
-                        const __m256i low = U8X8(ql + 64 * h + 32 * s2 + 8 * lc);
+                        const __m256i low = _mm256_cvtepu8_epi16(
+                            _mm_loadu_si128((const __m128i *)(ql + 64 * h + 32 * s2 + 16 * half)));
                         _Pragma("GCC unroll 2") for (int nib = 0; nib < 2; nib++) {
-                            const int shift = 2 * (2 * nib + s2), e = 128 * h + 64 * nib + 32 * s2 + 8 * lc;
+                            const int shift = 2 * (2 * nib + s2), e = 128 * h + 64 * nib + 32 * s2 + 16 * half;
                             const __m256i bits = _mm256_and_si256(
-                                shift <= 4 ? _mm256_slli_epi32(high, 4 - shift) : _mm256_srli_epi32(high, shift - 4), high_mask);
-                            const __m256i q = _mm256_or_si256(nib ? _mm256_srli_epi32(low, 4) : _mm256_and_si256(low, low_mask), bits);
-                            const __m256 w = _mm256_mul_ps(_mm256_broadcast_ss(scale + (e >> 4)),
-                                                           _mm256_cvtepi32_ps(_mm256_sub_epi32(q, thirty_two)));
-                            for (int m = 0; m < M; m++)
-                                acc[m][2 * nib + (lc & 1)] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + blk * 256 + e),
-                                                                            acc[m][2 * nib + (lc & 1)]);
+                                shift <= 4 ? _mm256_slli_epi16(high, 4 - shift) : _mm256_srli_epi16(high, shift - 4), high_mask);
+                            const __m256i q = _mm256_sub_epi16(_mm256_or_si256(
+                                nib ? _mm256_srli_epi16(low, 4) : _mm256_and_si256(low, low_mask), bits), thirty_two);
+                            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q)));
+                            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1)));
+                            const __m256 group_scale = _mm256_broadcast_ss(scale + (e >> 4));
+                            for (int m = 0; m < M; m++) {
+                                const float *xe = x + m * K + blk * 256 + e;
+                                const __m256 sum = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xe + 8),
+                                                                   _mm256_mul_ps(w0, _mm256_loadu_ps(xe)));
+                                acc[m][2 * nib + s2] = _mm256_fmadd_ps(group_scale, sum, acc[m][2 * nib + s2]);
+                            }
                         }
                     }
                 }
