@@ -283,8 +283,11 @@ def worker_main(args) -> None:
             from hearth_llm.kernels.quant import gguf_cpu_native
 
             gguf_cpu_native.has_panels = lambda quant_type: False
-        if args.no_k_blocks:  # the A/B on a float32 CPU: K-quant layers and heads dequantized, as before
+        if args.no_k_blocks:  # the A/B on a float32 CPU: K-quant layers and heads dequantized, Q4/Q8 panel
+            from hearth_llm.engine.models import gguf_linear_method  # layers with a dense copy, as before
             from hearth_llm.kernels.quant import gguf_cpu_native
+
+            gguf_linear_method.FLOAT32_DENSE_COPY = True
 
             has_vector_float32 = gguf_cpu_native.has_vector_float32
             gguf_cpu_native.has_vector_float32 = lambda quant_type: (quant_type in ("Q4_0", "Q4_1", "Q8_0")
@@ -409,7 +412,8 @@ def parse_args(argv=None):
                              "(cpu_int8_activations=True: decode steps on int8 activations, not exact), 'hearth float32' "
                              "(dtype='float32', the path of CPUs without AVX-512 BF16; with "
                              "HEARTH_LLM_KERNEL_CFLAGS=-mno-avx512f its AVX2 kernels), 'hearth float32 dense' (the same with "
-                             "K-quant layers and heads dequantized at load, the float32 path before the AVX2 K-quant kernels)")
+                             "K-quant layers and heads dequantized at load and Q4/Q8 panel layers keeping a dense "
+                             "float32 copy for batches: the float32 path before 2026-12-03's AVX2 K-quant kernels)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated, from {list(MEASURES)}")
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens per stream, SmolLM2")

@@ -127,7 +127,7 @@ def q4_file(tmp_path_factory):
 
 def test_float32_load_runs_q4_layers_on_panels_and_matches_hf_on_the_dequantized_weights(q4_file):
     path, hf_dir = q4_file
-    prompts = random_prompts(3, [5, 40, 2], seed=31)  # 40 tokens: a prefill on the dense float32 copy
+    prompts = random_prompts(3, [5, 40, 2], seed=31)  # 40 tokens: a prefill on tiles decoded from the panels
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(str(path), dtype="float32", device="cpu", show_progress=False) as llm:
         model = llm.engine.runner.model
@@ -135,7 +135,8 @@ def test_float32_load_runs_q4_layers_on_panels_and_matches_hf_on_the_dequantized
             assert isinstance(layer.method, GGUFInt4LinearMethod), name
             runs = layer.method.panel_runs(layer)
             assert runs and all(panels.dtype == torch.uint8 for _, panels in runs), name
-            assert layer.weight.dtype == torch.float32  # the dense copy for batches
+            assert "weight" not in layer._parameters  # no dense copy: batches decode tiles of the panels
+            assert layer.method.resident_bytes(layer) == sum(panels.numel() for _, panels in runs)
         qkv = dict(linear_layers(model))["layers.0.self_attn.qkv_proj"]
         assert [quant_type for quant_type, _ in qkv.method.panel_runs(qkv)] == ["Q4_1"]
         qkv1 = dict(linear_layers(model))["layers.1.self_attn.qkv_proj"]
@@ -147,15 +148,24 @@ def test_float32_load_runs_q4_layers_on_panels_and_matches_hf_on_the_dequantized
         assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
 
 
-def test_panel_layer_routine_equals_the_dense_copy_for_steps_and_batches(q4_file):
+@pytest.mark.parametrize("tile_elements", [None, 8 * HIDDEN])  # 8 x HIDDEN: one panel a tile
+def test_panel_layer_routine_equals_the_dequantized_weight_for_steps_and_batches(q4_file, monkeypatch, tile_elements):
+    from hearth_llm.engine.models import gguf_linear_method
+
+    if tile_elements is not None:
+        monkeypatch.setattr(gguf_linear_method, "PANEL_TILE_ELEMENTS", tile_elements)
     path, _ = q4_file
+    blocks = load_checkpoint(str(path), torch.float32, progress=False)
+    shards = dict(blocks.weights())
+    weight = torch.cat([shards[f"model.layers.0.mlp.{name}.weight"].dequantized(torch.float32)
+                        for name in ("gate_proj", "up_proj")])
     with LLM(str(path), dtype="float32", device="cpu", show_progress=False) as llm:
         layer = dict(linear_layers(llm.engine.runner.model))["layers.0.mlp.gate_up_proj"]  # runs Q4_0 + Q4_1
         assert [quant_type for quant_type, _ in layer.method.panel_runs(layer)] == ["Q4_0", "Q4_1"]
         generator = torch.Generator().manual_seed(8)
-        for rows in (1, 3, 8, 20):
+        for rows in (1, 3, 8, 20, 64):  # 20, 64: batches on the tiles
             x = torch.randn(rows, HIDDEN, generator=generator)
-            expected = x.double() @ layer.weight.double().T
+            expected = x.double() @ weight.double().T
             torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
 
 

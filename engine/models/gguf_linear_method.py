@@ -93,13 +93,16 @@ class GGUFInt4LinearMethod(LinearMethod):
                 else:
                     runs.append((quant_type, [data]))
             if layer.weight.dtype == torch.float32:
-                # float32: the blocks as panels for decode steps; the dense float32 copy stays for batches.
+                # float32: the blocks as panels for decode steps; batches multiply tiles decoded from the
+                # panels (FLOAT32_DENSE_COPY off: the layer holds the file's bytes only).
                 layer.gguf_panel_runs = []
                 for index, (quant_type, parts) in enumerate(runs):
                     name = f"gguf_panels_{index}"
                     layer.register_buffer(name, gguf_cpu_native.pack_panels(torch.cat(parts), quant_type))
                     layer.gguf_panel_runs.append((quant_type, name))
                 layer.cpu_weight = None
+                if not FLOAT32_DENSE_COPY:
+                    del layer.weight
                 return
         amx = shards is not None and "_int4_parts" not in layer.__dict__ and _batches_on_amx(layer, layer.weight.dtype)
         dense = cpu_ops.pack_dense_weight(layer.weight) if layer.weight.numel() and not amx else None
@@ -134,7 +137,7 @@ class GGUFInt4LinearMethod(LinearMethod):
     def resident_bytes(self, layer) -> int:
         """Bytes of the layer's weight copies: the blocks (or panels, or int4 codes and scales) and the dense copy."""
         total = sum(data.numel() for _, data in (self.block_runs(layer) or []) + (self.panel_runs(layer) or []))
-        if self.panel_runs(layer) is not None:
+        if self.panel_runs(layer) is not None and "weight" in layer._parameters:
             total += layer.weight.numel() * layer.weight.element_size()
         cpu = getattr(layer, "cpu_weight", None)
         if cpu is not None:
@@ -146,7 +149,7 @@ class GGUFInt4LinearMethod(LinearMethod):
         if getattr(layer, "cpu_weight", None) is None and "weight" in layer._parameters:  # dense only, plain
             return F.linear(x, layer.weight, bias)
         if self.panel_runs(layer) is not None:
-            return _panel_routine(self.panel_runs(layer), layer.weight, bias)(x)
+            return _panel_routine(self.panel_runs(layer), layer._parameters.get("weight"), bias)(x)
         runs = self.block_runs(layer)
         if runs is None:
             return layer.cpu_weight(x, bias)
@@ -169,7 +172,7 @@ class GGUFInt4LinearMethod(LinearMethod):
 
     def forward_routine(self, layer):
         if self.panel_runs(layer) is not None:
-            return _panel_routine(self.panel_runs(layer), layer.weight, layer.bias)
+            return _panel_routine(self.panel_runs(layer), layer._parameters.get("weight"), layer.bias)
         runs = self.block_runs(layer)
         if runs is None:
             return None if layer.cpu_weight is None else layer.cpu_weight.routine(layer.bias)
@@ -276,14 +279,40 @@ def _has_panels() -> bool:
     return all(gguf_cpu_native.has_panels(quant_type) for quant_type in GGUFInt4LinearMethod.quant_types)
 
 
-# A float32 step of up to this many rows runs the panel kernels; larger batches the dense float32 copy.
-# Measured on the bundled SmolLM2 (AMD EPYC, AVX2, 1 thread): see _panel_routine's notes.
+# A float32 step of up to this many rows runs the panel kernels; larger batches tiles decoded from the
+# panels (or, FLOAT32_DENSE_COPY on, a dense float32 copy kept beside them, ~6x the file's bytes for Q4).
 PANEL_MAX_ROWS = gguf_cpu_native.MAX_ROWS
+FLOAT32_DENSE_COPY = False
+# Values per decoded tile of a float32 panel layer's batch (4 MiB): small enough to stay in L2/L3 while the
+# BLAS reads it.
+PANEL_TILE_ELEMENTS = 1 << 20
 
 
-def _panel_routine(runs, weight: torch.Tensor, bias: torch.Tensor | None):
+def panel_tile_linear(runs, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for float32 ``x`` and the panel ``runs`` ``[(quant_type, panels), ...]``, W decoded
+    a tile of panels at a time, transposed (``gguf_cpu_native.dequantize_panels_t``: the exact weights), into
+    one BLAS call each; memory holds one tile."""
+    lead, num_columns = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, num_columns)
+    num_outputs = sum(panels.shape[0] * gguf_cpu_native.PANEL_ROWS for _, panels in runs)
+    out = torch.empty(flat.shape[0], num_outputs, dtype=x.dtype)
+    panels_per_tile = max(1, PANEL_TILE_ELEMENTS // (num_columns * gguf_cpu_native.PANEL_ROWS))
+    column = 0
+    for quant_type, panels in runs:
+        for start in range(0, panels.shape[0], panels_per_tile):
+            tile = gguf_cpu_native.dequantize_panels_t(panels[start:start + panels_per_tile], quant_type)  # [K, n]
+            end = column + tile.shape[1]
+            out[:, column:end] = flat @ tile
+            column = end
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*lead, num_outputs)
+
+
+def _panel_routine(runs, weight: torch.Tensor | None, bias: torch.Tensor | None):
     """``x -> x @ W.T + bias`` for a float32 layer: steps of up to :data:`PANEL_MAX_ROWS` rows on the
-    panels of ``runs`` (exact block math, each row's bits independent of the batch), more on ``weight``."""
+    panels of ``runs`` (exact block math, each row's bits independent of the batch), more on ``weight``
+    where the layer keeps a dense copy, else on tiles of the panels (:func:`panel_tile_linear`)."""
     gemvs = [gguf_cpu_native.panel_gemv_routine(panels, quant_type) for quant_type, panels in runs]
     max_rows = PANEL_MAX_ROWS
 
@@ -301,6 +330,8 @@ def _panel_routine(runs, weight: torch.Tensor, bias: torch.Tensor | None):
     def runs_or_dense(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if not 0 < flat.shape[0] <= max_rows or x.dtype != torch.float32:
+            if weight is None:
+                return panel_tile_linear(runs, x.float(), bias).to(x.dtype)
             return F.linear(x, weight, bias)
         flat = flat.contiguous()
         outs = [gemv(flat) for gemv in gemvs]

@@ -1854,6 +1854,47 @@ int gguf_panel_dequant(int qtype, const uint8_t *packed, int64_t N, int64_t K, f
     return 0;
 }
 
+/* The same values transposed, out[k * N + n] (W^T, [K, N]): the layout a panel decodes into without a
+   transpose (a panel block's code byte i of its 8 rows is one vector), for the batches of a float32 layer
+   that keeps only its panels (x @ W^T by the BLAS). The operations of gguf_panel_dequant. */
+int gguf_panel_dequant_t(int qtype, const uint8_t *packed, int64_t N, int64_t K, float *out) {
+#if defined(HAS_PANELS)
+    const int ts = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+    if (!ts || N % 8 || K % 32) return -1;
+    const int with_min = qtype == Q4_1, codes_at = with_min ? 32 : 16;
+    const int64_t nb = K / 32;
+    const __m256i mask = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    for (int64_t p = 0; p < N / 8; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pb = packed + (p * nb + b) * 8 * ts, *codes = pb + codes_at;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pb));
+            const __m256 mn = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16))) : _mm256_setzero_ps();
+            float *w = out + 32 * b * N + 8 * p;
+            if (qtype == Q8_0) {
+                for (int i = 0; i < 32; i++)
+                    _mm256_storeu_ps(w + i * N, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(codes + 8 * i)))), d));
+                continue;
+            }
+            for (int i = 0; i < 16; i++) {
+                const __m256i v = U8X8(codes + 8 * i);
+                __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi32(v, 4);
+                if (with_min) {
+                    _mm256_storeu_ps(w + i * N, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)), mn));
+                    _mm256_storeu_ps(w + (i + 16) * N, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)), mn));
+                } else {
+                    _mm256_storeu_ps(w + i * N, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, eight))));
+                    _mm256_storeu_ps(w + (i + 16) * N, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, eight))));
+                }
+            }
+        }
+    return 0;
+#else
+    (void)qtype; (void)packed; (void)N; (void)K; (void)out;
+    return -1;
+#endif
+}
+
 /* out[m, n] = sum_k x[m, k] W[n, k] for float32 x [M, K] (M <= 8) and W in panels; -1 where
    gguf_has_panels(qtype) is 0 or the shapes do not fit (N % 8, K % 32, K <= 32768). */
 int gguf_panel_gemv(int qtype, const uint8_t *packed, int64_t N, int64_t K, const float *x, int M, float *out,

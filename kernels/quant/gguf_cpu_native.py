@@ -198,6 +198,17 @@ def dequantize_panels(panels: torch.Tensor, quant_type: str) -> torch.Tensor:
     return out
 
 
+def dequantize_panels_t(panels: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """float32 ``[K, N]``: :func:`dequantize_panels`'s values transposed (made in that layout, no
+    transpose pass), for ``x @ W.T`` as ``x @ dequantize_panels_t(...)``."""
+    num_rows, num_columns = _panel_shape(panels, quant_type)
+    out = torch.empty(num_columns, num_rows, dtype=torch.float32)
+    if _library().gguf_panel_dequant_t(QTYPE_IDS[quant_type], panels.data_ptr(), num_rows, num_columns,
+                                       out.data_ptr()):
+        raise RuntimeError(f"gguf_panel_dequant_t failed for {quant_type}")
+    return out
+
+
 def panel_gemv_routine(panels: torch.Tensor, quant_type: str):
     """``routine(x)`` = float32 ``x @ W.T`` for contiguous float32 ``x`` ``[M, K]``, 1 <= M <=
     :data:`MAX_ROWS` (the caller's contract: not checked per call), ``W`` in :func:`pack_panels`'s
@@ -423,6 +434,8 @@ def _library():
     library.gguf_has_avx512.restype = ctypes.c_int
     library.gguf_panel_pack.argtypes = (ctypes.c_int, ptr, i64, i64, i64, ptr)
     library.gguf_panel_dequant.argtypes = (ctypes.c_int, ptr, i64, i64, ptr)
+    library.gguf_panel_dequant_t.argtypes = library.gguf_panel_dequant.argtypes
+    library.gguf_panel_dequant_t.restype = ctypes.c_int
     library.gguf_panel_gemv.argtypes = (ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int, ptr, i64, ctypes.c_int)
     for function in (library.gguf_has_panels, library.gguf_panel_pack, library.gguf_panel_dequant,
                      library.gguf_panel_gemv):
