@@ -18,6 +18,8 @@ without AMX, a bf16 copy dequantized from the same blocks (``DROP_DENSE_COPY``, 
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -284,8 +286,21 @@ def _has_panels() -> bool:
 PANEL_MAX_ROWS = gguf_cpu_native.MAX_ROWS
 FLOAT32_DENSE_COPY = False
 # Values per decoded tile of a float32 panel layer's batch (4 MiB): small enough to stay in L2/L3 while the
-# BLAS reads it.
+# BLAS reads it. The tile is one scratch per thread, reused (a fresh 4 MiB tensor a call cost more in page
+# faults than the decode).
 PANEL_TILE_ELEMENTS = 1 << 20
+# Batches of up to this many rows run the panel GEMV in passes of PANEL_MAX_ROWS (each row the bits it has
+# alone); more decode tiles. AVX2 build, 1 thread, a Q4_1 [3072, 576] panel layer, ms per call, passes /
+# tiles: 1.29 / 3.12 at 8 rows, 2.40 / 3.44 at 16, 5.00 / 4.29 at 32, 10.4 / 5.93 at 64.
+PANEL_PASS_MAX_ROWS = 24
+_tile_scratch = threading.local()
+
+
+def _scratch(num_values: int) -> torch.Tensor:
+    tile = getattr(_tile_scratch, "tile", None)
+    if tile is None or tile.numel() < num_values:
+        tile = _tile_scratch.tile = torch.empty(num_values, dtype=torch.float32)
+    return tile
 
 
 def panel_tile_linear(runs, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -300,7 +315,9 @@ def panel_tile_linear(runs, x: torch.Tensor, bias: torch.Tensor | None) -> torch
     column = 0
     for quant_type, panels in runs:
         for start in range(0, panels.shape[0], panels_per_tile):
-            tile = gguf_cpu_native.dequantize_panels_t(panels[start:start + panels_per_tile], quant_type)  # [K, n]
+            part = panels[start:start + panels_per_tile]
+            tile = gguf_cpu_native.dequantize_panels_t(part, quant_type, out=_scratch(  # [K, n]
+                part.shape[0] * gguf_cpu_native.PANEL_ROWS * num_columns))
             end = column + tile.shape[1]
             out[:, column:end] = flat @ tile
             column = end
@@ -330,9 +347,13 @@ def _panel_routine(runs, weight: torch.Tensor | None, bias: torch.Tensor | None)
     def runs_or_dense(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if not 0 < flat.shape[0] <= max_rows or x.dtype != torch.float32:
-            if weight is None:
+            if weight is not None:
+                return F.linear(x, weight, bias)
+            if not 0 < flat.shape[0] <= PANEL_PASS_MAX_ROWS or x.dtype != torch.float32:
                 return panel_tile_linear(runs, x.float(), bias).to(x.dtype)
-            return F.linear(x, weight, bias)
+            flat = flat.contiguous()
+            return torch.cat([runs_or_dense(flat[start:start + max_rows]) for start in range(0, flat.shape[0], max_rows)]
+                             ).reshape(*x.shape[:-1], -1)
         flat = flat.contiguous()
         outs = [gemv(flat) for gemv in gemvs]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

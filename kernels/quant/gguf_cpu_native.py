@@ -198,11 +198,17 @@ def dequantize_panels(panels: torch.Tensor, quant_type: str) -> torch.Tensor:
     return out
 
 
-def dequantize_panels_t(panels: torch.Tensor, quant_type: str) -> torch.Tensor:
+def dequantize_panels_t(panels: torch.Tensor, quant_type: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[K, N]``: :func:`dequantize_panels`'s values transposed (made in that layout, no
-    transpose pass), for ``x @ W.T`` as ``x @ dequantize_panels_t(...)``."""
+    transpose pass), for ``x @ W.T`` as ``x @ dequantize_panels_t(...)``; into ``out`` (contiguous
+    float32 of at least K * N values, e.g. a reused scratch) where given."""
     num_rows, num_columns = _panel_shape(panels, quant_type)
-    out = torch.empty(num_columns, num_rows, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(num_columns, num_rows, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < num_rows * num_columns:
+        raise ValueError(f"out must be contiguous float32 of at least {num_rows * num_columns} values")
+    else:
+        out = out.view(-1)[:num_rows * num_columns].view(num_columns, num_rows)
     if _library().gguf_panel_dequant_t(QTYPE_IDS[quant_type], panels.data_ptr(), num_rows, num_columns,
                                        out.data_ptr()):
         raise RuntimeError(f"gguf_panel_dequant_t failed for {quant_type}")
