@@ -417,17 +417,22 @@ int step_rope_cache_attention(int dtype, const void *qkv, int64_t qkv_stride, in
  * multiplies by the GGUF C kernels (kernels/quant/gguf_cpu_kernels.c): each linear is runs of block rows,
  * each run's GEMV writing its columns of the output in place, then the bias (rounded to the dtype as
  * torch's add does). A run's kernel comes as a function pointer: gguf_gemv_bf16_out (bf16 steps) or
- * gguf_gemv (float32) with the block-row signature, or gguf_panel_gemv (float32 panels of 8 rows). The
+ * gguf_gemv (float32) with the block-row signature, gguf_panel_gemv (float32 panels of 8 rows), or
+ * q8x_panel_gemv (cpu_int8_activations' int8 panels of 16 rows). The
  * same calls in the same order as the Python loop, so the same bits; what goes is ~10 Python calls a layer
  * between them. */
 typedef int (*step_rows_gemv)(int qtype, const uint8_t *data, int64_t row_stride, int64_t N, int64_t K,
                               const void *x, int M, void *out, int64_t out_stride, int num_threads);
 typedef int (*step_panel_gemv)(int qtype, const uint8_t *panels, int64_t N, int64_t K, const void *x, int M,
                                void *out, int64_t out_stride, int num_threads);
+/* q8x_panel_gemv (kernels/quant/gguf_cpu_q8x_kernels.c): cpu_int8_activations' panels of 16 rows */
+typedef int (*step_int8_gemv)(int qtype, const uint8_t *panels, int64_t N, int64_t K, const void *x, int x_bf16, int M,
+                              void *out, int64_t out_stride, int out_bf16, int num_threads);
 
 #define STEP_MAX_RUNS 4
 #define STEP_ROWS_KERNEL 0
 #define STEP_PANEL_KERNEL 1
+#define STEP_INT8_KERNEL 2
 
 typedef struct {
     int64_t num_runs, in_features, out_features;
@@ -460,6 +465,10 @@ static int step_linear_apply(int dtype, const step_linear *linear, const void *x
             ? ((step_panel_gemv)linear->kernel[r])(qtype, (const uint8_t *)linear->data[r], linear->rows[r],
                                                    linear->in_features, x, (int)rows, columns, linear->out_features,
                                                    num_threads)
+            : linear->kind[r] == STEP_INT8_KERNEL
+            ? ((step_int8_gemv)linear->kernel[r])(qtype, (const uint8_t *)linear->data[r], linear->rows[r],
+                                                  linear->in_features, x, dtype == DT_BF16, (int)rows, columns,
+                                                  linear->out_features, dtype == DT_BF16, num_threads)
             : ((step_rows_gemv)linear->kernel[r])(qtype, (const uint8_t *)linear->data[r], linear->row_stride[r],
                                                   linear->rows[r], linear->in_features, x, (int)rows, columns,
                                                   linear->out_features, num_threads);

@@ -205,21 +205,25 @@ class _StepLayer(ctypes.Structure):
 
 # Block runs a linear of the layer loop may have (more: the Python loop runs that model).
 MAX_LINEAR_RUNS = 4
-_ROWS_KERNEL, _PANEL_KERNEL = 0, 1
+_ROWS_KERNEL, _PANEL_KERNEL, _INT8_KERNEL = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
 class StepRun:
     """One run of a linear's output rows as a CPU step multiplies it: ``data`` the GGUF block rows of
     ``quant_type`` (bf16 steps: the bf16-out GEMV; float32: the float32 GEMV), or with ``panels`` the
-    float32 panels of ``gguf_cpu_native.pack_panels`` (the panel GEMV).
+    float32 panels of ``gguf_cpu_native.pack_panels`` (the panel GEMV), or with ``int8`` the panels of
+    ``gguf_cpu_q8x.pack`` (the int8-activation GEMV, bf16 steps).
 
-    >>> StepRun("Q4_K", blocks), StepRun("Q4_1", panels, panels=True)
+    >>> StepRun("Q4_K", blocks), StepRun("Q4_1", panels, panels=True), StepRun("Q4_K", q8x_panels, int8=True)
     """
 
     quant_type: str
     data: torch.Tensor
     panels: bool = False
+    # data: gguf_cpu_q8x.pack's panels of 16 rows, multiplied by the int8-activation kernel
+    # (EngineConfig.cpu_int8_activations; bf16 steps)
+    int8: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +278,10 @@ class DecoderLayers:
         gguf = gguf_cpu_native._library()
         kernels = {(False, torch.bfloat16): gguf.gguf_gemv_bf16_out, (False, torch.float32): gguf.gguf_gemv,
                    (True, torch.float32): gguf.gguf_panel_gemv}
+        from .quant import gguf_cpu_q8x
+
+        if gguf_cpu_q8x.has_panels():
+            kernels["int8", torch.bfloat16] = gguf_cpu_q8x._library().q8x_panel_gemv
         kernels = {key: ctypes.cast(function, ctypes.c_void_p).value for key, function in kernels.items()}
         array = (_StepLayer * len(weights))()
         keep = []
@@ -349,6 +357,17 @@ class DecoderLayers:
         return scratch
 
 
+def _int8_panel_shape(panels: torch.Tensor, quant_type: str) -> tuple[int | None, int | None]:
+    """``(rows, columns)`` of ``gguf_cpu_q8x.pack``'s panels, or ``(None, None)`` where they are not such."""
+    from .quant import gguf_cpu_q8x
+
+    size = gguf_cpu_q8x._library().q8x_panel_bytes(gguf_cpu_q8x.QTYPE_IDS.get(quant_type, -1))
+    if (not size or panels.dtype != torch.uint8 or panels.dim() != 2 or panels.shape[1] % size
+            or not panels.is_contiguous()):
+        return None, None
+    return panels.shape[0] * gguf_cpu_q8x.PANEL_ROWS, panels.shape[1] // size * gguf_cpu_q8x._FORMATS[quant_type][1]
+
+
 def _fill_linear(linear: _StepLinear, runs: list[StepRun], bias, dtype: torch.dtype, kernels: dict,
                  in_features: int | None, out_features: int | None, keep) -> bool:
     """One linear's runs and bias into ``linear``; False where they do not fit the C loop."""
@@ -358,10 +377,14 @@ def _fill_linear(linear: _StepLinear, runs: list[StepRun], bias, dtype: torch.dt
         return False
     num_inputs, total = None, 0
     for index, run in enumerate(runs):
-        kernel = kernels.get((run.panels, dtype))
+        kernel = kernels.get(("int8" if run.int8 else run.panels, dtype))
         if kernel is None or run.data.device.type != "cpu":
             return False
-        if run.panels:
+        if run.int8:
+            num_rows, width = _int8_panel_shape(run.data, run.quant_type)
+            if num_rows is None:
+                return False
+        elif run.panels:
             num_rows, width = gguf_cpu_native._panel_shape(run.data, run.quant_type)
             if not run.data.is_contiguous():
                 return False
@@ -374,7 +397,8 @@ def _fill_linear(linear: _StepLinear, runs: list[StepRun], bias, dtype: torch.dt
         num_inputs = width
         linear.qtype[index], linear.rows[index] = gguf_cpu_native.QTYPE_IDS[run.quant_type], num_rows
         linear.row_stride[index], linear.data[index] = run.data.stride(0), run.data.data_ptr()
-        linear.kind[index], linear.kernel[index] = _PANEL_KERNEL if run.panels else _ROWS_KERNEL, kernel
+        linear.kind[index] = _INT8_KERNEL if run.int8 else _PANEL_KERNEL if run.panels else _ROWS_KERNEL
+        linear.kernel[index] = kernel
         total += num_rows
         keep.append(run.data)
     if (in_features is not None and num_inputs != in_features) or (out_features is not None and total != out_features):

@@ -165,10 +165,14 @@ def _layer_weights(layer: _Layer, dtype: torch.dtype) -> cpu_step_native.LayerWe
     linears = []
     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         method = getattr(linear, "method", None)
-        if (method is None or linear.parallel.size != 1 or linear.routine is None
-                or linear.routine is not getattr(linear, "method_routine", None)):
-            return None  # e.g. cpu_int8_activations' routine: the step must run that
-        runs = method.cpu_step_runs(linear, dtype)
+        if method is None or linear.parallel.size != 1 or linear.routine is None:
+            return None
+        if linear.routine is not getattr(linear, "method_routine", None):
+            # a routine swapped in later (LoRA, cpu_int8_activations): the step must run that; the int8
+            # routine says which kernel and panels it runs for bf16 steps (gguf_linear_method._int8_routine)
+            runs = getattr(linear.routine, "step_runs", None) if dtype == torch.bfloat16 else None
+        else:
+            runs = method.cpu_step_runs(linear, dtype)
         if runs is None:
             return None
         linears.append((runs, linear.bias))

@@ -428,7 +428,16 @@ def _int8_routine(runs, bias: torch.Tensor | None, fallback):
     from hearth_llm.kernels.quant import gguf_cpu_q8x
 
     max_rows = gguf_cpu_q8x.MAX_ROWS
-    gemvs = [gguf_cpu_q8x.weight_routine(data, quant_type, bf16_out=True) for quant_type, data in runs]
+    gemvs, step_runs = [], []
+    for quant_type, data in runs:
+        if gguf_cpu_q8x.has_panels() and data.shape[0] % gguf_cpu_q8x.PANEL_ROWS == 0 \
+                and quant_type in gguf_cpu_q8x.PANEL_TYPES:
+            panels = gguf_cpu_q8x.pack(data, quant_type)
+            gemvs.append(gguf_cpu_q8x.panel_gemv_routine(panels, quant_type, bf16_out=True))
+            step_runs.append(StepRun(quant_type, panels, int8=True))
+        else:
+            gemvs.append(gguf_cpu_q8x.gemv_routine(data, quant_type, bf16_out=True))
+            step_runs = None
     bfloat16 = torch.bfloat16
 
     def int8_or_fallback(x: torch.Tensor) -> torch.Tensor:
@@ -437,4 +446,6 @@ def _int8_routine(runs, bias: torch.Tensor | None, fallback):
             return out if bias is None else out.add_(bias)
         return fallback(x)
 
+    # what a CPU step's one C call runs instead (cpu_step): the same kernel on the same panels, bf16 steps
+    int8_or_fallback.step_runs = step_runs or None
     return int8_or_fallback
