@@ -34,9 +34,10 @@ DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not HAS_BF16, re
 NATIVE_TYPES = [("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q8_0"),
                 ("Q6_K", "Q6_K", "Q6_K", "Q4_K", "Q4_1", "Q4_1", "Q4_K"),
                 ("Q8_0", "Q8_0", "Q8_0", "Q6_K", "Q8_0", "Q4_K", "Q6_K")]
-# A float32 model keeps only Q4_0/Q4_1/Q8_0 layers in blocks (panels with AVX2; K-quants are dequantized).
+# A float32 model keeps Q4_0/Q4_1/Q8_0 layers as panels (AVX2) and K-quant ones in blocks (the AVX2 K GEMVs).
 FLOAT32_TYPES = [("Q8_0", "Q8_0", "Q4_1", "Q4_0", "Q4_0", "Q4_1", "Q8_0"),
-                 ("Q4_1", "Q4_1", "Q4_1", "Q8_0", "Q4_1", "Q4_1", "Q4_0")]
+                 ("Q4_1", "Q4_1", "Q4_1", "Q8_0", "Q4_1", "Q4_1", "Q4_0"),
+                 ("Q4_K", "Q4_K", "Q6_K", "Q5_K", "Q4_K", "Q6_K", "Q6_K")]
 BLOCK_SIZE, NUM_BLOCKS = 16, 12
 
 
