@@ -264,10 +264,17 @@ def test_q4_gguf_in_float32_is_dequantized_exactly(tmp_path):
     llm = LLM(str(path), dtype="float32", show_progress=False)
     qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     expected_k = blocks["model.layers.0.self_attn.k_proj.weight"].dequantized(torch.float32)
-    # Dense float32, or (AVX2 CPUs) the file's blocks as panels for decode beside the same dense copy for batches.
+    # Dense float32, or (AVX2 CPUs) the file's blocks as panels, which decode to the same values (no dense copy).
     panels = getattr(qkv.method, "panel_runs", lambda layer: None)(qkv)
     assert type(qkv.method) is DenseLinearMethod or panels is not None
-    assert torch.equal(qkv.weight[64:96], expected_k)
+    if panels is None:
+        weight = qkv.weight
+    else:
+        from hearth_llm.kernels.quant import gguf_cpu_native
+
+        assert "weight" not in qkv._parameters
+        weight = torch.cat([gguf_cpu_native.dequantize_panels(data, quant_type) for quant_type, data in panels])
+    assert torch.equal(weight[64:96], expected_k)
     llm.close()
 
 
