@@ -213,7 +213,7 @@ class StepRun:
     """One run of a linear's output rows as a CPU step multiplies it: ``data`` the GGUF block rows of
     ``quant_type`` (bf16 steps: the bf16-out GEMV; float32: the float32 GEMV), or with ``panels`` the
     float32 panels of ``gguf_cpu_native.pack_panels`` (the panel GEMV), or with ``int8`` the panels of
-    ``gguf_cpu_q8x.pack`` (the int8-activation GEMV, bf16 steps).
+    ``gguf_cpu_q8x.pack`` (the int8-activation GEMV).
 
     >>> StepRun("Q4_K", blocks), StepRun("Q4_1", panels, panels=True), StepRun("Q4_K", q8x_panels, int8=True)
     """
@@ -222,7 +222,7 @@ class StepRun:
     data: torch.Tensor
     panels: bool = False
     # data: gguf_cpu_q8x.pack's panels of 16 rows, multiplied by the int8-activation kernel
-    # (EngineConfig.cpu_int8_activations; bf16 steps)
+    # (EngineConfig.cpu_int8_activations)
     int8: bool = False
 
 
@@ -281,7 +281,7 @@ class DecoderLayers:
         from .quant import gguf_cpu_q8x
 
         if gguf_cpu_q8x.has_panels():
-            kernels["int8", torch.bfloat16] = gguf_cpu_q8x._library().q8x_panel_gemv
+            kernels["int8", torch.bfloat16] = kernels["int8", torch.float32] = gguf_cpu_q8x._library().q8x_panel_gemv
         kernels = {key: ctypes.cast(function, ctypes.c_void_p).value for key, function in kernels.items()}
         array = (_StepLayer * len(weights))()
         keep = []

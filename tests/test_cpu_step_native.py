@@ -207,28 +207,36 @@ def test_the_engine_on_native_layers_gives_hf_greedy_tokens(files, dtype, monkey
         assert output.outputs[0].token_ids == hf_greedy(hf_dir, prompt, 6), f"prompt of {len(prompt)} tokens"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("counts", [[1], [5], [3, 2]])
-def test_int8_activation_routines_run_in_the_native_loop_with_the_python_loops_bits(files, monkeypatch, counts):
+def test_int8_activation_routines_run_in_the_native_loop_with_the_python_loops_bits(files, monkeypatch, counts, dtype):
     """``cpu_int8_activations=True`` swaps the layers' routines for the int8 kernels on packed panels: the
-    one C call runs those (the same kernel on the same panels), not the exact GEMVs, bit-equal to the loop."""
+    one C call runs those (the same kernel on the same panels), not the exact GEMVs, bit-equal to the loop.
+    In float32 the Q4_0/Q4_1/Q8_0 layers' int8 panels are made from their float32 panels, the K-quant ones'
+    from their blocks; a Q5_K layer keeps its exact kernel beside them in the same C call."""
     from hearth_llm.engine.models.gguf_linear_method import use_int8_activations
+    from hearth_llm.engine.models.linear import linear_layers
     from hearth_llm.kernels.quant import gguf_cpu_q8x
 
-    if not (HAS_BF16 and gguf_cpu_q8x.has_panels()):
-        pytest.skip("needs AVX-512 BF16 and the int8-activation kernels (AVX-512 VNNI)")
-    model, arch = _model(files[torch.bfloat16][0], torch.bfloat16)
+    if not gguf_cpu_q8x.has_panels():
+        pytest.skip("needs the int8-activation panel kernels (AVX-512 VNNI or AVX2)")
+    model, arch = _model(files[dtype][0], dtype)
     exact = cpu_step._native_layers(model, cpu_step._plain_layers(model))
     model.__dict__.pop("_cpu_step_native")
     assert use_int8_activations(model) > 0
+    routines = {name: layer.routine.__name__ for name, layer in linear_layers(model)}
+    if dtype == torch.float32:  # every layer but the Q5_K o_proj of the third
+        exact_ones = [name for name, routine in routines.items() if routine != "int8_or_fallback"]
+        assert exact_ones == ["layers.2.self_attn.o_proj"]
     native = cpu_step._native_layers(model, cpu_step._plain_layers(model))
     assert native is not None and native is not exact
-    _both_ways(model, arch, counts, monkeypatch, torch.bfloat16)
+    _both_ways(model, arch, counts, monkeypatch, dtype)
     # and not the exact kernels' bits: the int8 step differs from the exact one
     model.__dict__["_cpu_step_native"] = exact
     with torch.inference_mode():
         ids = torch.arange(3) % arch.vocab_size
         caches = [tuple(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim,
-                                    dtype=torch.bfloat16) for _ in range(2)) for _ in range(arch.num_hidden_layers)]
+                                    dtype=dtype) for _ in range(2)) for _ in range(arch.num_hidden_layers)]
         positions, meta = _meta(torch.tensor([[5, 2, 7]]), [0], [3])
         hidden = model.embed(ids)
         with_exact = cpu_step.run_layers(model, hidden, positions, [tuple(c.clone() for c in kv) for kv in caches], meta)

@@ -39,6 +39,7 @@ def test_panels_are_the_blocks_bytes_rearranged_and_decode_bit_equal(quant_type)
     expected = gguf_reference.dequantize(data, quant_type)
     assert torch.equal(gguf_cpu_native.dequantize_panels(panels, quant_type).view(torch.int32),
                        expected.view(torch.int32))
+    assert torch.equal(gguf_cpu_native.unpack_panels(panels, quant_type), data)  # the blocks back (int8 panels' source)
 
 
 @pytest.mark.parametrize("quant_type", PANEL_TYPES)

@@ -53,7 +53,7 @@ def _kernel(kernel, data, quant_type):
     if kernel == "rows":
         return lambda x, num_threads=None, bf16_out=False: gguf_cpu_q8x.gemv(x, data, quant_type, num_threads, bf16_out)
     if not gguf_cpu_q8x.has_panels():
-        pytest.skip("no AVX-512 VNNI: the panel kernels are not in this build")
+        pytest.skip("no AVX-512 VNNI or AVX2: the panel kernels are not in this build")
     panels = gguf_cpu_q8x.pack(data, quant_type)
     routines = {bf16_out: gguf_cpu_q8x.panel_gemv_routine(panels, quant_type, bf16_out) for bf16_out in (False, True)}
 
@@ -150,7 +150,7 @@ def test_engine_option_is_validated():
     assert EngineConfig(model="default").cpu_int8_activations is False
 
 
-def test_engine_option_without_vnni_panels_raises_a_value_error(monkeypatch):
+def test_engine_option_without_the_panel_kernels_raises_a_value_error(monkeypatch):
     from hearth_llm.engine import LLM
 
     monkeypatch.setattr(gguf_cpu_q8x, "has_panels", lambda: False)
@@ -173,10 +173,9 @@ def test_default_model_runs_int8_steps_and_speculative_greedy_equals_plain_greed
     exact = LLM("default", show_progress=False, num_threads=1)
     from hearth_llm.kernels.quant import gguf_cpu_native
 
-    if exact.engine.runner.dtype != torch.bfloat16 or not gguf_cpu_native.has_bf16("Q4_1") \
+    if (exact.engine.runner.dtype == torch.bfloat16 and not gguf_cpu_native.has_bf16("Q4_1")) \
             or not gguf_cpu_q8x.has_panels():
-        pytest.skip("the int8 linears are for bf16 CPU engines that keep the blocks (AVX-512 BF16 kernels), with "
-                    "AVX-512 VNNI")
+        pytest.skip("the int8 linears need their panel kernels (AVX-512 VNNI or AVX2), and in bf16 the blocks kept")
     llm = LLM("default", show_progress=False, num_threads=1, cpu_int8_activations=True)
     head = llm.engine.runner.model.lm_head
     assert isinstance(head, CpuBlockLogitsHead) and head.int8_gemv is not None
@@ -212,11 +211,15 @@ def test_q8_0_block_layers_of_a_tiny_gguf_run_int8_steps(tmp_path):
     from conftest import TINY_VOCAB
     from hearth_llm.engine import LLM, SamplingParams
     from hearth_llm.engine.models.linear import linear_layers
+    from hearth_llm.engine.models.gguf_linear_method import GGUFInt4LinearMethod
     from hearth_llm.engine.models.quant import GGUFBlockLinearMethod
     from hearth_llm.kernels.quant import gguf_cpu_native
 
-    if not gguf_cpu_native.has_bf16("Q8_0") or not gguf_cpu_q8x.has_panels():
-        pytest.skip("bf16 block layers need the AVX-512 BF16 kernels; the int8 path AVX-512 VNNI")
+    if not gguf_cpu_q8x.has_panels():
+        pytest.skip("the int8 path needs its panel kernels (AVX-512 VNNI or AVX2)")
+    # bf16 engines keep the Q8_0 blocks (AVX-512 BF16 kernels); float32 ones the AVX2 panels, whose blocks the
+    # int8 panels are made from
+    dtype = "bfloat16" if gguf_cpu_native.has_bf16("Q8_0") else "float32"
     path = tmp_path / "q8_0.gguf"
     writer = tiny_llama_writer(path, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS)
     add_q8_0_embedding_and_norm(writer, TINY_VOCAB, HIDDEN)  # tied head: Q8_0 blocks
@@ -224,14 +227,15 @@ def test_q8_0_block_layers_of_a_tiny_gguf_run_int8_steps(tmp_path):
     write_and_close(writer)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False, num_threads=1,
+    with LLM(str(path), dtype=dtype, device="cpu", show_progress=False, num_threads=1,
              cpu_int8_activations=True) as llm:
         layers = dict(linear_layers(llm.engine.runner.model))
-        assert {type(layer.method) for layer in layers.values()} == {GGUFBlockLinearMethod}
+        assert {type(layer.method) for layer in layers.values()} == \
+            {GGUFBlockLinearMethod if dtype == "bfloat16" else GGUFInt4LinearMethod}
         assert {layer.routine.__name__ for layer in layers.values()} == {"int8_or_fallback"}
         assert llm.engine.runner.model.lm_head.int8_gemv is not None
         plain = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    with LLM(str(path), dtype="bfloat16", device="cpu", show_progress=False, num_threads=1,
+    with LLM(str(path), dtype=dtype, device="cpu", show_progress=False, num_threads=1,
              cpu_int8_activations=True, speculative={"method": "ngram", "num_speculative_tokens": 4,
                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
         assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain
@@ -240,7 +244,7 @@ def test_q8_0_block_layers_of_a_tiny_gguf_run_int8_steps(tmp_path):
 @pytest.mark.parametrize("quant_type", ["Q4_K", "Q6_K"])
 def test_k_quant_panels_match_the_reference_and_gguf_py(quant_type):
     if not gguf_cpu_q8x.has_panels():
-        pytest.skip("no AVX-512 VNNI: the panel kernels are not in this build")
+        pytest.skip("no AVX-512 VNNI or AVX2: the panel kernels are not in this build")
     data = random_blocks(quant_type, 32, 3 * 256, seed=7)
     x = _x(8, 3 * 256, seed=8)
     dequantized = torch.from_numpy(np.ascontiguousarray(

@@ -169,8 +169,8 @@ def _layer_weights(layer: _Layer, dtype: torch.dtype) -> cpu_step_native.LayerWe
             return None
         if linear.routine is not getattr(linear, "method_routine", None):
             # a routine swapped in later (LoRA, cpu_int8_activations): the step must run that; the int8
-            # routine says which kernel and panels it runs for bf16 steps (gguf_linear_method._int8_routine)
-            runs = getattr(linear.routine, "step_runs", None) if dtype == torch.bfloat16 else None
+            # routine says which kernel and panels it runs (gguf_linear_method._int8_routine)
+            runs = getattr(linear.routine, "step_runs", None)
         else:
             runs = method.cpu_step_runs(linear, dtype)
         if runs is None:

@@ -382,7 +382,8 @@ GGUF_INT4 = GGUFInt4LinearMethod()
 def use_int8_activations(model) -> int:
     """``EngineConfig.cpu_int8_activations``: steps of up to ``gguf_cpu_q8x.MAX_ROWS`` rows (decode,
     speculative verification) of the loaded ``model``'s GGUF layers whose blocks are kept (this method's
-    in bf16 engines, and ``GGUFBlockLinearMethod``'s) and all of Q4_0/Q4_1/Q8_0 types (and Q4_K where the AVX-512 VNNI panels run), and of its block LM head, run the int8-activation kernels
+    in bf16 engines, its panels in float32 ones, and ``GGUFBlockLinearMethod``'s) and all of the panel kernels'
+    types (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K; AVX-512 VNNI or AVX2), and of its block LM head, run the int8-activation kernels
     (``kernels/quant/gguf_cpu_q8x.py``: x quantized per row per block of 32, integer dot products, as
     llama.cpp computes): not the exact bf16 math, each row's bits independent of the step's rows. Larger
     steps (prefill) keep the layer's routine; the kernels' packed copy (``gguf_cpu_q8x.weight_routine``) stays
@@ -395,14 +396,17 @@ def use_int8_activations(model) -> int:
     from .quant import GGUFBlockLinearMethod
 
     if not gguf_cpu_q8x.has_panels():
-        raise ValueError("cpu_int8_activations=True needs the int8-activation C kernels with AVX-512 VNNI, which are "
-                         "not built here (no working C compiler, or no AVX-512 VNNI in this CPU or build)")
+        raise ValueError("cpu_int8_activations=True needs the int8-activation C kernels (AVX-512 VNNI or AVX2), which "
+                         "are not built here (no working C compiler, or neither in this CPU or build)")
     switched = 0
     for _, layer in linear_layers(model):
         if getattr(layer, "routine", None) is None:
             continue
         if isinstance(layer.method, GGUFInt4LinearMethod):
             runs = layer.method.block_runs(layer)
+            if runs is None and layer.method.panel_runs(layer) is not None:  # float32: the blocks from the panels
+                runs = [(quant_type, gguf_cpu_native.unpack_panels(panels, quant_type))
+                        for quant_type, panels in layer.method.panel_runs(layer)]
         elif isinstance(layer.method, GGUFBlockLinearMethod) and getattr(layer, "gguf_input_order", None) is None:
             # other GGUF layers' blocks (e.g. a Q8_0 model's), read through the method's own accessor
             runs = [(weight.quant_type, weight.data) for weight in layer.method.block_weights(layer)]
@@ -416,36 +420,38 @@ def use_int8_activations(model) -> int:
         if isinstance(module, CpuBlockLogitsHead) and module.use_int8_activations():
             switched += 1
     if not switched:
-        raise ValueError("cpu_int8_activations=True found no GGUF Q4_0/Q4_1/Q8_0 layer kept in its blocks: it needs "
-                         "a GGUF model on a CPU engine in bfloat16 (AVX-512 BF16 or AMX; float32 engines repack the "
-                         "blocks into panels)")
+        raise ValueError("cpu_int8_activations=True found no GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K layer kept in its blocks "
+                         "(or panels): it needs a GGUF model on a CPU engine")
     return switched
 
 
 def _int8_routine(runs, bias: torch.Tensor | None, fallback):
-    """``x -> x @ W.T + bias``: 2-D contiguous bf16 ``x`` of 1..MAX_ROWS rows on the int8-activation kernels
-    (bf16 out, as the exact routine's), anything else on ``fallback`` (the layer's routine before)."""
+    """``x -> x @ W.T + bias``: 2-D contiguous bf16 or float32 ``x`` of 1..MAX_ROWS rows on the int8-activation
+    kernels (out in x's dtype, as the exact routine's), anything else on ``fallback`` (the layer's routine
+    before)."""
     from hearth_llm.kernels.quant import gguf_cpu_q8x
 
     max_rows = gguf_cpu_q8x.MAX_ROWS
-    gemvs, step_runs = [], []
+    gemvs, step_runs = {torch.bfloat16: [], torch.float32: []}, []
     for quant_type, data in runs:
         if gguf_cpu_q8x.has_panels() and data.shape[0] % gguf_cpu_q8x.PANEL_ROWS == 0 \
                 and quant_type in gguf_cpu_q8x.PANEL_TYPES:
             panels = gguf_cpu_q8x.pack(data, quant_type)
-            gemvs.append(gguf_cpu_q8x.panel_gemv_routine(panels, quant_type, bf16_out=True))
+            for dtype, out in gemvs.items():
+                out.append(gguf_cpu_q8x.panel_gemv_routine(panels, quant_type, bf16_out=dtype == torch.bfloat16))
             step_runs.append(StepRun(quant_type, panels, int8=True))
         else:
-            gemvs.append(gguf_cpu_q8x.gemv_routine(data, quant_type, bf16_out=True))
+            for dtype, out in gemvs.items():
+                out.append(gguf_cpu_q8x.gemv_routine(data, quant_type, bf16_out=dtype == torch.bfloat16))
             step_runs = None
-    bfloat16 = torch.bfloat16
 
     def int8_or_fallback(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.dtype == bfloat16 and x.is_contiguous():
-            out = gemvs[0](x) if len(gemvs) == 1 else torch.cat([gemv(x) for gemv in gemvs], dim=-1)
+        kernels = gemvs.get(x.dtype)
+        if kernels is not None and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.is_contiguous():
+            out = kernels[0](x) if len(kernels) == 1 else torch.cat([gemv(x) for gemv in kernels], dim=-1)
             return out if bias is None else out.add_(bias)
         return fallback(x)
 
-    # what a CPU step's one C call runs instead (cpu_step): the same kernel on the same panels, bf16 steps
+    # what a CPU step's one C call runs instead (cpu_step): the same kernel on the same panels
     int8_or_fallback.step_runs = step_runs or None
     return int8_or_fallback

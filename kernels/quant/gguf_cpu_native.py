@@ -189,6 +189,22 @@ def pack_panels(data: torch.Tensor, quant_type: str) -> torch.Tensor:
     return out
 
 
+def unpack_panels(panels: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """The block rows ``[N, row_bytes]`` that :func:`pack_panels` made ``panels`` from (the same bytes put
+    back; torch only): per panel and block, 8 fp16 d (Q4_1: then 8 fp16 m), then code byte i of the 8 rows
+    side by side."""
+    from .gguf_reference import block_format
+
+    num_rows, num_columns = _panel_shape(panels, quant_type)
+    size = block_format(quant_type).type_size
+    heads = 4 if quant_type == "Q4_1" else 2  # bytes of fp16 scales per row and block
+    blocks = panels.view(num_rows // PANEL_ROWS, -1, PANEL_ROWS * size)  # [panels, blocks, bytes]
+    scales = blocks[..., :PANEL_ROWS * heads].unflatten(-1, (heads // 2, PANEL_ROWS, 2)).permute(0, 1, 3, 2, 4)
+    codes = blocks[..., PANEL_ROWS * heads:].unflatten(-1, (size - heads, PANEL_ROWS)).transpose(-1, -2)
+    rows = torch.cat([scales.flatten(-2), codes], dim=-1)  # [panels, blocks, 8 rows, bytes]
+    return rows.transpose(1, 2).reshape(num_rows, -1).contiguous()
+
+
 def dequantize_panels(panels: torch.Tensor, quant_type: str) -> torch.Tensor:
     """float32 ``[N, K]`` values of :func:`pack_panels`'s output (bit-equal to dequantizing the blocks)."""
     num_rows, num_columns = _panel_shape(panels, quant_type)

@@ -11,10 +11,12 @@ integer dot products by AVX-512 VNNI (``vpdpbusd``, 64 int8 products an instruct
 (1..:data:`MAX_ROWS`) and the thread count. :func:`reference` is the same math in torch: bit-equal to
 the plain-C path (:func:`gemv_scalar`); the vector paths sum the same float32 block terms in lanes.
 
-Where the CPU has AVX-512 VNNI, :func:`weight_routine` repacks a weight into panels of 16 output rows
+Where the CPU has AVX-512 VNNI or AVX2, :func:`weight_routine` repacks a weight into panels of 16 output rows
 (:func:`pack`, about the file's bytes; Q6_K's codes unpacked to bytes, 1.2x) so that each ``vpdpbusd``
 adds 4 products into each row's own int32 lane: no horizontal sums, one float32 scale step per block
-per 16 rows. Measured 2026-12-02 (AMD EPYC Zen 4, 1 thread, CPU time, hot, load 1.5, vs the exact bf16
+per 16 rows. AVX2 runs the same panels as two registers of 8 rows with ``vpmaddubsw`` (pairs summed in
+int16, added up in int16 where they cannot overflow, then one ``vpmaddwd``): the same integer sums.
+Measured 2026-12-02 (AMD EPYC Zen 4, 1 thread, CPU time, hot, load 1.5, vs the exact bf16
 kernel of ``gguf_cpu_native``), G weights/s at 1 / 2 / 5 / 8 rows: Q4_1 [1536, 576] 60 / 46 / 24 / 16
 (bf16 22 / 16 / 9.3 / 6.3); Q8_0 [49152, 576] 22 / 17 / 19 / 11 (14.5 / 12 / 7.1 / 4.6); Q4_K [8192,
 2048] 68 / 54 / 22 / 17 (23 / 18 / 8.8 / 4.4); Q6_K [2048, 8192] 22 / 19 / 9.8 / 7.1 (17 / 13 / 8.1 / 5.0).
@@ -35,7 +37,7 @@ from . import gguf_cpu_native
 
 SOURCE = gguf_cpu_native.SOURCE.with_name("gguf_cpu_q8x_kernels.c")
 QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 4, "Q4_K": 5, "Q6_K": 7}
-# Types of the row kernel (:func:`gemv`, every build); the panels (:func:`pack`, AVX-512 VNNI) also take Q4_K
+# Types of the row kernel (:func:`gemv`, every build); the panels (:func:`pack`, AVX-512 VNNI or AVX2) also take Q4_K
 # (x's blocks of 32 are its sub-blocks: scale d * sc, minimum -dmin * mn, as Q4_1's d and m) and Q6_K (two
 # sub-blocks of 16 per block of x: (d * sc) * d_x * (isum - 32 * the 16 codes' sum of x)).
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -61,7 +63,7 @@ def path() -> str | None:
 
 def supports(quant_type: str, num_rows: int) -> bool:
     """Whether the engine should run ``num_rows`` block rows of ``quant_type`` on int8 activations here: the
-    panels only (AVX-512 VNNI, rows in 16s). The row kernel is slower than the exact kernels (AVX2, hot, 1
+    panels only (AVX-512 VNNI or AVX2, rows in 16s). The row kernel is slower than the exact kernels (AVX2, hot, 1
     row: Q8_0 [49152, 576] 4.2 ms vs the float32 panels' 1.6; Q4_1 [1536, 576] 0.14 vs 0.05 ms)."""
     return quant_type in PANEL_TYPES and num_rows % PANEL_ROWS == 0 and has_panels()
 
@@ -154,10 +156,11 @@ PANEL_ROWS = 16
 
 
 def has_panels() -> bool:
-    """Whether this build runs the 16-row panel kernels (:func:`pack`; AVX-512 VNNI): one int32 lane
-    per output row, so no horizontal sums; the fast path (the row kernel :func:`gemv` elsewhere)."""
+    """Whether this build runs the 16-row panel kernels (:func:`pack`; AVX-512 VNNI, or AVX2 with the same
+    integer sums): one int32 lane per output row, so no horizontal sums; the fast path (the row kernel :func:`gemv`
+    elsewhere)."""
     library = _library()
-    return library is not None and bool(library.q8x_has_vnni())
+    return library is not None and bool(library.q8x_has_panels())
 
 
 def pack(data: torch.Tensor, quant_type: str) -> torch.Tensor:
@@ -181,7 +184,7 @@ def panel_gemv_routine(panels: torch.Tensor, quant_type: str, bf16_out: bool = F
     row) on :func:`pack`'s ``panels``, for contiguous float32/bf16 ``x`` ``[M, K]``, 1 <= M <=
     :data:`MAX_ROWS` (not checked per call), where :func:`has_panels`."""
     if not has_panels():
-        raise ValueError("no int8-activation panel kernels in this build (needs AVX-512 VNNI)")
+        raise ValueError("no int8-activation panel kernels in this build (needs AVX-512 VNNI or AVX2)")
     library = _library()
     size = library.q8x_panel_bytes(QTYPE_IDS.get(quant_type, -1))
     if (not size or panels.dtype != torch.uint8 or panels.dim() != 2 or panels.shape[1] % size
@@ -303,7 +306,8 @@ def _library():
     library.q8x_panel_gemv.argtypes = (c_int, ptr, i64, i64, ptr, c_int, c_int, ptr, i64, c_int, c_int)
     library.q8x_panel_bytes.argtypes = (c_int,)
     for function in (library.q8x_gemv, library.q8x_gemv_scalar, library.q8x_quantize, library.q8x_has_vnni,
-                     library.q8x_has_avx2, library.q8x_pack, library.q8x_panel_gemv, library.q8x_panel_bytes):
+                     library.q8x_has_avx2, library.q8x_has_panels, library.q8x_pack, library.q8x_panel_gemv,
+                     library.q8x_panel_bytes):
         function.restype = c_int
-    library.q8x_has_vnni.argtypes = library.q8x_has_avx2.argtypes = ()
+    library.q8x_has_vnni.argtypes = library.q8x_has_avx2.argtypes = library.q8x_has_panels.argtypes = ()
     return library

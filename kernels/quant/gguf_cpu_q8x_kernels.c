@@ -11,8 +11,9 @@
  *                 exact integer dot product of the file's codes and x's codes (Q4_0: mw = -8 dw;
  *                 Q8_0: no minimum). float32 sums (or bf16 out, rounded to nearest even).
  *
- * Paths: q8x_panel_gemv (AVX-512 VNNI, the fast one: the weight repacked by q8x_pack into panels of 16
- * output rows, one int32 lane per row, see "panels" below; also Q4_K and Q6_K); q8x_gemv, the row kernel:
+ * Paths: q8x_panel_gemv (AVX-512 VNNI, or AVX2: the same integer sums, the fast one: the weight repacked by
+ * q8x_pack into panels of 16 output rows, one int32 lane per row, see "panels" below; also Q4_K and Q6_K);
+ * q8x_gemv, the row kernel:
  * AVX-512 VNNI (vpdpbusd, two blocks per instruction: u8 weight codes x s8 x codes; Q8_0's signed codes as
  * |w| times x with w's sign), AVX2 (vpmaddubsw + vpmaddwd, one block), plain C.
  * Every row of x runs the same operations whatever M is (1..8), so a row's result does not depend on
@@ -78,6 +79,14 @@ static inline uint16_t f32_to_bf16(float v) {  /* round to nearest even (NaN kep
 
 int q8x_has_vnni(void) {
 #ifdef Q8X_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int q8x_has_panels(void) {  /* q8x_panel_gemv runs here (AVX-512 VNNI or AVX2) */
+#if defined(Q8X_AVX512) || defined(Q8X_AVX2)
     return 1;
 #else
     return 0;
@@ -555,10 +564,210 @@ static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, con
 }
 #endif
 
-/* As q8x_gemv on q8x_pack's panels (AVX-512 VNNI builds; returns 3 elsewhere). */
+#ifdef Q8X_AVX2
+/* The same panels on AVX2 (no VNNI). A 64-byte vector of 16 rows is two registers (rows 0..7, 8..15), both
+ * multiplied by the same broadcast x codes. vpdpbusd becomes vpmaddubsw (u8 weight codes x s8 x codes, pairs
+ * summed in int16), whose int16 sums are added up before one vpmaddwd (ones) widens them: exact, no
+ * saturation (4-bit codes: 8 products of |2 * 15 * 127| per lane < 2^15 for a block of 32; Q6_K's 6-bit codes:
+ * 2 of |2 * 63 * 127|; Q8_0: |w| times x with w's sign, |2 * 128 * 127|, widened one at a time). The float32
+ * steps per block: acc += float(isum) * (dw * dx), then (Q4_1/Q4_K) acc += mw * sx. Rows of x go through in
+ * passes of up to Q8X_AVX2_PASS, each row the same operations whatever M is (a verify row gets a one-row
+ * step's bits); the accumulators of a pass stay in a small buffer (L1). Not the AVX-512 kernel's bits (its
+ * float32 sums alternate two accumulators). */
+#define Q8X_AVX2_PASS 4
+#define UNROLL2 _Pragma("GCC unroll 8")
+
+static inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
+
+static inline void acc_update(float *acc, __m256i isum0, __m256i isum1, __m256 dw0, __m256 dw1, float dx) {
+    const __m256 xd = _mm256_set1_ps(dx);
+    _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum0), _mm256_mul_ps(dw0, xd), _mm256_loadu_ps(acc)));
+    _mm256_storeu_ps(acc + 8,
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum1), _mm256_mul_ps(dw1, xd), _mm256_loadu_ps(acc + 8)));
+}
+
+static inline void min_update(float *acc, __m256 mw0, __m256 mw1, float sx) {
+    const __m256 s = _mm256_set1_ps(sx);
+    _mm256_storeu_ps(acc, _mm256_fmadd_ps(mw0, s, _mm256_loadu_ps(acc)));
+    _mm256_storeu_ps(acc + 8, _mm256_fmadd_ps(mw1, s, _mm256_loadu_ps(acc + 8)));
+}
+
+/* Q4_0 / Q4_1 / Q8_0 panels, M rows of x (q, dx, sx at the pass's first row), acc [M][16] */
+static inline __attribute__((always_inline)) void panel_avx2_m(
+        int qtype, const uint8_t *panel, int64_t nb, const int M, const int8_t *q, int64_t K,
+        const float *dx, const float *sx, float *acc) {
+    const int pb = panel_bytes(qtype);
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + b * pb;
+        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        __m256i s0[Q8X_AVX2_PASS], s1[Q8X_AVX2_PASS];
+        if (qtype == Q8_0) {
+            UNROLL2 for (int m = 0; m < M; m++) s0[m] = s1[m] = _mm256_setzero_si256();
+            UNROLL2 for (int t = 0; t < 8; t++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 64 * t));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 64 * t + 32));
+                const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+                UNROLL2 for (int m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_set1_epi32(((const int32_t *)(q + m * K + b * QK))[t]);
+                    s0[m] = _mm256_add_epi32(s0[m], widen16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0))));
+                    s1[m] = _mm256_add_epi32(s1[m], widen16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1))));
+                }
+            }
+            UNROLL2 for (int m = 0; m < M; m++) acc_update(acc + 16 * m, s0[m], s1[m], dw0, dw1, dx[m * nb + b]);
+        } else {
+            const uint8_t *codes = blk + (qtype == Q4_0 ? 32 : 64);
+            UNROLL2 for (int m = 0; m < M; m++) s0[m] = s1[m] = _mm256_setzero_si256();
+            UNROLL2 for (int t = 0; t < 4; t++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * t));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * t + 32));
+                const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
+                const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
+                UNROLL2 for (int m = 0; m < M; m++) {
+                    const int32_t *xb = (const int32_t *)(q + m * K + b * QK);
+                    const __m256i xl = _mm256_set1_epi32(xb[t]), xh = _mm256_set1_epi32(xb[t + 4]);
+                    s0[m] = _mm256_add_epi16(s0[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
+                                                                     _mm256_maddubs_epi16(hi0, xh)));
+                    s1[m] = _mm256_add_epi16(s1[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
+                                                                     _mm256_maddubs_epi16(hi1, xh)));
+                }
+            }
+            UNROLL2 for (int m = 0; m < M; m++)
+                acc_update(acc + 16 * m, widen16(s0[m]), widen16(s1[m]), dw0, dw1, dx[m * nb + b]);
+            if (qtype == Q4_1) {
+                const __m256 mw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
+                const __m256 mw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+                UNROLL2 for (int m = 0; m < M; m++) min_update(acc + 16 * m, mw0, mw1, sx[m * nb + b]);
+            } else {
+                const __m256 mw0 = _mm256_mul_ps(dw0, _mm256_set1_ps(-8.0f));
+                const __m256 mw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-8.0f));
+                UNROLL2 for (int m = 0; m < M; m++) min_update(acc + 16 * m, mw0, mw1, sx[m * nb + b]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_q4_k_avx2_m(
+        const uint8_t *panel, int64_t nsb, const int M, const int8_t *q, int64_t K, const float *dx, const float *sx,
+        float *acc) {
+    const int pb = 64 + 256 + 2048;
+    const int64_t nb = nsb * 8;
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int64_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = panel + B * pb;
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m256 dmin0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        const __m256 dmin1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        for (int s = 0; s < 8; s++) {
+            /* sub-block s: (d * sc) and -(dmin * mn) in float32, as the reference decodes */
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 64 + s * 16));
+            const __m128i mn = _mm_loadu_si128((const __m128i *)(blk + 192 + s * 16));
+            const __m256 dw0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+            const __m256 dw1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8))));
+            const __m256 mw0 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin0, _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(mn))));
+            const __m256 mw1 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin1, _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8)))));
+            const uint8_t *codes = blk + 320 + (s >> 1) * 512;
+            const int64_t xb = B * 8 + s;
+            __m256i s0[Q8X_AVX2_PASS], s1[Q8X_AVX2_PASS];
+            UNROLL2 for (int m = 0; m < M; m++) s0[m] = s1[m] = _mm256_setzero_si256();
+            UNROLL2 for (int t = 0; t < 8; t++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * t));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * t + 32));
+                const __m256i w0 = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(v0, 4) : v0, mask);
+                const __m256i w1 = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(v1, 4) : v1, mask);
+                UNROLL2 for (int m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_set1_epi32(((const int32_t *)(q + m * K + xb * QK))[t]);
+                    s0[m] = _mm256_add_epi16(s0[m], _mm256_maddubs_epi16(w0, xv));
+                    s1[m] = _mm256_add_epi16(s1[m], _mm256_maddubs_epi16(w1, xv));
+                }
+            }
+            UNROLL2 for (int m = 0; m < M; m++) {
+                acc_update(acc + 16 * m, widen16(s0[m]), widen16(s1[m]), dw0, dw1, dx[m * nb + xb]);
+                min_update(acc + 16 * m, mw0, mw1, sx[m * nb + xb]);
+            }
+        }
+    }
+}
+
+/* xs32[m * K / 16 + i]: 32 * the sum of x's codes i*16..i*16+15 (Q6_K's -32 offset, in integers). */
+static inline __attribute__((always_inline)) void panel_q6_k_avx2_m(
+        const uint8_t *panel, int64_t nsb, const int M, const int8_t *q, int64_t K, const float *dx,
+        const int32_t *xs32, float *acc) {
+    const int64_t nb = nsb * 8;
+    for (int64_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = panel + B * Q6K_PANEL;
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *codes = blk + 288 + j * 512;
+            const int64_t xb = B * 8 + j;
+            for (int g = 0; g < 2; g++) {  /* sub-block 2j + g: 16 values, 4 vectors */
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 32 + (2 * j + g) * 16));
+                const __m256 dw0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+                const __m256 dw1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+                __m256i s0[Q8X_AVX2_PASS], s1[Q8X_AVX2_PASS];
+                UNROLL2 for (int m = 0; m < M; m++) s0[m] = s1[m] = _mm256_set1_epi32(-xs32[m * (K / 16) + 2 * xb + g]);
+                UNROLL2 for (int t = 4 * g; t < 4 * g + 4; t += 2) {
+                    const __m256i a0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * t));
+                    const __m256i a1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * t + 32));
+                    const __m256i b0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * (t + 1)));
+                    const __m256i b1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * (t + 1) + 32));
+                    UNROLL2 for (int m = 0; m < M; m++) {
+                        const int32_t *xq = (const int32_t *)(q + m * K + xb * QK);
+                        const __m256i xa = _mm256_set1_epi32(xq[t]), xbv = _mm256_set1_epi32(xq[t + 1]);
+                        s0[m] = _mm256_add_epi32(s0[m], widen16(_mm256_add_epi16(_mm256_maddubs_epi16(a0, xa),
+                                                                                _mm256_maddubs_epi16(b0, xbv))));
+                        s1[m] = _mm256_add_epi32(s1[m], widen16(_mm256_add_epi16(_mm256_maddubs_epi16(a1, xa),
+                                                                                _mm256_maddubs_epi16(b1, xbv))));
+                    }
+                }
+                UNROLL2 for (int m = 0; m < M; m++) acc_update(acc + 16 * m, s0[m], s1[m], dw0, dw1, dx[m * nb + xb]);
+            }
+        }
+    }
+}
+
+/* qu: Q6_K's int32 sums xs32 (else unused: Q8_0 takes the signed codes q); r [M][16] */
+static void panel_avx2(int qtype, const uint8_t *panel, int64_t nb, int M, const int8_t *q, const uint8_t *qu,
+                       int64_t K, const float *dx, const float *sx, float *r) {
+    memset(r, 0, sizeof(float) * (size_t)(M * PANEL));
+    for (int m0 = 0; m0 < M; m0 += Q8X_AVX2_PASS) {
+        const int rows = M - m0 < Q8X_AVX2_PASS ? M - m0 : Q8X_AVX2_PASS;
+        const int8_t *qm = q + m0 * K;
+        const float *dm = dx + m0 * nb, *sm = sx + m0 * nb;
+        const int32_t *xm = (const int32_t *)qu + m0 * (K / 16);
+        float *am = r + m0 * PANEL;
+        if (qtype == Q6_K) {
+            switch (rows) {
+#define CASE(m) case m: panel_q6_k_avx2_m(panel, nb / 8, m, qm, K, dm, xm, am); break;
+                CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+            }
+        } else if (qtype == Q4_K) {
+            switch (rows) {
+#define CASE(m) case m: panel_q4_k_avx2_m(panel, nb / 8, m, qm, K, dm, sm, am); break;
+                CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+            }
+        } else {
+            switch (rows) {
+#define CASE(m) case m: panel_avx2_m(qtype, panel, nb, m, qm, K, dm, sm, am); break;
+                CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+            }
+        }
+    }
+}
+#endif
+
+/* As q8x_gemv on q8x_pack's panels (AVX-512 VNNI and AVX2 builds; returns 3 elsewhere). */
 int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const void *x, int x_bf16, int M,
                    void *out, int64_t ldo, int out_bf16, int num_threads) {
-#ifdef Q8X_AVX512
+#if defined(Q8X_AVX512) || defined(Q8X_AVX2)
     const int super = qtype == Q4_K || qtype == Q6_K;
     if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0 && !super) || K % (super ? 256 : QK)
             || N % PANEL || M < 1 || M > MAX_M) return 1;
@@ -571,8 +780,10 @@ int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const
     for (int m = 0; m < M; m++)
         quantize_row(x_bf16 ? (const void *)((const uint16_t *)x + m * K) : (const void *)((const float *)x + m * K),
                      x_bf16, K, q + m * K, dx + m * nb, sx + m * nb, NULL, NULL);
+#ifdef Q8X_AVX512
     if (qtype == Q8_0)
         for (int64_t i = 0; i < M * K; i++) qu[i] = (uint8_t)(q[i] + 128);
+#endif
     if (qtype == Q6_K) {  /* 32 * the sums of x's codes per 16 (Q6_K's -32 offset), after the codes */
         int32_t *xs32 = (int32_t *)(q + M * K * 2);
         for (int64_t i = 0; i < M * K / 16; i++) {
@@ -588,7 +799,11 @@ int q8x_panel_gemv(int qtype, const uint8_t *panels, int64_t N, int64_t K, const
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= (1 << 18))
     for (int64_t p = 0; p < N / PANEL; p++) {
         float r[MAX_M * PANEL];
+#ifdef Q8X_AVX512
         panel_avx512(qtype, panels + p * panel_stride, nb, M, q, qu, K, dx, sx, r, PANEL);
+#else
+        panel_avx2(qtype, panels + p * panel_stride, nb, M, q, qu, K, dx, sx, r);
+#endif
         for (int m = 0; m < M; m++) {
             if (out_bf16) {
                 uint16_t *o = (uint16_t *)out + m * ldo + p * PANEL;
