@@ -576,6 +576,13 @@ static void panel_avx512(int qtype, const uint8_t *panel, int64_t nb, int M, con
  * float32 sums alternate two accumulators). */
 #define Q8X_AVX2_PASS 4
 #define UNROLL2 _Pragma("GCC unroll 8")
+/* The panel streams from DRAM once per step: its bytes asked for this far ahead, as gguf_cpu_kernels.c's
+   GEMVs do (AMD EPYC Zen 3, 1 row, from DRAM: Q8_0 [49152, 576] 2.6-3.0 -> 2.4 ms, Q4_K [8192, 2048]
+   0.91-0.97 -> 0.70-0.80). */
+#define Q8X_PREFETCH_BYTES 4096
+static inline void prefetch_ahead(const uint8_t *p, int size) {
+    for (int i = 0; i < size; i += 64) __builtin_prefetch(p + Q8X_PREFETCH_BYTES + i, 0, 3);
+}
 
 static inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 
@@ -600,6 +607,7 @@ static inline __attribute__((always_inline)) void panel_avx2_m(
     const __m256i mask = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel + b * pb;
+        prefetch_ahead(blk, pb);
         const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         __m256i s0[Q8X_AVX2_PASS], s1[Q8X_AVX2_PASS];
@@ -656,6 +664,7 @@ static inline __attribute__((always_inline)) void panel_q4_k_avx2_m(
     const __m256i mask = _mm256_set1_epi8(15);
     for (int64_t B = 0; B < nsb; B++) {
         const uint8_t *blk = panel + B * pb;
+        prefetch_ahead(blk, pb);
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         const __m256 dmin0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
@@ -700,6 +709,7 @@ static inline __attribute__((always_inline)) void panel_q6_k_avx2_m(
     const int64_t nb = nsb * 8;
     for (int64_t B = 0; B < nsb; B++) {
         const uint8_t *blk = panel + B * Q6K_PANEL;
+        prefetch_ahead(blk, Q6K_PANEL);
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         for (int j = 0; j < 8; j++) {
