@@ -87,7 +87,8 @@ class EngineConfig:
       team. ``False`` (the default until measured on a quiet CPU): leave the caller's threads alone.
     - ``cpu_int8_activations``: opt-in, CPU GGUF models, CPUs with AVX-512 VNNI or AVX2: steps of up to 8 rows
       (decode, speculative verify, a short prompt's prefill) of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K layers (bfloat16
-      engines' blocks; float32 engines' blocks and panels) and of the block LM head quantize their input to int8 per row
+      engines' blocks; float32 engines' blocks and panels; Q8_0 not on AVX2, where its exact panels are
+      faster) and of the block LM head quantize their input to int8 per row
       per block of 32 (scale max|x| / 127) and take integer dot products with the file's codes, as llama.cpp
       computes (:mod:`~hearth_llm.kernels.quant.gguf_cpu_q8x`): faster, but not the exact bf16 math of the
       default (logits move by the activations' quantization error; each row's result is independent of the

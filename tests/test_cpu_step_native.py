@@ -225,9 +225,13 @@ def test_int8_activation_routines_run_in_the_native_loop_with_the_python_loops_b
     model.__dict__.pop("_cpu_step_native")
     assert use_int8_activations(model) > 0
     routines = {name: layer.routine.__name__ for name, layer in linear_layers(model)}
-    if dtype == torch.float32:  # every layer but the Q5_K o_proj of the third
-        exact_ones = [name for name, routine in routines.items() if routine != "int8_or_fallback"]
-        assert exact_ones == ["layers.2.self_attn.o_proj"]
+    if dtype == torch.float32:  # the layers all of whose types have int8 kernels here (not Q5_K; Q8_0 not on AVX2)
+        linears = (("self_attn.qkv_proj", slice(0, 3)), ("self_attn.o_proj", slice(3, 4)),
+                   ("mlp.gate_up_proj", slice(4, 6)), ("mlp.down_proj", slice(6, 7)))
+        expected = {f"layers.{index}.{name}": all(gguf_cpu_q8x.supports(t, 16) for t in types[part])
+                    for index, types in enumerate(FLOAT32_TYPES) for name, part in linears}
+        assert {name: routine == "int8_or_fallback" for name, routine in routines.items()} == expected
+        assert not expected["layers.2.self_attn.o_proj"] and expected["layers.1.mlp.gate_up_proj"]
     native = cpu_step._native_layers(model, cpu_step._plain_layers(model))
     assert native is not None and native is not exact
     _both_ways(model, arch, counts, monkeypatch, dtype)

@@ -421,7 +421,8 @@ def use_int8_activations(model) -> int:
             switched += 1
     if not switched:
         raise ValueError("cpu_int8_activations=True found no GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K layer kept in its blocks "
-                         "(or panels): it needs a GGUF model on a CPU engine")
+                         "(or panels) that the int8 kernels run faster here (Q8_0 does not on AVX2): it needs a GGUF "
+                         "model on a CPU engine")
     return switched
 
 

@@ -63,8 +63,13 @@ def path() -> str | None:
 
 def supports(quant_type: str, num_rows: int) -> bool:
     """Whether the engine should run ``num_rows`` block rows of ``quant_type`` on int8 activations here: the
-    panels only (AVX-512 VNNI or AVX2, rows in 16s). The row kernel is slower than the exact kernels (AVX2, hot, 1
-    row: Q8_0 [49152, 576] 4.2 ms vs the float32 panels' 1.6; Q4_1 [1536, 576] 0.14 vs 0.05 ms)."""
+    panels only (AVX-512 VNNI or AVX2, rows in 16s; not Q8_0 on AVX2, slower there than the exact panels).
+    The row kernel is slower than the exact kernels (AVX2, hot, 1 row: Q8_0 [49152, 576] 4.2 ms vs the float32
+    panels' 1.6; Q4_1 [1536, 576] 0.14 vs 0.05 ms)."""
+    if quant_type == "Q8_0" and has_panels() and not _library().q8x_has_vnni():
+        # AVX2: Q8_0's exact float32 panels already stream at DRAM speed, and its int8 panels hold more bytes
+        # (1.125 vs 1.0625 a weight): 1B Q8_0 decode 11.6 tok/s exact vs 10.5 int8 (AMD EPYC Zen 3, 1 thread)
+        return False
     return quant_type in PANEL_TYPES and num_rows % PANEL_ROWS == 0 and has_panels()
 
 
