@@ -15,6 +15,7 @@ BENCHMARKS = {  # NAME: (MODULE, what it measures)
     "serving": ("serving", "the OpenAI server under streaming clients: TTFT/ITL/throughput against a peer"),
     "cold-start": ("cold_start", "a fresh process to its first token, phase by phase (imports, weights, graphs)"),
     "gguf-cpu": ("gguf_cpu", "CPU: GGUF files (SmolLM2 Q4_1, 1B Q4_K_M/Q8_0) against llama.cpp on the same file"),
+    "int8-quality": ("int8_quality", "CPU: how far cpu_int8_activations moves greedy answers from the exact path"),
 }
 
 
