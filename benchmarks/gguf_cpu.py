@@ -447,6 +447,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    from hearth_llm.engine.cpu_features import describe_cpu_path
+    from hearth_llm.kernels.quant import gguf_cpu_q8x
+
+    # which dtype the "hearth" system runs here and why, and which int8 kernels "hearth int8" gets
+    print(f"{describe_cpu_path()}; int8-activation kernels: {gguf_cpu_q8x.path()}", flush=True)
     print(f"loadavg at start: {_loadavg()}", flush=True)
     for name in args.models.split(","):
         path = model_file(name.strip(), args.work_dir, args.llama_cpp_python)
