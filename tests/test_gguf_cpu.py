@@ -248,7 +248,7 @@ def test_default_bf16_cpu_load_keeps_blocks_and_matches_hf_on_the_dequantized_we
 
 def test_float32_cpu_load_keeps_k_quant_blocks_and_matches_hf_on_the_dequantized_weights(all_types_file):
     """The float32 engine of a CPU without AVX-512 BF16 (here: any build): a layer whose every type has a
-    vectorized float32 GEMV (AVX2: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K; AVX-512: all) keeps its blocks, unless it
+    vectorized float32 GEMV (AVX2: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; AVX-512: all) keeps its blocks, unless it
     is all Q4_0/Q4_1/Q8_0 (the panel kernels' layers); the Q6_K head too. Before, float32 dequantized them."""
     if not all(gguf_cpu_native.has_vector_float32(quant_type) for quant_type in ("Q4_K", "Q5_K", "Q6_K")):
         pytest.skip("no vectorized float32 K-quant GEMV in this build (no AVX2 + FMA + F16C)")

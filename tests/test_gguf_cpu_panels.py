@@ -78,7 +78,7 @@ def test_panel_gemv_gives_each_row_the_same_bits_in_any_batch(quant_type):
         assert torch.equal(gemv(x[:rows].contiguous()), alone[:rows]), f"{rows} rows"
 
 
-@pytest.mark.parametrize("quant_type", [*PANEL_TYPES, "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("quant_type", [*PANEL_TYPES, "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_avx2_row_gemv_gives_each_row_the_same_bits_in_any_batch(quant_type):
     if gguf_cpu_native.has_avx512():
         pytest.skip("AVX-512 build: its float32 GEMV keeps fewer accumulators for more rows")

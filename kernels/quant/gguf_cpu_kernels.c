@@ -458,6 +458,27 @@ GEMV_FN(gemv_w4g128, DEC_W4G128, 128, 68)
     _Pragma("GCC unroll 4") for (int j_ = 0; j_ < 4; j_++)                                           \
         EMIT(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(                  \
             (const __m128i *)((b) + 2 + 8 * j_)))), d), 8 * j_); }
+/* Q5_0 / Q5_1: element j's fifth bit is bit j of the 32-bit qh (elements 0..15 the low nibbles, 16..31
+   the high ones); the 8 lanes at offset o take bits o..o+7 by a variable shift. Then the reference's
+   d * (q - 16) and d * q + m. */
+#define Q5_BIT16(h, o) _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32((h), _mm256_setr_epi32(         \
+    (o), (o) + 1, (o) + 2, (o) + 3, (o) + 4, (o) + 5, (o) + 6, (o) + 7)), _mm256_set1_epi32(1)), 4)
+#define Q5_W(WITH_MIN, q) ((WITH_MIN) ? _mm256_add_ps(_mm256_mul_ps(d5_, _mm256_cvtepi32_ps(q)), m5_)         \
+                                      : _mm256_mul_ps(d5_, _mm256_cvtepi32_ps(_mm256_sub_epi32((q), sixteen_))))
+#define DEC8_Q5(b, QS, QH, WITH_MIN, EMIT) {                                                         \
+    const __m256 d5_ = _mm256_set1_ps(f16(b));                                                       \
+    const __m256 m5_ = (WITH_MIN) ? _mm256_set1_ps(f16((b) + 2)) : _mm256_setzero_ps();              \
+    uint32_t qh_;                                                                                    \
+    memcpy(&qh_, (b) + (QH), 4);                                                                     \
+    const __m256i h_ = _mm256_set1_epi32((int)qh_), mask_ = _mm256_set1_epi32(15), sixteen_ = _mm256_set1_epi32(16); \
+    const __m256i v0_ = U8X8((b) + (QS)), v1_ = U8X8((b) + (QS) + 8);                                \
+    (void)m5_; (void)sixteen_;                                                                       \
+    EMIT(Q5_W(WITH_MIN, _mm256_or_si256(_mm256_and_si256(v0_, mask_), Q5_BIT16(h_, 0))), 0);         \
+    EMIT(Q5_W(WITH_MIN, _mm256_or_si256(_mm256_and_si256(v1_, mask_), Q5_BIT16(h_, 8))), 8);         \
+    EMIT(Q5_W(WITH_MIN, _mm256_or_si256(_mm256_srli_epi32(v0_, 4), Q5_BIT16(h_, 16))), 16);          \
+    EMIT(Q5_W(WITH_MIN, _mm256_or_si256(_mm256_srli_epi32(v1_, 4), Q5_BIT16(h_, 24))), 24); }
+#define DEC8_Q5_0(b, EMIT) DEC8_Q5(b, 6, 2, 0, EMIT)
+#define DEC8_Q5_1(b, EMIT) DEC8_Q5(b, 8, 4, 1, EMIT)
 #define EMIT_DOT8(vector, offset) {                                                                  \
     const __m256 w_ = (vector);                                                                      \
     _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)                                              \
@@ -508,6 +529,9 @@ GEMV_FN(gemv_w4g128, DEC_W4G128, 128, 68)
 GEMV8_FN(gemv_q4_0, DEC8_Q4_0, 18)
 GEMV8_FN(gemv_q4_1, DEC8_Q4_1, 20)
 GEMV8_FN(gemv_q8_0, DEC8_Q8_0, 34)
+GEMV8_FN(gemv_q5_0, DEC8_Q5_0, 22)
+GEMV8_FN(gemv_q5_1, DEC8_Q5_1, 24)
+#define HAS_AVX2_Q5_KERNELS 1
 
 /* AVX2 (no AVX-512): Q4_K, Q5_K and Q6_K rows, 8 weights a vector. Every code is decoded exactly (an
    integer in float32); Q6_K's weights are then the reference's (d * sc) * (q - 32), one rounding, and
@@ -750,8 +774,10 @@ GEMV_FN(gemv_q4_0, decode_q4_0, 32, 18)
 GEMV_FN(gemv_q4_1, decode_q4_1, 32, 20)
 GEMV_FN(gemv_q8_0, decode_q8_0, 32, 34)
 #endif
+#if !defined(HAS_AVX2_Q5_KERNELS)
 GEMV_FN(gemv_q5_0, decode_q5_0, 32, 22)
 GEMV_FN(gemv_q5_1, decode_q5_1, 32, 24)
+#endif
 #if !defined(HAS_AVX2_K_KERNELS)
 GEMV_FN(gemv_q4_k, decode_q4_k, 256, 144)
 GEMV_FN(gemv_q5_k, decode_q5_k, 256, 176)
@@ -1781,13 +1807,15 @@ int gguf_has_avx512(void) {
 }
 
 /* 1 where this build's float32 GEMV (gguf_gemv) for qtype is vectorized: every type with AVX-512; with
-   AVX2 + FMA + F16C, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (the types of Q4_K_M, Q5_K_M, Q6_K and Q8_0
-   files); else none (the scalar decoders). */
+   AVX2 + FMA + F16C, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (the types of Q4_K_M, Q5_K_M, Q6_K
+   and Q8_0 files, and the Q5_0/Q5_1 that K-quant files use where rows are not whole superblocks); else
+   none (the scalar decoders). */
 int gguf_has_vector_float32(int qtype) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return qtype >= 0 && qtype <= W4G128;
 #elif defined(HAS_AVX2_K_KERNELS)
-    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == Q4_K
+        || qtype == Q5_K || qtype == Q6_K;
 #else
     (void)qtype;
     return 0;
