@@ -63,8 +63,15 @@ class GGUFInt4LinearMethod(LinearMethod):
             raise ValueError(f"{layer.prefix} was set up for GGUF {'/'.join(self.quant_types)} blocks (from the "
                              f"file's tensor types), got {type(loaded).__name__}")
         rows = loaded.shape[0]
-        if param.numel() and not _batches_on_amx(layer, param.dtype):  # (untouched, the copy is never resident)
+        # untouched (so never resident) where no dense copy will be kept: bf16 batches on AMX tiles, and float32
+        # layers whose shards all go to panels (FLOAT32_DENSE_COPY off), which dequantizing cost ~10 s of a 1B
+        # Q8_0 file's load
+        panels_only = (param.dtype == torch.float32 and not FLOAT32_DENSE_COPY and _has_panels()
+                       and loaded.input_order is None)
+        if param.numel() and not _batches_on_amx(layer, param.dtype) and not panels_only:
             param.data.narrow(0, offset, rows).copy_(loaded.dequantized(torch.float32))
+        elif param.numel():
+            layer.__dict__["_gguf_dense_skipped"] = True
         if _exact_blocks(loaded.quant_type, param.dtype) and loaded.input_order is None:
             layer.__dict__.setdefault("_gguf_shards", []).append((offset, loaded.quant_type, loaded.data.clone()))
             return
@@ -80,6 +87,8 @@ class GGUFInt4LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         shards = layer.__dict__.pop("_gguf_shards", None)
         if layer.__dict__.pop("_gguf_dense_only", False):  # a shard had no kernel here: all rows dense
+            if layer.__dict__.pop("_gguf_dense_skipped", False):
+                raise RuntimeError(f"{layer.prefix}: a shard needs the dense copy that an earlier shard skipped")
             layer.__dict__.pop("_int4_parts", None)
             dense = cpu_ops.pack_dense_weight(layer.weight)
             layer.cpu_weight = None if dense is None else CpuLinear(dense, None)
