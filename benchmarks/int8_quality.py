@@ -76,7 +76,8 @@ def main(argv=None) -> None:
     print(f"{args.model}, {dtype}, int8 kernels: {gguf_cpu_q8x.path()}, {len(texts)} prompts x "
           f"{args.max_tokens} greedy tokens")
     print(f"answers token-equal to the exact path's: {equal}/{len(texts)}; mean common prefix {mean_prefix:.1f} "
-          f"tokens; |delta logprob| over the common prefix: max {max(deltas):.3f}, mean {sum(deltas) / len(deltas):.4f}")
+          f"tokens; |delta logprob| over the common prefix: max {max(deltas, default=0.0):.3f}, "
+          f"mean {sum(deltas) / max(len(deltas), 1):.4f}")
 
 
 if __name__ == "__main__":

@@ -586,6 +586,8 @@ static inline void prefetch_ahead(const uint8_t *p, int size) {
 
 static inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
 static inline void acc_update(float *acc, __m256i isum0, __m256i isum1, __m256 dw0, __m256 dw1, float dx) {
     const __m256 xd = _mm256_set1_ps(dx);
     _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum0), _mm256_mul_ps(dw0, xd), _mm256_loadu_ps(acc)));
@@ -608,8 +610,8 @@ static inline __attribute__((always_inline)) void panel_avx2_m(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel + b * pb;
         prefetch_ahead(blk, pb);
-        const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m256 dw0 = f16x8(blk);
+        const __m256 dw1 = f16x8(blk + 16);
         __m256i s0[Q8X_AVX2_PASS], s1[Q8X_AVX2_PASS];
         if (qtype == Q8_0) {
             UNROLL2 for (int m = 0; m < M; m++) s0[m] = s1[m] = _mm256_setzero_si256();
@@ -643,15 +645,10 @@ static inline __attribute__((always_inline)) void panel_avx2_m(
             }
             UNROLL2 for (int m = 0; m < M; m++)
                 acc_update(acc + 16 * m, widen16(s0[m]), widen16(s1[m]), dw0, dw1, dx[m * nb + b]);
-            if (qtype == Q4_1) {
-                const __m256 mw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
-                const __m256 mw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
-                UNROLL2 for (int m = 0; m < M; m++) min_update(acc + 16 * m, mw0, mw1, sx[m * nb + b]);
-            } else {
-                const __m256 mw0 = _mm256_mul_ps(dw0, _mm256_set1_ps(-8.0f));
-                const __m256 mw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-8.0f));
-                UNROLL2 for (int m = 0; m < M; m++) min_update(acc + 16 * m, mw0, mw1, sx[m * nb + b]);
-            }
+            /* the minimum: Q4_1's fp16 m, Q4_0's -8 d */
+            const __m256 mw0 = qtype == Q4_1 ? f16x8(blk + 32) : _mm256_mul_ps(dw0, _mm256_set1_ps(-8.0f));
+            const __m256 mw1 = qtype == Q4_1 ? f16x8(blk + 48) : _mm256_mul_ps(dw1, _mm256_set1_ps(-8.0f));
+            UNROLL2 for (int m = 0; m < M; m++) min_update(acc + 16 * m, mw0, mw1, sx[m * nb + b]);
         }
     }
 }
@@ -665,10 +662,10 @@ static inline __attribute__((always_inline)) void panel_q4_k_avx2_m(
     for (int64_t B = 0; B < nsb; B++) {
         const uint8_t *blk = panel + B * pb;
         prefetch_ahead(blk, pb);
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        const __m256 dmin0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
-        const __m256 dmin1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        const __m256 d0 = f16x8(blk);
+        const __m256 d1 = f16x8(blk + 16);
+        const __m256 dmin0 = f16x8(blk + 32);
+        const __m256 dmin1 = f16x8(blk + 48);
         for (int s = 0; s < 8; s++) {
             /* sub-block s: (d * sc) and -(dmin * mn) in float32, as the reference decodes */
             const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 64 + s * 16));
@@ -710,8 +707,8 @@ static inline __attribute__((always_inline)) void panel_q6_k_avx2_m(
     for (int64_t B = 0; B < nsb; B++) {
         const uint8_t *blk = panel + B * Q6K_PANEL;
         prefetch_ahead(blk, Q6K_PANEL);
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m256 d0 = f16x8(blk);
+        const __m256 d1 = f16x8(blk + 16);
         for (int j = 0; j < 8; j++) {
             const uint8_t *codes = blk + 288 + j * 512;
             const int64_t xb = B * 8 + j;
