@@ -19,7 +19,11 @@ FORMS = ("Explain {} in one sentence.", "Write a short note to a customer about 
 
 
 def prompts(count: int) -> list[str]:
-    """``count`` distinct chat prompts (subjects x forms, in a fixed order)."""
+    """``count`` distinct chat prompts (subjects x forms, in a fixed order).
+
+    >>> prompts(2)
+    ["Explain the kettle's descaling in one sentence.", 'Explain express delivery in one sentence.']
+    """
     made = [form.format(subject) for form in FORMS for subject in SUBJECTS]
     if count > len(made):
         raise ValueError(f"--prompts must be at most {len(made)}, got {count}")

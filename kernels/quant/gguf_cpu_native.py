@@ -192,7 +192,11 @@ def pack_panels(data: torch.Tensor, quant_type: str) -> torch.Tensor:
 def unpack_panels(panels: torch.Tensor, quant_type: str) -> torch.Tensor:
     """The block rows ``[N, row_bytes]`` that :func:`pack_panels` made ``panels`` from (the same bytes put
     back; torch only): per panel and block, 8 fp16 d (Q4_1: then 8 fp16 m), then code byte i of the 8 rows
-    side by side."""
+    side by side.
+
+    >>> torch.equal(unpack_panels(pack_panels(blocks, "Q4_1"), "Q4_1"), blocks)  # blocks: [N % 8 == 0, bytes]
+    True
+    """
     from .gguf_reference import block_format
 
     num_rows, num_columns = _panel_shape(panels, quant_type)
